@@ -1,0 +1,71 @@
+"""Argument checks shared by the public API and the kernels.
+
+Each check raises a ValueError or TypeError that names the argument and shows what was
+expected against what was given.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+
+def as_shape(normalized_shape) -> tuple[int, ...]:
+    """``normalized_shape`` as a tuple of ints, accepting an int, a list, a tuple or a torch.Size."""
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        return (int(normalized_shape),)
+    try:
+        shape = tuple(int(s) for s in normalized_shape)
+    except TypeError:
+        raise TypeError(
+            "normalized_shape: expected an int or a sequence of ints, "
+            f"got {type(normalized_shape).__name__}"
+        ) from None
+    if not shape:
+        raise ValueError("normalized_shape: expected at least one dimension, got ()")
+    return shape
+
+
+def check_input(input: torch.Tensor, name: str = "input") -> None:
+    """A floating-point tensor: normalization of integers or booleans is undefined."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(input).__name__}")
+    if not input.is_floating_point():
+        raise TypeError(
+            f"{name}: expected a floating-point dtype (float16, bfloat16, float32, float64), "
+            f"got {input.dtype}"
+        )
+
+
+def check_normalized_shape(input: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """The trailing dims of ``input`` must equal ``normalized_shape``."""
+    if input.dim() < len(shape) or tuple(input.shape[input.dim() - len(shape):]) != shape:
+        raise ValueError(
+            f"normalized_shape: expected the trailing dims of input, input.shape[-{len(shape)}:] "
+            f"= {tuple(input.shape[-len(shape):])}, to equal normalized_shape = {shape}; "
+            f"input has shape {tuple(input.shape)}"
+        )
+
+
+def check_param(param, name: str, input: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """An optional affine parameter: None, or a floating tensor of ``normalized_shape`` on input's device."""
+    if param is None:
+        return
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(param).__name__}")
+    if not param.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point dtype, got {param.dtype}")
+    if tuple(param.shape) != shape:
+        raise ValueError(
+            f"{name}: expected shape {shape} (normalized_shape), got {tuple(param.shape)}"
+        )
+    if param.device != input.device:
+        raise ValueError(
+            f"{name}: expected a tensor on input's device {input.device}, got {param.device}"
+        )
+
+
+def check_eps(eps) -> None:
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps >= 0:
+        raise ValueError(f"eps: expected a non-negative float, got {eps!r}")

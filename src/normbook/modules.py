@@ -1,0 +1,40 @@
+"""``normbook.LayerNorm`` and ``normbook.RMSNorm``: torch.nn's modules, computed by normbook.
+
+They subclass ``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm``, so the constructor arguments,
+the parameters (weight initialised to 1, bias to 0), the ``state_dict`` keys and the repr are
+torch's own: a state_dict loads into either class and back. Only ``forward`` changes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from normbook.functional import layer_norm, rms_norm
+
+__all__ = ["LayerNorm", "RMSNorm"]
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """LayerNorm module, equations (ln-mean) to (ln-y); see :func:`normbook.layer_norm`.
+
+    Args (as ``torch.nn.LayerNorm``): normalized_shape, eps=1e-5, elementwise_affine=True,
+    bias=True, device=None, dtype=None.
+
+    Shape: input (*, *normalized_shape) -> output of the same shape.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """RMSNorm module, equations (rms-ms) and (rms-y); see :func:`normbook.rms_norm`.
+
+    Args (as ``torch.nn.RMSNorm``): normalized_shape, eps=None, elementwise_affine=True,
+    device=None, dtype=None.
+
+    Shape: input (*, *normalized_shape) -> output of the same shape.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return rms_norm(input, self.normalized_shape, self.weight, self.eps)
