@@ -1,0 +1,22 @@
+"""normbook.bench: how fast the norms run, measured against the memory they must move.
+
+A norm is memory-bound, so each row of the benchmark is bytes (from the byte model in
+:mod:`normbook.bench.bytemodel`) over the median time, in GB/s, and as a fraction of the copy
+bandwidth measured in the same run. Files, one topic each:
+
+    bytemodel   the bytes each (op, mode) moves, declared as data
+    providers   normbook, torch, compile, naive, reference, liger, quack
+    timing      do_bench on CUDA (a perf_counter loop on the CPU), the copy bandwidth
+    runner      the sweep, provenance, the JSON
+    plot        figures and a caption line from recorded JSON
+    cli         ``python -m normbook.bench``
+
+Importing this package imports neither triton nor matplotlib; both load when used.
+"""
+
+from normbook.bench.bytemodel import bytes_moved, traffic
+from normbook.bench.plot import load_results, plot_results, provenance_line
+from normbook.bench.runner import Config, run
+
+__all__ = ["bytes_moved", "traffic", "Config", "run", "load_results", "plot_results",
+           "provenance_line"]

@@ -1,0 +1,181 @@
+"""``python -m normbook.bench``: the command line.
+
+With a CUDA device the default is the full sweep: four ops, three modes, bf16/fp16/fp32,
+M = 32768 rows and D = 512 .. 131072 in powers of two, plus the small-D, many-rows case
+(D = 128, M = 2**20). Without one it says so and runs the CPU mode: small shapes, fp32,
+a perf_counter timer, providers torch / naive / reference (and compile with --compile).
+
+Examples:
+    python -m normbook.bench --quick
+    python -m normbook.bench --ops layer_norm,rms_norm --modes fwd --dtypes bf16 --D 1024..16384
+    python -m normbook.bench --plot benchmarks/results --out figures/
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from normbook.bench import bytemodel, providers, runner
+
+GPU_PROVIDERS = ["normbook", "torch", "compile", "naive", "liger", "quack"]
+CPU_PROVIDERS = ["torch", "naive", "reference"]
+
+
+def _pow2_range(lo: int, hi: int) -> list[int]:
+    out, d = [], lo
+    while d <= hi:
+        out.append(d)
+        d *= 2
+    return out
+
+
+def _names(parser, flag: str, text: str, allowed) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [n for n in names if n not in allowed]
+    if not names or bad:
+        parser.error(f"{flag}: expected a comma-separated subset of {','.join(allowed)}, "
+                     f"got {text!r}" + (f" (unknown: {','.join(bad)})" if bad else ""))
+    return list(dict.fromkeys(names))
+
+
+def _sizes(parser, flag: str, text: str) -> list[int]:
+    """'1024,4096' or '512..131072' (powers of two from lo to hi, both included)."""
+    try:
+        if ".." in text:
+            lo, hi = (int(s) for s in text.split(".."))
+            if lo < 1 or lo & (lo - 1) or hi < lo:
+                raise ValueError
+            return _pow2_range(lo, hi)
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+        if not sizes or min(sizes) < 1:
+            raise ValueError
+        return sizes
+    except ValueError:
+        parser.error(f"{flag}: expected positive integers as '1024,4096' or a power-of-two "
+                     f"range '512..131072', got {text!r}")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m normbook.bench",
+        description="Benchmark LayerNorm/RMSNorm (and the fused residual adds) in GB/s and as "
+                    "a fraction of the device's copy bandwidth; write JSON and plots.",
+        epilog=__doc__.split("Examples:", 1)[1] and "examples:" + __doc__.split("Examples:", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if available")
+    p.add_argument("--ops", help=f"comma list of {','.join(bytemodel.OPS)} (default: all)")
+    p.add_argument("--modes", help="comma list of fwd,bwd,fwd_bwd (default: all)")
+    p.add_argument("--dtypes", help="comma list of bf16,fp16,fp32 (default: all on CUDA, fp32 on CPU)")
+    p.add_argument("--providers", help=f"comma list of {','.join(providers.PROVIDERS)} "
+                   f"(default: {','.join(GPU_PROVIDERS)} on CUDA, {','.join(CPU_PROVIDERS)} on CPU)")
+    p.add_argument("--compile", action="store_true", help="CPU: add the torch.compile provider "
+                   "(slow to warm up)")
+    p.add_argument("--M", type=_positive_int, help="rows (default: 32768 on CUDA, 4096 on CPU)")
+    p.add_argument("--D", help="sizes: '1024,4096' or '512..131072' (default: 512..131072 on "
+                   "CUDA, 256..4096 on CPU); giving --M or --D drops the small-D extra case")
+    p.add_argument("--quick", action="store_true",
+                   help="a short run (CUDA: bf16, fwd+bwd, four sizes; CPU: under a minute)")
+    p.add_argument("--warmup-ms", type=_positive_float, help="per-row warmup (default 25; CPU 5)")
+    p.add_argument("--rep-ms", type=_positive_float, help="per-row timing (default 100; CPU 40)")
+    p.add_argument("--time-budget", type=_positive_float, metavar="SECONDS",
+                   help="skip the remaining rows (recorded as skipped) once this much time is spent")
+    p.add_argument("--out", help="output folder (default benchmarks/results/<date>-<device>/)")
+    p.add_argument("--no-plots", action="store_true", help="write only the JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--plot", nargs="+", metavar="SRC",
+                   help="do not run: draw plots from JSON files/folders/globs into --out")
+    return p
+
+
+def config_from_args(args, parser) -> runner.Config:
+    """Defaults by device and --quick, then the explicit flags on top."""
+    notes = []
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device: cuda requested, but torch.cuda.is_available() is False "
+                     f"(torch {torch.__version__}, built with CUDA {torch.version.cuda})")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device == "cuda"
+    if not cuda:
+        notes.append("no GPU: CPU mode (small shapes, fp32, perf_counter timer). "
+                     "The numbers are not the performance goal's; that needs a CUDA device.")
+    if cuda:
+        M, Ds, extra = 32768, _pow2_range(512, 131072), [(1 << 20, 128)]
+        dtypes, modes, provs = list(bytemodel.DTYPES), list(bytemodel.MODES), list(GPU_PROVIDERS)
+        warmup, rep = 25.0, 100.0
+        if args.quick:
+            Ds, dtypes, modes = [1024, 4096, 16384, 65536], ["bf16"], ["fwd", "bwd"]
+            provs = ["normbook", "torch", "liger", "quack"]
+    else:
+        M, Ds, extra = 4096, _pow2_range(256, 4096), [(32768, 128)]
+        dtypes, modes, provs = ["fp32"], list(bytemodel.MODES), list(CPU_PROVIDERS)
+        warmup, rep = 5.0, 40.0
+        if args.quick:
+            M, Ds, extra, warmup, rep = 2048, [256, 1024, 4096], [], 2.0, 10.0
+        if args.compile:
+            provs.append("compile")
+    if args.M is not None or args.D is not None:
+        extra = []
+    M = args.M if args.M is not None else M
+    Ds = _sizes(parser, "--D", args.D) if args.D is not None else Ds
+    ops = _names(parser, "--ops", args.ops, bytemodel.OPS) if args.ops else list(bytemodel.OPS)
+    if args.modes:
+        modes = _names(parser, "--modes", args.modes, bytemodel.MODES)
+    if args.dtypes:
+        dtypes = _names(parser, "--dtypes", args.dtypes, bytemodel.DTYPES)
+    if args.providers:
+        provs = _names(parser, "--providers", args.providers, list(providers.PROVIDERS))
+    if not cuda and "normbook" in provs:
+        notes.append("provider normbook skipped: Triton's interpreter is far too slow to time")
+    return runner.Config(
+        ops=ops, modes=modes, dtypes=dtypes, providers=provs,
+        shapes=[(M, D) for D in Ds] + extra, device=device,
+        warmup_ms=args.warmup_ms or warmup, rep_ms=args.rep_ms or rep,
+        time_budget_s=args.time_budget, out=args.out, plots=not args.no_plots,
+        progress=not args.no_progress, notes=notes)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.plot:
+        from normbook.bench.plot import plot_results
+
+        if not args.out:
+            parser.error("--plot: also give --out DIR for the figures")
+        try:
+            paths = plot_results(args.plot, args.out)
+        except (FileNotFoundError, ValueError) as e:
+            parser.error(f"--plot: {e}")
+        print("\n".join(str(p) for p in paths))
+        return 0
+    cfg = config_from_args(args, parser)
+    result = runner.run(cfg)
+    print(runner.summary(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Figures from recorded benchmark JSON: GB/s and fraction of copy bandwidth against D.
+
+One figure per (op, dtype): the top row is GB/s, the bottom row the fraction of the copy
+bandwidth measured in the same run, one column per mode, one line per provider. Only
+matplotlib (Agg) and json are needed: no GPU, no triton. The book's kernels chapter calls
+:func:`plot_results` on ``benchmarks/results`` and :func:`provenance_line` for captions.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+
+__all__ = ["load_results", "plot_results", "provenance_line"]
+
+_MODE_TITLE = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
+_STYLE = {"normbook": ("C3", "o"), "torch": ("C0", "s"), "compile": ("C2", "^"),
+          "naive": ("C7", "x"), "reference": ("C5", "d"), "liger": ("C1", "v"),
+          "quack": ("C4", "P")}
+
+
+def load_results(sources) -> list[dict]:
+    """Results from JSON files, folders (every ``*.json`` below them), glob patterns or dicts."""
+    if isinstance(sources, (str, Path, dict)):
+        sources = [sources]
+    out = []
+    for src in sources:
+        if isinstance(src, dict):
+            out.append(src)
+            continue
+        p = Path(src)
+        if p.is_dir():
+            files = sorted(p.rglob("*.json"))
+        elif p.exists():
+            files = [p]
+        else:
+            files = [Path(f) for f in sorted(glob.glob(str(src), recursive=True))]
+            if not files:
+                raise FileNotFoundError(f"sources: no JSON results at {str(src)!r}")
+        for f in files:
+            data = json.loads(Path(f).read_text())
+            if not isinstance(data, dict) or "rows" not in data or "provenance" not in data:
+                raise ValueError(f"{f}: not a normbook.bench result (expected keys "
+                                 f"'provenance' and 'rows', got {sorted(data)[:8]})")
+            out.append(data)
+    return out
+
+
+def provenance_line(result: dict) -> str:
+    """A one-line caption: device, versions, commit, date, copy bandwidth.
+
+    e.g. "NVIDIA H200; torch 2.13.0, triton 3.9.0; normbook 0.1.0 @ b819c73; 2025-06-01;
+    copy 4210 GB/s".
+    """
+    p = result.get("provenance", {})
+    commit = str(p.get("commit", "unknown"))
+    commit = (commit[:7] if commit != "unknown" else commit) + ("+dirty" if p.get("dirty") else "")
+    parts = [p.get("device", "unknown device"),
+             f"torch {p.get('torch', '?')}, triton {p.get('triton', '?')}",
+             f"normbook {p.get('normbook', '?')} @ {commit}",
+             str(p.get("date", "?"))[:10]]
+    if "copy_bandwidth_gbps" in result:
+        parts.append(f"copy {result['copy_bandwidth_gbps']:.0f} GB/s")
+    if p.get("synthetic"):
+        parts.insert(0, "SYNTHETIC")
+    return "; ".join(parts)
+
+
+def plot_results(sources, out_dir, fmt: str = "png") -> list[Path]:
+    """Draw one figure per (op, dtype) from ``sources`` (see :func:`load_results`) into ``out_dir``.
+
+    Lines: one per provider (and per device, when several results are merged); shapes with a
+    different M than the main one (the small-D, many-rows case) are drawn as lone markers.
+    Returns the paths written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = load_results(sources)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    devices = list(dict.fromkeys(r["provenance"].get("device", "?") for r in results))
+    rows = [dict(row, _device=r["provenance"].get("device", "?")) for r in results for row in r["rows"]]
+    captions = list(dict.fromkeys(provenance_line(r) for r in results))
+    written = []
+    for op, dtype in dict.fromkeys((r["op"], r["dtype"]) for r in rows):
+        sel = [r for r in rows if r["op"] == op and r["dtype"] == dtype]
+        modes = [m for m in _MODE_TITLE if any(r["mode"] == m for r in sel)]
+        fig, axes = plt.subplots(2, len(modes), figsize=(4.6 * len(modes), 7), squeeze=False,
+                                 sharex=True)
+        for j, mode in enumerate(modes):
+            _panel(axes[0, j], axes[1, j], [r for r in sel if r["mode"] == mode], len(devices) > 1)
+            axes[0, j].set_title(_MODE_TITLE[mode])
+        axes[0, 0].set_ylabel("GB/s (byte model / median time)")
+        axes[1, 0].set_ylabel("fraction of copy bandwidth")
+        axes[0, -1].legend(fontsize=8, loc="best")
+        fig.suptitle(f"{op}, {dtype}")
+        fig.text(0.5, 0.005, "\n".join(captions), ha="center", va="bottom", fontsize=7)
+        fig.tight_layout(rect=(0, 0.03 * len(captions), 1, 0.97))
+        path = out_dir / f"{op}-{dtype}.{fmt}"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _panel(ax_gbps, ax_frac, rows, by_device: bool) -> None:
+    Ms = [r["M"] for r in rows]
+    main_M = max(set(Ms), key=Ms.count)
+    series: dict = {}
+    for r in rows:
+        series.setdefault((r["provider"], r["_device"], r["M"]), []).append(r)
+    for (prov, dev, M), rs in series.items():
+        rs.sort(key=lambda r: r["D"])
+        color, marker = _STYLE.get(prov, (None, "o"))
+        label = prov + (f" ({dev})" if by_device else "")
+        D = [r["D"] for r in rs]
+        style = dict(color=color, marker=marker, markersize=4)
+        if M != main_M:
+            style.update(linestyle="none", markerfacecolor="none", markersize=7)
+            label = None
+        ax_gbps.plot(D, [r["gbps"] for r in rs], label=label if M == main_M else None, **style)
+        ax_frac.plot(D, [r["frac_copy"] for r in rs], **style)
+    for ax in (ax_gbps, ax_frac):
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_frac.axhline(1.0, color="k", linewidth=0.8, linestyle="--")
+    ax_frac.set_xlabel(f"D (M = {main_M}; hollow markers: other M)"
+                       if len(set(Ms)) > 1 else f"D (M = {main_M})")

@@ -1,0 +1,282 @@
+"""The sweep: every (op, dtype, shape, provider, mode) of a :class:`Config`, timed, as JSON.
+
+Output (``results.json`` in the output folder, rewritten after every shape so that a run cut
+short still leaves its rows)::
+
+    {"provenance": {"device", "device_type", "torch", "triton", "normbook", "commit", "dirty",
+                    "date", "python", "platform", "cuda", "timer", "argv"},
+     "copy_bandwidth_gbps": float,
+     "copy": {"gbps", "ms", "bytes", "method"},
+     "config": {...},
+     "byte_model": str,
+     "rows": [{"op", "mode", "provider", "dtype", "M", "D", "ms", "ms_q20", "ms_q80",
+               "bytes", "gbps", "frac_copy"}, ...],
+     "skipped": [{"op", "mode", "provider", "dtype", "M", "D", "reason"}, ...]}
+
+GB/s = bytes (from :mod:`normbook.bench.bytemodel`) / median time; frac_copy = GB/s over
+the copy bandwidth measured at the start of the same run.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import importlib.metadata
+import json
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from normbook.bench import bytemodel, providers, timing
+
+__all__ = ["Config", "run", "provenance", "device_name", "default_out_dir", "summary"]
+
+
+@dataclass
+class Config:
+    """What to run. shapes: list of (M, D); ops, modes, dtypes, providers: names."""
+
+    ops: list[str]
+    modes: list[str]
+    dtypes: list[str]
+    providers: list[str]
+    shapes: list[tuple[int, int]]
+    device: str = "cuda"
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+    time_budget_s: float | None = None
+    out: str | None = None
+    plots: bool = True
+    progress: bool = True
+    notes: list[str] = field(default_factory=list)
+
+
+def device_name(device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)  # no import: triton stays unloaded
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _git(*args: str) -> str | None:
+    root = Path(__file__).resolve().parents[3]  # src/normbook/bench/runner.py -> repo root
+    try:
+        r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                           timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def provenance(device) -> dict:
+    """Where and with what the numbers were measured: device, versions, commit, date."""
+    import normbook
+
+    device = torch.device(device)
+    commit = _git("rev-parse", "HEAD") or "unknown"
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "device": device_name(device),
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "normbook": normbook.__version__,
+        "commit": commit,
+        "dirty": None if status is None else bool(status),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cuda": torch.version.cuda if device.type == "cuda" else None,
+        "timer": ("triton.testing.do_bench (CUDA events, L2 flushed), median, q20, q80"
+                  if device.type == "cuda" else
+                  "time.perf_counter loop (no cache flush), median, q20, q80"),
+        "argv": " ".join(sys.argv),
+    }
+
+
+def default_out_dir(device) -> Path:
+    """benchmarks/results/<date>-<device>/, the device name made filename-safe."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name(device)).strip("-").lower()
+    return Path("benchmarks") / "results" / f"{_dt.date.today().isoformat()}-{slug}"
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _fits(op: str, M: int, D: int, dtype: str, device: torch.device) -> bool:
+    """A rough check before allocating: inputs plus a few outputs' worth of headroom."""
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    act = M * D * bytemodel.itemsize(dtype)
+    return (8 if op.startswith("add_") else 6) * act < free
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _reason(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
+
+
+def _write(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(out / "results.json")
+
+
+def run(cfg: Config) -> dict:
+    """Run the sweep of ``cfg``; write ``results.json`` (and plots) into ``cfg.out``; return it."""
+    device = torch.device(cfg.device)
+    out = Path(cfg.out) if cfg.out else default_out_dir(device)
+    say = print
+    say(f"normbook.bench: device {device_name(device)} ({device.type}); writing to {out}")
+    for note in cfg.notes:
+        say(f"normbook.bench: {note}")
+    copy = timing.copy_bandwidth(device, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms)
+    say(f"normbook.bench: copy bandwidth {copy['gbps']:.1f} GB/s ({copy['method']})")
+    result = {
+        "provenance": provenance(device),
+        "copy_bandwidth_gbps": copy["gbps"],
+        "copy": copy,
+        "config": {k: v for k, v in asdict(cfg).items() if k not in ("progress", "plots")},
+        "byte_model": (bytemodel.__doc__ or "").strip().split("\n\n")[0],
+        "rows": [],
+        "skipped": [],
+    }
+
+    from tqdm.auto import tqdm
+
+    total = len(cfg.ops) * len(cfg.dtypes) * len(cfg.shapes) * len(cfg.providers) * len(cfg.modes)
+    bar = tqdm(total=total, disable=not cfg.progress, unit="row", dynamic_ncols=True)
+    log = bar.write if cfg.progress else print
+    t_start = time.monotonic()
+    reported: set[tuple[str, str]] = set()
+
+    def skip(key, reason):
+        op, dtype, M, D, prov, mode = key
+        result["skipped"].append(dict(op=op, mode=mode, provider=prov, dtype=dtype, M=M, D=D,
+                                      reason=reason))
+        short = (prov, reason)
+        if short not in reported:  # say each distinct reason once
+            reported.add(short)
+            log(f"skip {prov} {op} {mode} {dtype} M={M} D={D}: {reason}")
+
+    for op in cfg.ops:
+        for dtype in cfg.dtypes:
+            for M, D in cfg.shapes:
+                if "compile" in cfg.providers:
+                    torch._dynamo.reset()  # a fresh static compile per shape, no recompile limit
+                inp = None
+                try:
+                    if not _fits(op, M, D, dtype, device):
+                        raise torch.OutOfMemoryError("inputs would not fit in free memory")
+                    inp = providers.make_inputs(op, M, D, dtype, device)
+                except Exception as e:
+                    for prov in cfg.providers:
+                        for mode in cfg.modes:
+                            skip((op, dtype, M, D, prov, mode), "OOM: " + _reason(e))
+                            bar.update()
+                    inp = None
+                    _free(device)
+                    continue
+                for prov in cfg.providers:
+                    for mode in cfg.modes:
+                        key = (op, dtype, M, D, prov, mode)
+                        bar.set_postfix_str(f"{op} {mode} {dtype} D={D} {prov}", refresh=False)
+                        bar.update()
+                        elapsed = time.monotonic() - t_start
+                        if cfg.time_budget_s is not None and elapsed > cfg.time_budget_s:
+                            skip(key, f"time budget of {cfg.time_budget_s:g} s spent")
+                            continue
+                        row = _one(key, inp, copy["gbps"], device, cfg, skip)
+                        if row is not None:
+                            result["rows"].append(row)
+                        _free(device)
+                del inp
+                _free(device)
+                _write(result, out)
+    bar.close()
+    _write(result, out)
+    say(f"normbook.bench: {len(result['rows'])} rows, {len(result['skipped'])} skipped, "
+        f"{time.monotonic() - t_start:.0f} s; JSON: {out / 'results.json'}")
+    if cfg.plots and result["rows"]:
+        from normbook.bench.plot import plot_results
+
+        try:
+            paths = plot_results([result], out)
+            say(f"normbook.bench: {len(paths)} plots in {out}")
+        except Exception as e:  # a plotting problem must not lose the measurements
+            say(f"normbook.bench: plotting failed ({_reason(e)}); the JSON is intact")
+    return result
+
+
+def _one(key, inp, copy_gbps, device, cfg, skip):
+    """Time one row; on any failure (OOM included) record a skip and return None."""
+    op, dtype, M, D, prov, mode = key
+    try:
+        fn = providers.get(prov, op, mode, device)
+        call = timing.closure(fn, inp, mode)
+        call()  # first call outside the timer: compilation, autotuning, and errors surface here
+        timing.synchronize(device)
+        ms, q20, q80 = timing.bench(call, device, cfg.warmup_ms, cfg.rep_ms)
+    except providers.Unsupported as e:
+        skip(key, str(e))
+        return None
+    except Exception as e:
+        skip(key, ("OOM: " if _is_oom(e) else "error: ") + _reason(e))
+        return None
+    finally:
+        call = fn = None
+    nbytes = bytemodel.bytes_moved(op, mode, M, D, dtype)
+    gbps = nbytes / (ms * 1e-3) / 1e9
+    return dict(op=op, mode=mode, provider=prov, dtype=dtype, M=M, D=D, ms=ms, ms_q20=q20,
+                ms_q80=q80, bytes=nbytes, gbps=gbps, frac_copy=gbps / copy_gbps)
+
+
+def summary(result: dict) -> str:
+    """A text table per (op, dtype, mode): providers by D, each cell GB/s (fraction of copy)."""
+    rows = result["rows"]
+    lines = [f"copy bandwidth: {result['copy_bandwidth_gbps']:.1f} GB/s"]
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["op"], r["dtype"], r["mode"]), []).append(r)
+    for (op, dtype, mode), rs in groups.items():
+        shapes = sorted({(r["D"], r["M"]) for r in rs})
+        provs = list(dict.fromkeys(r["provider"] for r in rs))
+        cell = {(r["provider"], r["D"], r["M"]): r for r in rs}
+        lines.append(f"\n{op} {mode} {dtype}   GB/s (fraction of copy)")
+        lines.append(f"{'D':>10} " + "".join(f"{p:>17}" for p in provs))
+        for D, M in shapes:
+            cells = []
+            for p in provs:
+                r = cell.get((p, D, M))
+                cells.append(f"{r['gbps']:>9.1f} ({r['frac_copy']:.2f})" if r else f"{'-':>17}")
+            tag = f"{D}" + ("" if len({m for _, m in shapes}) == 1 else f"/M={M}")
+            lines.append(f"{tag:>10} " + "".join(cells))
+    return "\n".join(lines)
