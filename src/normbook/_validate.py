@@ -15,6 +15,8 @@ def as_shape(normalized_shape) -> tuple[int, ...]:
     """``normalized_shape`` as a tuple of ints, accepting an int, a list, a tuple or a torch.Size."""
     if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         return (int(normalized_shape),)
+    if isinstance(normalized_shape, (str, bytes)):
+        raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {type(normalized_shape).__name__}")
     try:
         shape = tuple(int(s) for s in normalized_shape)
     except TypeError:

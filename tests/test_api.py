@@ -1,0 +1,170 @@
+"""The public API mirrors torch.nn.functional and torch.nn, on the CPU reference path."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import normbook
+
+f64 = dict(dtype=torch.float64)
+
+
+def grads(fn, *tensors, dy):
+    leaves = [t.clone().requires_grad_() if t is not None else None for t in tensors]
+    fn(*leaves).backward(dy)
+    return [None if t is None else t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("shape,norm_shape", [((7, 11), (11,)), ((2, 3, 4, 5), (4, 5)), ((6,), (6,)), ((3, 1), (1,)), ((2, 3, 2, 2), (3, 2, 2))])
+def test_layer_norm_matches_torch_with_multidim_normalized_shape(shape, norm_shape):
+    x = torch.randn(shape, **f64) * 2 + 1
+    w, b = torch.randn(norm_shape, **f64), torch.randn(norm_shape, **f64)
+    dy = torch.randn(shape, **f64)
+    ours = normbook.layer_norm(x, norm_shape, w, b, 1e-5)
+    torch.testing.assert_close(ours, F.layer_norm(x, norm_shape, w, b, 1e-5), rtol=1e-12, atol=1e-12)
+    g_ours = grads(lambda *t: normbook.layer_norm(t[0], norm_shape, t[1], t[2], 1e-5), x, w, b, dy=dy)
+    g_torch = grads(lambda *t: F.layer_norm(t[0], norm_shape, t[1], t[2], 1e-5), x, w, b, dy=dy)
+    for a, e in zip(g_ours, g_torch):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("eps", [None, 1e-6])
+@pytest.mark.parametrize("shape,norm_shape", [((7, 11), (11,)), ((2, 3, 4, 5), (4, 5)), ((5,), 5)])
+def test_rms_norm_matches_torch(shape, norm_shape, eps):
+    x = torch.randn(shape, **f64)
+    ns = (norm_shape,) if isinstance(norm_shape, int) else norm_shape
+    w = torch.randn(ns, **f64)
+    dy = torch.randn(shape, **f64)
+    torch.testing.assert_close(normbook.rms_norm(x, norm_shape, w, eps), F.rms_norm(x, ns, w, eps), rtol=1e-12, atol=1e-12)
+    g_ours = grads(lambda *t: normbook.rms_norm(t[0], norm_shape, t[1], eps), x, w, dy=dy)
+    g_torch = grads(lambda *t: F.rms_norm(t[0], ns, t[1], eps), x, w, dy=dy)
+    for a, e in zip(g_ours, g_torch):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+
+
+def test_gradcheck_through_the_hand_derived_backward():
+    x = torch.randn(3, 5, **f64, requires_grad=True)
+    w = torch.randn(5, **f64, requires_grad=True)
+    b = torch.randn(5, **f64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: normbook.layer_norm(x, (5,), w, b), (x, w, b))
+    assert torch.autograd.gradcheck(lambda x, w: normbook.rms_norm(x, (5,), w, 1e-5), (x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_low_precision_reduces_in_fp32_and_returns_input_dtype(dtype):
+    x = (torch.randn(16, 256) * 3 + 100).to(dtype)        # mean 100: centring is ill-conditioned
+    w = torch.randn(256).to(dtype)
+    exact = F.layer_norm(x.double(), (256,), w.double())
+    y = normbook.layer_norm(x, (256,), w)
+    assert y.dtype == dtype
+    # The design's accuracy rule: within twice torch's own error in the same dtype, plus one
+    # rounding of the output (both round the same fp32 value to the output dtype).
+    err = (y.double() - exact).abs().max().item()
+    err_torch = (F.layer_norm(x, (256,), w).double() - exact).abs().max().item()
+    assert err <= 2 * err_torch + torch.finfo(dtype).eps * exact.abs().max().item()
+    # fp32 weight with a low-precision input: output keeps the input's dtype
+    assert normbook.layer_norm(x, (256,), w.float()).dtype == dtype
+
+
+def test_modules_are_torch_modules_with_interchangeable_state_dicts():
+    ours = normbook.LayerNorm((4, 5), eps=1e-6)
+    theirs = torch.nn.LayerNorm((4, 5), eps=1e-6)
+    assert isinstance(ours, torch.nn.LayerNorm)
+    assert torch.equal(ours.weight, torch.ones(4, 5)) and torch.equal(ours.bias, torch.zeros(4, 5))
+    with torch.no_grad():
+        theirs.weight.normal_(), theirs.bias.normal_()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, 4, 5)
+    torch.testing.assert_close(ours(x), theirs(x))
+    theirs.load_state_dict(ours.state_dict())
+
+    no_bias = normbook.LayerNorm(8, bias=False)
+    assert no_bias.bias is None and list(no_bias.state_dict()) == ["weight"]
+    torch.testing.assert_close(no_bias(torch.randn(2, 8, **f64).float()).shape, torch.Size([2, 8]))
+
+    r_ours, r_theirs = normbook.RMSNorm(6), torch.nn.RMSNorm(6)
+    with torch.no_grad():
+        r_theirs.weight.normal_()
+    r_ours.load_state_dict(r_theirs.state_dict())
+    x = torch.randn(2, 6)
+    torch.testing.assert_close(r_ours(x), r_theirs(x))
+    assert repr(r_ours).startswith("RMSNorm((6,)")
+
+
+def test_module_trains_through_the_reference_backward():
+    m = normbook.LayerNorm(5, dtype=torch.float64)
+    t = torch.nn.LayerNorm(5, dtype=torch.float64)
+    x = torch.randn(4, 5, **f64)
+    dy = torch.randn(4, 5, **f64)
+    m(x).backward(dy)
+    t(x).backward(dy)
+    torch.testing.assert_close(m.weight.grad, t.weight.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(m.bias.grad, t.bias.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_edge_cases():
+    w, b = torch.randn(5, **f64), torch.randn(5, **f64)
+    # a constant row gives exactly the bias
+    assert torch.equal(normbook.layer_norm(torch.full((3, 5), -2.5, **f64), (5,), w, b), b.expand(3, 5))
+    # an all-zero row gives zero for RMSNorm
+    assert torch.equal(normbook.rms_norm(torch.zeros(2, 5, **f64), (5,), w, 1e-5), torch.zeros(2, 5, **f64))
+    # D = 1: xhat is 0, so LayerNorm returns the bias; gradients flow
+    x1 = torch.randn(4, 1, **f64, requires_grad=True)
+    y1 = normbook.layer_norm(x1, (1,), torch.ones(1, **f64), torch.full((1,), 0.5, **f64))
+    assert torch.equal(y1, torch.full((4, 1), 0.5, **f64))
+    y1.sum().backward()
+    assert torch.equal(x1.grad, torch.zeros(4, 1, **f64))
+
+
+def test_empty_batch_forward_and_backward():
+    x = torch.randn(0, 3, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    b = torch.randn(8, requires_grad=True)
+    y = normbook.layer_norm(x, (8,), w, b)
+    assert y.shape == (0, 3, 8)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros(8)) and torch.equal(b.grad, torch.zeros(8))
+    assert normbook.rms_norm(torch.randn(0, 8), (8,)).shape == (0, 8)
+
+
+def test_a_nan_stays_in_its_own_row():
+    x = torch.randn(4, 6, **f64, requires_grad=True)
+    with torch.no_grad():
+        x[2, 3] = float("nan")
+    w = torch.randn(6, **f64, requires_grad=True)
+    for fn in (lambda x, w: normbook.layer_norm(x, (6,), w), lambda x, w: normbook.rms_norm(x, (6,), w)):
+        x.grad = None
+        y = fn(x, w)
+        rows_nan = y.isnan().any(-1)
+        assert rows_nan.tolist() == [False, False, True, False]
+        dy = torch.ones_like(y)
+        y.backward(dy)
+        assert x.grad.isnan().any(-1).tolist() == [False, False, True, False]
+
+
+# Bad input: a clear error naming the argument, with expected against given.
+@pytest.mark.parametrize("call,exc,pattern", [
+    (lambda: normbook.layer_norm(torch.randn(2, 5), (5,), torch.ones(4)), ValueError, r"weight: expected shape \(5,\).*got \(4,\)"),
+    (lambda: normbook.layer_norm(torch.randn(2, 5), (5,), None, torch.ones(5, 1)), ValueError, r"bias: expected shape \(5,\).*got \(5, 1\)"),
+    (lambda: normbook.layer_norm(torch.randn(2, 5), (4,)), ValueError, r"normalized_shape: .*\(5,\).*\(4,\)"),
+    (lambda: normbook.layer_norm(torch.randn(5), (2, 5)), ValueError, r"normalized_shape: .*\(2, 5\)"),
+    (lambda: normbook.rms_norm(torch.randn(2, 5), (6,)), ValueError, r"normalized_shape: .*\(6,\)"),
+    (lambda: normbook.layer_norm(torch.ones(2, 5, dtype=torch.int64), (5,)), TypeError, r"input: expected a floating-point dtype.*got torch.int64"),
+    (lambda: normbook.rms_norm(torch.ones(2, 5, dtype=torch.bool), (5,)), TypeError, r"input: expected a floating-point dtype.*got torch.bool"),
+    (lambda: normbook.layer_norm([1.0, 2.0], (2,)), TypeError, r"input: expected a torch.Tensor, got list"),
+    (lambda: normbook.layer_norm(torch.randn(2, 5), (5,), torch.ones(5, device="meta")), ValueError, r"weight: expected a tensor on input's device cpu, got meta"),
+    (lambda: normbook.rms_norm(torch.randn(2, 5), (5,), torch.ones(5, dtype=torch.int32)), TypeError, r"weight: expected a floating-point dtype, got torch.int32"),
+    (lambda: normbook.layer_norm(torch.randn(2, 5), (5,), eps=-1.0), ValueError, r"eps: expected a non-negative float, got -1.0"),
+    (lambda: normbook.layer_norm(torch.randn(2, 5), "5"), TypeError, r"normalized_shape: expected an int or a sequence of ints, got str"),
+])
+def test_bad_input_names_the_argument(call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        call()
+
+
+def test_import_does_not_import_triton():
+    import subprocess
+    import sys
+
+    code = "import sys, normbook; assert 'triton' not in sys.modules, 'normbook imported triton'"
+    subprocess.run([sys.executable, "-c", code], check=True)
