@@ -1,0 +1,85 @@
+"""Launch configuration: how a (M, D) problem maps onto Triton programs.
+
+D and the row strides are runtime arguments, so a new D does not recompile. Only the block
+shape is constexpr, and it is bucketed: BLOCK_D = next_power_of_2(D), so every D in
+(2^(k-1), 2^k] shares one compiled kernel.
+
+- D <= MAX_FUSED_D_FWD (forward) or MAX_FUSED_D_BWD (backward): the whole row lives in registers; statistics take two passes over those
+  registers and HBM is read once. When D is small a program takes several rows (ROWS), so each
+  program still moves a useful number of bytes.
+- wider rows: the row is processed in CHUNK_D-wide chunks (a loop), never refused.
+- Backward: a persistent grid of a fixed number of programs, each looping over its rows with
+  fp32 partial sums of dweight and dbias, so the final reduction is small and deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+MAX_FUSED_D_FWD = 16384   # widest row the forward holds in registers: 16 values per thread
+MAX_FUSED_D_BWD = 8192    # backward holds x, dy, dweight and dbias partials: 8 per thread
+ELEMS_FWD = 16            # values per thread: two 128-bit loads of bf16, four of fp32
+ELEMS_BWD = 8             # values per thread in the backward, four tensors of them live
+MAX_WARPS = 32            # 1024 threads, the most a program can have
+CHUNK_D = 4096            # chunk width of the wide-row path
+CHUNK_WARPS = 8
+TILE_ELEMS = 4096         # target elements per program when several small rows share one
+MAX_ROWS = 32             # at most this many rows per program
+MIN_BLOCK_D = 16          # narrower blocks only waste the 128-bit loads
+CPU_PROGRAMS = 4          # persistent grid size in the interpreter (any fixed number is deterministic)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch shape. BLOCK_D and ROWS are constexpr; everything else is a runtime argument."""
+
+    chunked: bool   # D too wide for registers: loop over chunks instead of holding the row
+    BLOCK_D: int    # columns per block: next_power_of_2(D), or CHUNK_D when chunked
+    ROWS: int       # rows per program (1 when chunked)
+    num_warps: int
+    maxnreg: int    # register cap: the whole register file for one program (see below)
+
+    def launch(self) -> dict:
+        """Launch options. ``maxnreg`` stops ptxas from squeezing a kernel that needs, say,
+        34 registers into 32 for occupancy by spilling: it takes what it needs up to the cap."""
+        return dict(num_warps=self.num_warps, maxnreg=self.maxnreg)
+
+
+def _config(M: int, D: int, max_fused: int, elems: int) -> Config:
+    if D > max_fused:
+        return Config(True, CHUNK_D, 1, CHUNK_WARPS, _maxnreg(CHUNK_WARPS))
+    block_d = max(MIN_BLOCK_D, triton.next_power_of_2(D))
+    rows = max(1, min(MAX_ROWS, TILE_ELEMS // block_d, triton.next_power_of_2(max(M, 1))))
+    num_warps = max(1, min(MAX_WARPS, rows * block_d // (32 * elems)))
+    return Config(False, block_d, rows, num_warps, _maxnreg(num_warps))
+
+
+def _maxnreg(num_warps: int) -> int:
+    return min(255, 65536 // (32 * num_warps))   # 64K registers per SM
+
+
+def forward_config(M: int, D: int) -> Config:
+    """Block shape of the forward for M rows of length D."""
+    return _config(M, D, MAX_FUSED_D_FWD, ELEMS_FWD)
+
+
+def backward_config(M: int, D: int) -> Config:
+    """Block shape of the backward for M rows of length D."""
+    return _config(M, D, MAX_FUSED_D_BWD, ELEMS_BWD)
+
+
+def persistent_programs(device: torch.device, tiles: int) -> int:
+    """Grid size of the persistent backward: a fixed count per device, never more than the tiles.
+
+    The count depends only on the device and the number of row tiles, so two runs with the same
+    shapes split the rows the same way and sum the partials in the same order: bitwise equal.
+    """
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        programs = 2 * sms   # two resident programs per SM hide the per-row reduction latency
+    else:
+        programs = CPU_PROGRAMS
+    return max(1, min(programs, tiles))

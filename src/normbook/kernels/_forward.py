@@ -1,0 +1,189 @@
+"""Forward kernels, equations (ln-mean) to (ln-y) and (rms-ms), (rms-y) of "One token's vector".
+
+One kernel family serves both norms: ``IS_RMS`` drops the mean, and that is the whole
+difference between LayerNorm and RMSNorm. ``HAS_RESIDUAL`` fuses s = x + residual in front of
+the norm, so x and the residual are each read once and s is written once.
+
+Two kernels, chosen by row length (see ``_config``):
+- ``norm_fwd_rows_kernel``: ROWS whole rows per program, each row held in registers.
+- ``norm_fwd_chunked_kernel``: one row per program, in CHUNK_D-wide chunks, for rows too wide
+  for the registers; chunk statistics are merged with Chan's formula.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from normbook.kernels._config import forward_config
+
+
+@triton.jit
+def norm_fwd_rows_kernel(
+    X,                       # (M, D) input, rows stride_x apart
+    R,                       # (M, D) residual, rows stride_r apart (read if HAS_RESIDUAL)
+    S,                       # (M, D) output s = x + residual, contiguous (if HAS_RESIDUAL)
+    Y,                       # (M, D) output y, contiguous
+    W,                       # (D,) weight gamma (if HAS_WEIGHT)
+    B,                       # (D,) bias beta (if HAS_BIAS)
+    Mean,                    # (M,) fp32 output: mean of each row (LayerNorm only)
+    Rstd,                    # (M,) fp32 output: 1 / sqrt(var + eps) of each row
+    stride_x,                # row stride of X, in elements
+    stride_r,                # row stride of R, in elements
+    M,                       # number of rows
+    D,                       # row length (runtime: a new D does not recompile)
+    eps,                     # fp32, added inside the square root
+    IS_RMS: tl.constexpr,    # RMSNorm: no mean, no bias
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr,      # rows per program
+    BLOCK_D: tl.constexpr,   # next_power_of_2(D): the whole row in registers
+):
+    """(ln-mean), (ln-var), (ln-rstd), (ln-xhat), (ln-y); with IS_RMS, (rms-ms) and (rms-y)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)          # (ROWS,)
+    cols = tl.arange(0, BLOCK_D)                                  # (BLOCK_D,)
+    row_mask = rows < M
+    mask = row_mask[:, None] & (cols[None, :] < D)                # (ROWS, BLOCK_D)
+    rows64 = rows.to(tl.int64)[:, None]                           # M * D may pass 2^31
+    x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(S.dtype.element_ty)                        # s in the input dtype ...
+        tl.store(S + rows64 * D + cols[None, :], s, mask=mask)
+        x = s.to(tl.float32)                                      # ... and the norm sees that s
+
+    # mean = (1/D) sum_d x_d (ln-mean); RMSNorm does not centre.
+    # var = (1/D) sum_d (x_d - mean)^2 (ln-var): a second pass over registers, so no
+    # E[x^2] - E[x]^2 cancellation. RMSNorm's ms (rms-ms) is the same sum without the mean.
+    if IS_RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=1) / D                              # (ROWS,)
+        xc = tl.where(mask, x - mean[:, None], 0.0)               # padding must not count
+    var = tl.sum(xc * xc, axis=1) / D                             # (ROWS,)
+    rstd = tl.math.rsqrt(var + eps)                               # (ln-rstd)
+    xhat = xc * rstd[:, None]                                     # (ln-xhat)
+
+    # y = weight * xhat + bias (ln-y)
+    y = xhat
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
+        y = y * w[None, :]
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=cols < D, other=0.0).to(tl.float32)
+        y = y + b[None, :]
+    tl.store(Y + rows64 * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    # two fp32 scalars per row for backward instead of D values of xhat
+    if not IS_RMS:
+        tl.store(Mean + rows, mean, mask=row_mask)
+    tl.store(Rstd + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def norm_fwd_chunked_kernel(
+    X,                       # (M, D) input, rows stride_x apart
+    R,                       # (M, D) residual, rows stride_r apart (read if HAS_RESIDUAL)
+    S,                       # (M, D) output s = x + residual, contiguous (if HAS_RESIDUAL)
+    Y,                       # (M, D) output y, contiguous
+    W,                       # (D,) weight gamma (if HAS_WEIGHT)
+    B,                       # (D,) bias beta (if HAS_BIAS)
+    Mean,                    # (M,) fp32 output: mean of each row (LayerNorm only)
+    Rstd,                    # (M,) fp32 output: 1 / sqrt(var + eps) of each row
+    stride_x,                # row stride of X, in elements
+    stride_r,                # row stride of R, in elements
+    M,                       # number of rows
+    D,                       # row length, any size
+    eps,                     # fp32, added inside the square root
+    IS_RMS: tl.constexpr,    # RMSNorm: no mean, no bias
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_D: tl.constexpr,   # chunk width
+):
+    """(ln-mean) to (ln-y) and (rms-ms), (rms-y) for rows wider than the registers: one row per program."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+
+    # Pass 1, statistics. Each chunk b gets its own count n_b, mean m_b and sum of squared
+    # deviations M2_b, two-pass in registers; Chan's formula merges it into the running row:
+    #   delta = m_b - mean,  n' = n + n_b,  mean += delta n_b / n',  M2 += M2_b + delta^2 n n_b / n'.
+    # Every term is a sum of squares or a small correction: no cancellation.
+    n = 0.0
+    mean = 0.0
+    m2 = 0.0
+    for start in range(0, D, BLOCK_D):
+        c = start + cols
+        mask = c < D
+        x = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(R + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
+            s = (x + r).to(S.dtype.element_ty)
+            tl.store(S + row * D + c, s, mask=mask)
+            x = s.to(tl.float32)
+        if IS_RMS:
+            m2 += tl.sum(x * x, axis=0)                          # (rms-ms): a sum of squares
+        else:
+            n_b = tl.minimum(D - start, BLOCK_D).to(tl.float32)
+            m_b = tl.sum(x, axis=0) / n_b
+            xc = tl.where(mask, x - m_b, 0.0)
+            m2_b = tl.sum(xc * xc, axis=0)
+            delta = m_b - mean
+            n_new = n + n_b
+            mean += delta * (n_b / n_new)
+            m2 += m2_b + delta * delta * (n * n_b / n_new)
+            n = n_new
+    rstd = tl.math.rsqrt(m2 / D + eps)                           # (ln-var), (ln-rstd)
+    if not IS_RMS:
+        tl.store(Mean + row, mean)
+    tl.store(Rstd + row, rstd)
+
+    # Pass 2, normalize. The row is read again (from L2 for rows that fit there); s is
+    # recomputed from x and r rather than read back, so no thread depends on another's store.
+    for start in range(0, D, BLOCK_D):
+        c = start + cols
+        mask = c < D
+        x = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(R + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
+            x = (x + r).to(S.dtype.element_ty).to(tl.float32)
+        if IS_RMS:
+            xhat = x * rstd
+        else:
+            xhat = (x - mean) * rstd                             # (ln-xhat)
+        y = xhat
+        if HAS_WEIGHT:
+            y = y * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y = y + tl.load(B + c, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Y + row * D + c, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
+    """Launch the forward on a (M, D) ``x`` whose last dim is contiguous.
+
+    Returns:
+        y: (M, D) contiguous, x's dtype; s: (M, D) x + residual, or an empty tensor without a
+        residual; mean: (M,) fp32, empty for RMSNorm; rstd: (M,) fp32.
+    """
+    M, D = x.shape
+    y = torch.empty((M, D), dtype=x.dtype, device=x.device)
+    s = torch.empty((M, D) if residual is not None else (0,), dtype=x.dtype, device=x.device)
+    mean = torch.empty((0,) if is_rms else (M,), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M == 0:
+        return y, s, mean, rstd
+    cfg = forward_config(M, D)
+    r = residual if residual is not None else x      # placeholders: never read when absent
+    args = (x, r, s, y, weight if weight is not None else x, bias if bias is not None else x,
+            mean if not is_rms else rstd, rstd, x.stride(0), r.stride(0), M, D, float(eps))
+    flags = dict(IS_RMS=is_rms, HAS_RESIDUAL=residual is not None,
+                 HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
+    if cfg.chunked:
+        norm_fwd_chunked_kernel[(M,)](*args, **flags, BLOCK_D=cfg.BLOCK_D, **cfg.launch())
+    else:
+        grid = (triton.cdiv(M, cfg.ROWS),)
+        norm_fwd_rows_kernel[grid](*args, **flags, ROWS=cfg.ROWS, BLOCK_D=cfg.BLOCK_D,
+                                   **cfg.launch())
+    return y, s, mean, rstd
