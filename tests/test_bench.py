@@ -1,0 +1,179 @@
+"""normbook.bench: the byte model, the JSON of a tiny CPU run, the plots, the CLI's errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from normbook.bench import bytemodel, cli, plot, providers, runner, timing
+
+
+# ---- the byte model ------------------------------------------------------------------------
+M, D = 4, 8  # small enough to count by hand
+
+
+@pytest.mark.parametrize("dtype, e", [("bf16", 2), ("fp16", 2), ("fp32", 4)])
+def test_byte_model_counts_by_hand(dtype, e):
+    act, par, stat = M * D * e, D * e, M * 4  # one activation, one parameter, one fp32 statistic
+    expected = {
+        # x, weight, bias, y, mean, rstd
+        ("layer_norm", "fwd"): act + 2 * par + act + 2 * stat,
+        # x, dy, weight, mean, rstd, dx, dweight, dbias
+        ("layer_norm", "bwd"): 2 * act + par + 2 * stat + act + 2 * par,
+        # x, weight, y, rstd
+        ("rms_norm", "fwd"): act + par + act + stat,
+        # x, dy, weight, rstd, dx, dweight
+        ("rms_norm", "bwd"): 2 * act + par + stat + act + par,
+        # x, residual, weight, bias, y, s, mean, rstd
+        ("add_layer_norm", "fwd"): 2 * act + 2 * par + 2 * act + 2 * stat,
+        # s, dy, ds, weight, mean, rstd, dx (= dresidual, written once), dweight, dbias
+        ("add_layer_norm", "bwd"): 3 * act + par + 2 * stat + act + 2 * par,
+        ("add_rms_norm", "fwd"): 2 * act + par + 2 * act + stat,
+        ("add_rms_norm", "bwd"): 3 * act + par + stat + act + par,
+    }
+    for (op, mode), n in expected.items():
+        assert bytemodel.bytes_moved(op, mode, M, D, dtype) == n, (op, mode)
+    for op in bytemodel.OPS:
+        assert bytemodel.bytes_moved(op, "fwd_bwd", M, D, dtype) == (
+            expected[op, "fwd"] + expected[op, "bwd"])
+
+
+def test_byte_model_docstring_example():
+    assert bytemodel.bytes_moved("layer_norm", "fwd", 32768, 4096, "bf16") == 537_149_440
+
+
+def test_byte_model_rejects_bad_names():
+    with pytest.raises(ValueError, match="op: expected"):
+        bytemodel.bytes_moved("batch_norm", "fwd", M, D, "fp32")
+    with pytest.raises(ValueError, match="mode: expected"):
+        bytemodel.bytes_moved("layer_norm", "backward", M, D, "fp32")
+    with pytest.raises(ValueError, match="dtype: expected"):
+        bytemodel.bytes_moved("layer_norm", "fwd", M, D, "int8")
+
+
+# ---- providers and timing on the CPU -------------------------------------------------------
+@pytest.mark.parametrize("op", bytemodel.OPS)
+@pytest.mark.parametrize("prov", ["torch", "naive", "reference"])
+def test_cpu_providers_agree_with_torch(op, prov):
+    inp = providers.make_inputs(op, 16, 32, "fp32", "cpu")
+    got = providers.get(prov, op, "fwd", "cpu")(inp)
+    want = providers.get("torch", op, "fwd", "cpu")(inp)
+    assert len(got) == len(want) == (2 if op.startswith("add_") else 1)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)  # fp32, D = 32: a few ulps
+    grads = timing.closure(providers.get(prov, op, "bwd", "cpu"), inp, "bwd")()
+    assert len(grads) == len(inp.wrt())
+
+
+def test_normbook_provider_skips_on_cpu_with_a_reason():
+    with pytest.raises(providers.Unsupported, match="interpreter"):
+        providers.get("normbook", "layer_norm", "fwd", "cpu")
+
+
+# ---- the JSON of a tiny CPU run ------------------------------------------------------------
+ROW_KEYS = {"op", "mode", "provider", "dtype", "M", "D", "ms", "ms_q20", "ms_q80", "gbps",
+            "frac_copy"}
+PROV_KEYS = {"device", "torch", "triton", "normbook", "commit", "date"}
+
+
+def test_tiny_cpu_run_json_schema(tmp_path):
+    argv = ["--device", "cpu", "--ops", "layer_norm,add_rms_norm", "--modes", "fwd,bwd",
+            "--providers", "torch,naive,normbook", "--M", "64", "--D", "32,64",
+            "--warmup-ms", "1", "--rep-ms", "2", "--no-plots", "--no-progress",
+            "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert PROV_KEYS <= set(result["provenance"])
+    assert result["provenance"]["device_type"] == "cpu"
+    copy = result["copy_bandwidth_gbps"]
+    assert copy > 0
+    rows = result["rows"]
+    assert len(rows) == 2 * 2 * 2 * 2  # ops x modes x providers (torch, naive) x D
+    for r in rows:
+        assert ROW_KEYS <= set(r)
+        assert r["ms_q20"] <= r["ms"] <= r["ms_q80"]
+        n = bytemodel.bytes_moved(r["op"], r["mode"], r["M"], r["D"], r["dtype"])
+        assert r["gbps"] == pytest.approx(n / (r["ms"] * 1e-3) / 1e9)
+        assert r["frac_copy"] == pytest.approx(r["gbps"] / copy)
+    # normbook is skipped on the CPU, with its reason, once per (op, mode, D)
+    assert len(result["skipped"]) == 2 * 2 * 2
+    assert all(s["provider"] == "normbook" and "interpreter" in s["reason"]
+               for s in result["skipped"])
+
+
+def test_time_budget_records_skips(tmp_path):
+    cfg = runner.Config(ops=["rms_norm"], modes=["fwd"], dtypes=["fp32"], providers=["torch"],
+                        shapes=[(8, 16), (8, 32)], device="cpu", warmup_ms=1, rep_ms=1,
+                        time_budget_s=1e-9, out=str(tmp_path), plots=False, progress=False)
+    result = runner.run(cfg)
+    assert result["rows"] == []
+    assert [s["reason"] for s in result["skipped"]] == ["time budget of 1e-09 s spent"] * 2
+
+
+# ---- plots from a synthetic JSON (made up here; never written to benchmarks/results) -------
+def _synthetic_result():
+    rows = []
+    for prov, frac in (("normbook", 0.9), ("torch", 0.6)):
+        for mode in ("fwd", "bwd"):
+            for Mx, Dx in ((32768, 1024), (32768, 4096), (1 << 20, 128)):
+                gbps = 4000.0 * frac
+                n = bytemodel.bytes_moved("rms_norm", mode, Mx, Dx, "bf16")
+                rows.append(dict(op="rms_norm", mode=mode, provider=prov, dtype="bf16", M=Mx,
+                                 D=Dx, ms=n / gbps / 1e6, ms_q20=0.0, ms_q80=0.0, bytes=n,
+                                 gbps=gbps, frac_copy=frac))
+    return {"provenance": {"device": "SYNTHETIC GPU", "torch": "0", "triton": "0",
+                           "normbook": "0", "commit": "unknown", "date": "2000-01-01",
+                           "synthetic": True},
+            "copy_bandwidth_gbps": 4000.0, "rows": rows, "skipped": []}
+
+
+def test_plot_from_synthetic_json(tmp_path):
+    src = tmp_path / "synthetic" / "results.json"
+    src.parent.mkdir()
+    src.write_text(json.dumps(_synthetic_result()))
+    paths = plot.plot_results(tmp_path / "synthetic", tmp_path / "figs")  # a folder of JSON
+    assert [p.name for p in paths] == ["rms_norm-bf16.png"]
+    assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    line = plot.provenance_line(_synthetic_result())
+    assert line.startswith("SYNTHETIC") and "SYNTHETIC GPU" in line and "\n" not in line
+
+
+def test_plot_rejects_foreign_json(tmp_path):
+    (tmp_path / "x.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a normbook.bench result"):
+        plot.load_results(tmp_path / "x.json")
+    with pytest.raises(FileNotFoundError):
+        plot.load_results(tmp_path / "missing-*.json")
+
+
+# ---- the command line ----------------------------------------------------------------------
+@pytest.mark.parametrize("argv, flag", [
+    (["--ops", "layer_norm,batch_norm"], "--ops"),
+    (["--modes", "forward"], "--modes"),
+    (["--dtypes", "int8"], "--dtypes"),
+    (["--providers", "cudnn"], "--providers"),
+    (["--D", "0"], "--D"),
+    (["--D", "300..1000"], "--D"),
+    (["--M", "-3"], "--M"),
+    (["--plot", "nothing-here.json"], "--plot"),
+])
+def test_cli_rejects_bad_args(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv + ["--device", "cpu"])
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_cli_parses_power_of_two_ranges():
+    p = cli.build_parser()
+    cfg = cli.config_from_args(p.parse_args(["--device", "cpu", "--M", "8", "--D", "512..4096"]), p)
+    assert cfg.shapes == [(8, 512), (8, 1024), (8, 2048), (8, 4096)]
+
+
+def test_import_needs_neither_triton_nor_matplotlib():
+    code = ("import sys, normbook.bench; "
+            "print('triton' in sys.modules, 'matplotlib' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
