@@ -1,0 +1,205 @@
+"""Pre-norm and post-norm residual blocks, stacked deep: the experiment of "Pre-norm vs post-norm".
+
+Two ways to place a norm ``N`` around a residual branch ``F`` (the chapter's equations
+(pre-norm) and (post-norm)):
+
+- pre-norm:  ``y = x + F(N(x))``, the norm reads a copy of x and the identity path is a bare +;
+- post-norm: ``y = N(x + F(x))``, the norm sits on the residual path itself.
+
+A pre-norm stack ends with one more norm (the final norm); a post-norm stack does not need one,
+since its last block already ends in a norm. The branch ``F`` is a two-layer MLP, the
+position-wise sublayer of a transformer, acting on each token (row) separately. The norm is any
+module class called as ``norm(dim)``: :class:`normbook.LayerNorm` by default, so the gradients
+in the chapter flow through the book's hand-derived backward (ln-dx);
+:class:`normbook.RMSNorm` works too.
+
+Shapes: tokens are rows, ``(..., D)``; ``dim`` is D, ``hidden`` the MLP's inner width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from normbook.modules import LayerNorm
+
+__all__ = [
+    "MLP",
+    "PreNormBlock",
+    "PostNormBlock",
+    "ResidualStack",
+    "make_teacher",
+    "teacher_batch",
+    "layer_grad_norms",
+    "train",
+]
+
+ARRANGEMENTS = ("pre", "post")
+
+
+class MLP(nn.Module):
+    """The branch F: Linear(D, hidden) -> GELU -> Linear(hidden, D), per token.
+
+    torch's default Linear initialisation (uniform, scale 1/sqrt(fan_in)).
+    """
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.down(nn.functional.gelu(self.up(x)))   # (..., D)
+
+
+class PreNormBlock(nn.Module):
+    """Pre-norm residual block, equation (pre-norm): y = x + F(N(x))."""
+
+    def __init__(self, dim: int, hidden: int, norm=LayerNorm):
+        super().__init__()
+        self.norm = norm(dim)
+        self.mlp = MLP(dim, hidden)
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))                  # identity path: a bare +
+
+
+class PostNormBlock(nn.Module):
+    """Post-norm residual block, equation (post-norm): y = N(x + F(x))."""
+
+    def __init__(self, dim: int, hidden: int, norm=LayerNorm):
+        super().__init__()
+        self.norm = norm(dim)
+        self.mlp = MLP(dim, hidden)
+
+    def forward(self, x):
+        return self.norm(x + self.mlp(x))                  # identity path goes through N
+
+
+class ResidualStack(nn.Module):
+    """A deep stack of residual blocks between a linear embedding and a linear head.
+
+    ``x (..., d_in) -> embed -> depth blocks -> [final norm] -> head -> (..., d_out)``.
+
+    Args:
+        d_in, d_out: input and output widths of the task.
+        dim: the residual stream's width D.
+        depth: the number of blocks.
+        arrangement: ``"pre"`` (equation (pre-norm)) or ``"post"`` (equation (post-norm)).
+        hidden: the MLP's inner width; default 4 * dim.
+        norm: the norm's class, called as ``norm(dim)``; default :class:`normbook.LayerNorm`.
+        final_norm: whether a norm follows the last block. Default: True for pre-norm (its
+            residual stream is never normalized otherwise), False for post-norm (its last block
+            already ends in a norm).
+    """
+
+    def __init__(self, d_in: int, d_out: int, dim: int, depth: int, arrangement: str = "pre",
+                 hidden: int | None = None, norm=LayerNorm, final_norm: bool | None = None):
+        super().__init__()
+        if arrangement not in ARRANGEMENTS:
+            raise ValueError(f"arrangement: expected one of {ARRANGEMENTS}, got {arrangement!r}")
+        if depth < 1:
+            raise ValueError(f"depth: expected a positive int, got {depth!r}")
+        hidden = 4 * dim if hidden is None else hidden
+        block = PreNormBlock if arrangement == "pre" else PostNormBlock
+        if final_norm is None:
+            final_norm = arrangement == "pre"
+        self.arrangement = arrangement
+        self.embed = nn.Linear(d_in, dim)
+        self.blocks = nn.ModuleList(block(dim, hidden, norm) for _ in range(depth))
+        self.final_norm = norm(dim) if final_norm else nn.Identity()
+        self.head = nn.Linear(dim, d_out)
+        for mod in self.modules():
+            if isinstance(mod, nn.Linear):                 # the initialisation Xiong et al. analyse:
+                nn.init.xavier_uniform_(mod.weight)        # F(x) has about the scale of x
+                nn.init.zeros_(mod.bias)
+
+    def forward(self, x):
+        h = self.embed(x)                                  # (..., D) the residual stream
+        for blk in self.blocks:
+            h = blk(h)
+        return self.head(self.final_norm(h))               # (..., d_out)
+
+
+def teacher_batch(teacher: nn.Module, batch: int, d_in: int, generator: torch.Generator):
+    """A regression batch: Gaussian inputs and the outputs of a fixed random ``teacher``.
+
+    Returns:
+        x: (batch, d_in); target: (batch, d_out), computed without gradient.
+    """
+    x = torch.randn(batch, d_in, generator=generator)    # (B, d_in)
+    with torch.no_grad():
+        target = teacher(x)                                # (B, d_out)
+    return x, target
+
+
+def make_teacher(d_in: int, d_out: int, width: int = 64, seed: int = 0) -> nn.Module:
+    """The task: a fixed random two-layer tanh network, x (..., d_in) -> (..., d_out).
+
+    Gaussian weights, scaled so that tanh works in its curved range and each output has a
+    variance of order one (about 2): a smooth, learnable regression target.
+    """
+    g = torch.Generator().manual_seed(seed)
+    W1 = torch.randn(width, d_in, generator=g) / math.sqrt(d_in)
+    W2 = torch.randn(d_out, width, generator=g) / math.sqrt(width) * 2
+    teacher = nn.Sequential(nn.Linear(d_in, width, bias=False), nn.Tanh(),
+                            nn.Linear(width, d_out, bias=False))
+    with torch.no_grad():
+        teacher[0].weight.copy_(W1)
+        teacher[2].weight.copy_(W2)
+    return teacher.requires_grad_(False)
+
+
+def layer_grad_norms(model: ResidualStack, x, target):
+    """Per-block gradient norms of the MSE loss at the model's current parameters.
+
+    Returns:
+        (depth,) tensor: the 2-norm of the gradient of all of block l's parameters, together,
+        for l = 0 (next to the input) to depth - 1 (next to the output).
+    """
+    model.zero_grad(set_to_none=True)
+    loss = nn.functional.mse_loss(model(x), target)
+    loss.backward()
+    norms = []
+    for blk in model.blocks:
+        sq = sum(float(p.grad.pow(2).sum()) for p in blk.parameters())
+        norms.append(math.sqrt(sq))
+    model.zero_grad(set_to_none=True)
+    return torch.tensor(norms, dtype=torch.float64)
+
+
+def train(model: ResidualStack, teacher: nn.Module, *, steps: int, lr: float, warmup: int = 0,
+          batch: int = 64, seed: int = 0):
+    """Train ``model`` on fresh teacher batches with Adam; return the loss at every step.
+
+    The learning rate rises linearly from lr / warmup to lr over the first ``warmup`` steps
+    (linear warmup), then stays at lr; ``warmup=0`` uses lr from the first step.
+
+    Args:
+        model: maps (B, d_in) to (B, d_out). teacher: the same, fixed.
+        steps: number of Adam steps. lr: peak learning rate. warmup: warmup length in steps.
+        batch: tokens per step. seed: seeds the data stream (the model is initialised by the caller).
+
+    Returns:
+        (steps,) float64 tensor of training losses (MSE), one per step, before that step's update.
+        A non-finite loss stops training; the remaining entries are nan.
+    """
+    d_in = model.embed.in_features
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = torch.full((steps,), float("nan"), dtype=torch.float64)
+    for step in range(steps):
+        if warmup > 0:
+            for group in opt.param_groups:
+                group["lr"] = lr * min(1.0, (step + 1) / warmup)
+        x, target = teacher_batch(teacher, batch, d_in, g)
+        loss = nn.functional.mse_loss(model(x), target)
+        if not torch.isfinite(loss):
+            break
+        losses[step] = loss.item()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return losses
