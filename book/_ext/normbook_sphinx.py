@@ -1,0 +1,137 @@
+"""Small build fixes for the normbook book (a Jupyter Book 1 "local extension").
+
+Listed in ``_config.yml`` under ``sphinx.local_extensions``. Each hook fixes one thing that the
+stock stack (jupyter-book 1.0.4, sphinx-book-theme 1.3, sphinx-thebe 0.3.1, Sphinx 7.4) gets
+wrong for this book:
+
+- ``.ipynb`` download: sphinx-book-theme only copies a MyST notebook's executed ``.ipynb`` into
+  ``_sources/`` (and offers it in the download menu) when a Binder/Colab launch button is
+  configured. The book has no launch service, so this does the copy itself.
+- Duplicate ``<script>`` tags: sphinx-thebe adds its configuration script twice under Sphinx 7.4,
+  and the second ``const THEBE_JS_URL`` is a JavaScript SyntaxError on every page.
+- Triton missing: ``normbook.kernels`` imports triton. Where triton cannot be installed (macOS),
+  autodoc documents the kernels against a stand-in (``autodoc_mock_imports``) so the API page
+  still builds; the page says so.
+- Plain-text shapes in docstrings: "(*, *normalized_shape)" is not the start of emphasis.
+- Citations as "(Ba et al., 2016)": the ``author_year_round`` referencing style, and an
+  author-year label style for the bibliography.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import sphinxcontrib.bibtex.plugin
+from pybtex.plugin import register_plugin
+from pybtex.style.formatting.plain import Style as PlainStyle
+from pybtex.style.labels import BaseLabelStyle
+from sphinxcontrib.bibtex.style.referencing import BracketStyle
+from sphinxcontrib.bibtex.style.referencing.author_year import AuthorYearReferenceStyle
+
+
+# -- citations ---------------------------------------------------------------------------------
+
+def _round() -> BracketStyle:
+    return BracketStyle(left="(", right=")")
+
+
+@dataclass
+class RoundAuthorYearStyle(AuthorYearReferenceStyle):
+    """{cite}`key` -> (Ba et al., 2016); {cite:t}`key` -> Ba et al. (2016)."""
+
+    bracket_parenthetical: BracketStyle = field(default_factory=_round)
+    bracket_textual: BracketStyle = field(default_factory=_round)
+    bracket_author: BracketStyle = field(default_factory=_round)
+    bracket_label: BracketStyle = field(default_factory=_round)
+    bracket_year: BracketStyle = field(default_factory=_round)
+
+
+class AuthorYearLabels(BaseLabelStyle):
+    """Bibliography labels "Ba et al. 2016", "Zhang & Sennrich 2019", "Higham 2002"."""
+
+    def format_labels(self, sorted_entries):
+        for entry in sorted_entries:
+            people = entry.persons.get("author") or entry.persons.get("editor") or []
+            last = [" ".join(p.last_names) for p in people]
+            if len(last) == 1:
+                who = last[0]
+            elif len(last) == 2:
+                who = f"{last[0]} & {last[1]}"
+            else:
+                who = f"{last[0]} et al." if last else entry.key
+            who = who.replace("{", "").replace("}", "")
+            yield f"{who} {entry.fields.get('year', '')}".strip()
+
+
+class NormbookStyle(PlainStyle):
+    """pybtex's plain style (sorted by author, year, title) with author-year labels."""
+
+    default_label_style = "normbook_author_year"
+
+
+register_plugin("pybtex.style.labels", "normbook_author_year", AuthorYearLabels)
+register_plugin("pybtex.style.formatting", "normbook", NormbookStyle)
+sphinxcontrib.bibtex.plugin.register_plugin(
+    "sphinxcontrib.bibtex.style.referencing", "author_year_round", RoundAuthorYearStyle
+)
+
+
+# -- hooks -------------------------------------------------------------------------------------
+
+def _mock_triton_if_missing(app, config):
+    if importlib.util.find_spec("triton") is None:
+        config.autodoc_mock_imports = [*config.autodoc_mock_imports, "triton"]
+
+
+_EMPHASIS_START = re.compile(r"(?<![\\*\w`])\*(?=[^\s*])")
+
+
+def _literal_stars(app, what, name, obj, options, lines):
+    """Docstrings write shapes as plain text, "(*, *normalized_shape)"; a ``*`` there is not emphasis.
+
+    Escapes a ``*`` that reStructuredText would read as the start of emphasis, outside
+    ``literal`` spans. The package's docstrings never use ``*emphasis*``.
+    """
+    for i, line in enumerate(lines):
+        parts = line.split("``")
+        parts[::2] = [_EMPHASIS_START.sub(r"\\*", p) for p in parts[::2]]
+        lines[i] = "``".join(parts)
+
+
+def _offer_ipynb(app, pagename, templatename, context, doctree):
+    """Put the executed notebook of a MyST-notebook page in _sources/ and into the download menu."""
+    if "kernelspec" not in app.env.metadata.get(pagename, {}):
+        return
+    executed = Path(app.outdir).parent / "jupyter_execute" / f"{pagename}.ipynb"
+    if not executed.is_file():
+        return
+    target = Path(app.outdir) / "_sources" / f"{pagename}.ipynb"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(executed, target)
+    context["ipynb_source"] = f"{pagename}.ipynb"
+
+
+def _dedupe_scripts(app, pagename, templatename, context, doctree):
+    seen, unique = set(), []
+    for script in context.get("script_files", []):
+        # the same script registered twice, once as filename None and once as "": one key
+        key = (str(getattr(script, "filename", script) or ""),
+               tuple(sorted(getattr(script, "attributes", {}).items())))
+        if key not in seen:
+            seen.add(key)
+            unique.append(script)
+    if "script_files" in context:
+        context["script_files"][:] = unique
+
+
+def setup(app):
+    app.connect("config-inited", _mock_triton_if_missing)
+    app.connect("autodoc-process-docstring", _literal_stars, priority=600)  # after napoleon
+    # before sphinx-book-theme builds its header buttons (priority 501)
+    app.connect("html-page-context", _offer_ipynb, priority=400)
+    app.connect("html-page-context", _dedupe_scripts, priority=400)
+    return {"version": "0.1.0", "parallel_read_safe": True, "parallel_write_safe": True}
