@@ -39,7 +39,10 @@ def shift_identity(dx: torch.Tensor) -> torch.Tensor:
 
 
 def scale_identity(x: torch.Tensor, dx: torch.Tensor, eps: float) -> torch.Tensor:
-    """Equation (ln-scale-id): sum_d xhat_d dx_d, zero at eps = 0 (for LayerNorm and RMSNorm's xhat alike).
+    """Equation (ln-scale-id): sum_d xhat_d dx_d, zero at eps = 0 for a LayerNorm input gradient.
+
+    xhat is LayerNorm's (the mean is subtracted), so this is not RMSNorm's identity: for RMSNorm
+    compute sum_d (x_d * rstd) dx_d directly, as the exercise in the invariances chapter does.
 
     Args:
         x: (..., D) the forward input (xhat is recomputed from it with LayerNorm's statistics).
