@@ -177,3 +177,24 @@ def test_import_needs_neither_triton_nor_matplotlib():
             "print('triton' in sys.modules, 'matplotlib' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_goal_check_on_synthetic_rows():
+    from normbook.bench.goal import check_goal
+
+    lines, ok = check_goal([_synthetic_result()])  # normbook 0.9 of copy, torch 0.6: faster
+    assert ok and len(lines) == 2 * 2  # (fwd, bwd) x D in {1024, 4096}; M = 2**20 not judged
+    assert all(line.endswith("PASS") for line in lines)
+    slow = _synthetic_result()
+    for r in slow["rows"]:
+        if r["provider"] == "normbook" and r["mode"] == "fwd":
+            r["frac_copy"] = 0.85  # below the forward target of 0.90
+    lines, ok = check_goal([slow])
+    assert not ok and sum(line.endswith("FAIL") for line in lines) == 2
+
+
+def test_cli_summary_of_recorded_json(tmp_path, capsys):
+    (tmp_path / "results.json").write_text(json.dumps(_synthetic_result()))
+    assert cli.main(["--summary", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "rms_norm fwd bf16" in out and "goal: all PASS" in out

@@ -103,11 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rep-ms", type=_positive_float, help="per-row timing (default 100; CPU 40)")
     p.add_argument("--time-budget", type=_positive_float, metavar="SECONDS",
                    help="skip the remaining rows (recorded as skipped) once this much time is spent")
+    p.add_argument("--threads", type=_positive_int,
+                   help="CPU: torch.set_num_threads (default: torch's; 1 with --quick, the "
+                   "steadiest on a busy machine)")
     p.add_argument("--out", help="output folder (default benchmarks/results/<date>-<device>/)")
     p.add_argument("--no-plots", action="store_true", help="write only the JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--plot", nargs="+", metavar="SRC",
                    help="do not run: draw plots from JSON files/folders/globs into --out")
+    p.add_argument("--summary", nargs="+", metavar="SRC",
+                   help="do not run: print the tables and the goal check of recorded JSON")
     return p
 
 
@@ -156,6 +161,7 @@ def config_from_args(args, parser) -> runner.Config:
         ops=ops, modes=modes, dtypes=dtypes, providers=provs,
         shapes=[(M, D) for D in Ds] + extra, device=device,
         warmup_ms=args.warmup_ms or warmup, rep_ms=args.rep_ms or rep,
+        threads=args.threads or (1 if args.quick and not cuda else None),
         time_budget_s=args.time_budget, out=args.out, plots=not args.no_plots,
         progress=not args.no_progress, notes=notes)
 
@@ -163,21 +169,38 @@ def config_from_args(args, parser) -> runner.Config:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.plot:
-        from normbook.bench.plot import plot_results
+    if args.plot or args.summary:
+        from normbook.bench.plot import load_results, plot_results
 
-        if not args.out:
-            parser.error("--plot: also give --out DIR for the figures")
         try:
-            paths = plot_results(args.plot, args.out)
+            results = load_results(args.summary or args.plot)
+            if args.plot:
+                if not args.out:
+                    parser.error("--plot: also give --out DIR for the figures")
+                print("\n".join(str(p) for p in plot_results(results, args.out)))
         except (FileNotFoundError, ValueError) as e:
-            parser.error(f"--plot: {e}")
-        print("\n".join(str(p) for p in paths))
+            parser.error(f"{'--summary' if args.summary else '--plot'}: {e}")
+        if args.summary:
+            for res in results:
+                print(runner.summary(res))
+            _print_goal(results)
         return 0
     cfg = config_from_args(args, parser)
     result = runner.run(cfg)
     print(runner.summary(result))
+    if cfg.device == "cuda":
+        _print_goal([result])
     return 0
+
+
+def _print_goal(results) -> None:
+    from normbook.bench.goal import check_goal
+
+    lines, ok = check_goal(results)
+    if lines:
+        print("\ngoal (DESIGN.md, bf16, M = 32768): normbook vs copy bandwidth and rivals")
+        print("\n".join(lines))
+        print(f"goal: {'all PASS' if ok else 'not met'}")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ class Config:
     warmup_ms: float = 25.0
     rep_ms: float = 100.0
     time_budget_s: float | None = None
+    threads: int | None = None  # CPU: torch.set_num_threads
     out: str | None = None
     plots: bool = True
     progress: bool = True
@@ -106,6 +107,7 @@ def provenance(device) -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cuda": torch.version.cuda if device.type == "cuda" else None,
+        "cpu_threads": torch.get_num_threads(),
         "timer": ("triton.testing.do_bench (CUDA events, L2 flushed), median, q20, q80"
                   if device.type == "cuda" else
                   "time.perf_counter loop (no cache flush), median, q20, q80"),
@@ -154,6 +156,8 @@ def run(cfg: Config) -> dict:
     """Run the sweep of ``cfg``; write ``results.json`` (and plots) into ``cfg.out``; return it."""
     device = torch.device(cfg.device)
     out = Path(cfg.out) if cfg.out else default_out_dir(device)
+    if cfg.threads and device.type == "cpu":
+        torch.set_num_threads(cfg.threads)
     say = print
     say(f"normbook.bench: device {device_name(device)} ({device.type}); writing to {out}")
     for note in cfg.notes:
@@ -187,37 +191,44 @@ def run(cfg: Config) -> dict:
             reported.add(short)
             log(f"skip {prov} {op} {mode} {dtype} M={M} D={D}: {reason}")
 
-    for op in cfg.ops:
-        for dtype in cfg.dtypes:
-            for M, D in cfg.shapes:
-                if "compile" in cfg.providers:
-                    torch._dynamo.reset()  # a fresh static compile per shape, no recompile limit
-                inp = None
-                try:
-                    if not _fits(op, M, D, dtype, device):
-                        raise torch.OutOfMemoryError("inputs would not fit in free memory")
-                    inp = providers.make_inputs(op, M, D, dtype, device)
-                except Exception as e:
-                    for prov in cfg.providers:
-                        for mode in cfg.modes:
-                            skip((op, dtype, M, D, prov, mode), "OOM: " + _reason(e))
-                            bar.update()
-                    inp = None
+    # shapes outermost, in the order given: a run cut short by its time budget still covers
+    # every op at the shapes it reached (order --D to spread them: 1024,32768,131072,4096,...)
+    def spent():
+        if cfg.time_budget_s is not None and time.monotonic() - t_start > cfg.time_budget_s:
+            return f"time budget of {cfg.time_budget_s:g} s spent"
+        return None
+
+    for M, D in cfg.shapes:
+        for op in cfg.ops:
+            for dtype in cfg.dtypes:
+                keys = [(op, dtype, M, D, p, m) for p in cfg.providers for m in cfg.modes]
+                inp, why = None, spent()
+                if why is None:
+                    if "compile" in cfg.providers:
+                        torch._dynamo.reset()  # a fresh static compile per shape: no recompile limit
+                    try:
+                        if not _fits(op, M, D, dtype, device):
+                            raise torch.OutOfMemoryError("inputs would not fit in free memory")
+                        inp = providers.make_inputs(op, M, D, dtype, device)
+                    except Exception as e:
+                        why = ("OOM: " if _is_oom(e) else "error: ") + _reason(e)
+                if inp is None:
+                    for key in keys:
+                        skip(key, why)
+                    bar.update(len(keys))
                     _free(device)
                     continue
-                for prov in cfg.providers:
-                    for mode in cfg.modes:
-                        key = (op, dtype, M, D, prov, mode)
-                        bar.set_postfix_str(f"{op} {mode} {dtype} D={D} {prov}", refresh=False)
-                        bar.update()
-                        elapsed = time.monotonic() - t_start
-                        if cfg.time_budget_s is not None and elapsed > cfg.time_budget_s:
-                            skip(key, f"time budget of {cfg.time_budget_s:g} s spent")
-                            continue
-                        row = _one(key, inp, copy["gbps"], device, cfg, skip)
-                        if row is not None:
-                            result["rows"].append(row)
-                        _free(device)
+                for key in keys:
+                    bar.set_postfix_str(f"{op} {key[5]} {dtype} D={D} {key[4]}", refresh=False)
+                    bar.update()
+                    why = spent()
+                    if why is not None:
+                        skip(key, why)
+                        continue
+                    row = _one(key, inp, copy["gbps"], device, cfg, skip)
+                    if row is not None:
+                        result["rows"].append(row)
+                    _free(device)
                 del inp
                 _free(device)
                 _write(result, out)
