@@ -178,7 +178,7 @@ def main(argv=None) -> int:
                 if not args.out:
                     parser.error("--plot: also give --out DIR for the figures")
                 print("\n".join(str(p) for p in plot_results(results, args.out)))
-        except (FileNotFoundError, ValueError) as e:
+        except (FileNotFoundError, ValueError, ImportError) as e:
             parser.error(f"{'--summary' if args.summary else '--plot'}: {e}")
         if args.summary:
             for res in results:

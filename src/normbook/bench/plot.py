@@ -74,8 +74,10 @@ def plot_results(sources, out_dir, fmt: str = "png") -> list[Path]:
     different M than the main one (the small-D, many-rows case) are drawn as lone markers.
     Returns the paths written.
     """
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("plot_results needs matplotlib (pip install matplotlib)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -119,13 +121,14 @@ def _panel(ax_gbps, ax_frac, rows, by_device: bool) -> None:
         label = prov + (f" ({dev})" if by_device else "")
         D = [r["D"] for r in rs]
         style = dict(color=color, marker=marker, markersize=4)
-        if M != main_M:
+        if M != main_M:  # the small-D, many-rows case: a hollow marker, no legend entry
             style.update(linestyle="none", markerfacecolor="none", markersize=7)
             label = None
-        ax_gbps.plot(D, [r["gbps"] for r in rs], label=label if M == main_M else None, **style)
+        ax_gbps.plot(D, [r["gbps"] for r in rs], label=label, **style)
         ax_frac.plot(D, [r["frac_copy"] for r in rs], **style)
     for ax in (ax_gbps, ax_frac):
         ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)  # a bandwidth axis starts at zero
         ax.grid(True, which="both", alpha=0.3)
     ax_frac.axhline(1.0, color="k", linewidth=0.8, linestyle="--")
     ax_frac.set_xlabel(f"D (M = {main_M}; hollow markers: other M)"

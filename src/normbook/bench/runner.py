@@ -136,8 +136,40 @@ def _fits(op: str, M: int, D: int, dtype: str, device: torch.device) -> bool:
     return (8 if op.startswith("add_") else 6) * act < free
 
 
+# torch.OutOfMemoryError is new in torch 2.5; older ones have only torch.cuda's
+OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+
 def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+    return isinstance(e, OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+class _NoBar:
+    """Stands in for tqdm where it is not installed."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+    write = staticmethod(print)
+
+
+def _progress_bar(total: int, enabled: bool):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        if enabled:
+            print("normbook.bench: tqdm not installed, no progress bar")
+        return _NoBar()
+    return tqdm(total=total, disable=not enabled, unit="row", dynamic_ncols=True)
 
 
 def _reason(e: BaseException) -> str:
@@ -174,10 +206,8 @@ def run(cfg: Config) -> dict:
         "skipped": [],
     }
 
-    from tqdm.auto import tqdm
-
     total = len(cfg.ops) * len(cfg.dtypes) * len(cfg.shapes) * len(cfg.providers) * len(cfg.modes)
-    bar = tqdm(total=total, disable=not cfg.progress, unit="row", dynamic_ncols=True)
+    bar = _progress_bar(total, cfg.progress)
     log = bar.write if cfg.progress else print
     t_start = time.monotonic()
     reported: set[tuple[str, str]] = set()
@@ -208,7 +238,7 @@ def run(cfg: Config) -> dict:
                         torch._dynamo.reset()  # a fresh static compile per shape: no recompile limit
                     try:
                         if not _fits(op, M, D, dtype, device):
-                            raise torch.OutOfMemoryError("inputs would not fit in free memory")
+                            raise OutOfMemoryError("inputs would not fit in free memory")
                         inp = providers.make_inputs(op, M, D, dtype, device)
                     except Exception as e:
                         why = ("OOM: " if _is_oom(e) else "error: ") + _reason(e)
@@ -242,6 +272,8 @@ def run(cfg: Config) -> dict:
         try:
             paths = plot_results([result], out)
             say(f"normbook.bench: {len(paths)} plots in {out}")
+        except ImportError as e:
+            say(f"normbook.bench: no plots ({e}); the JSON is intact")
         except Exception as e:  # a plotting problem must not lose the measurements
             say(f"normbook.bench: plotting failed ({_reason(e)}); the JSON is intact")
     return result
