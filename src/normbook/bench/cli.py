@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m normbook.bench",
         description="Benchmark LayerNorm/RMSNorm (and the fused residual adds) in GB/s and as "
                     "a fraction of the device's copy bandwidth; write JSON and plots.",
-        epilog=__doc__.split("Examples:", 1)[1] and "examples:" + __doc__.split("Examples:", 1)[1],
+        epilog="examples:" + __doc__.split("Examples:", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if available")
     p.add_argument("--ops", help=f"comma list of {','.join(bytemodel.OPS)} (default: all)")
