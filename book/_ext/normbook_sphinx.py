@@ -133,5 +133,5 @@ def setup(app):
     app.connect("autodoc-process-docstring", _literal_stars, priority=600)  # after napoleon
     # before sphinx-book-theme builds its header buttons (priority 501)
     app.connect("html-page-context", _offer_ipynb, priority=400)
-    app.connect("html-page-context", _dedupe_scripts, priority=400)
+    app.connect("html-page-context", _dedupe_scripts, priority=999)  # after every other handler
     return {"version": "0.1.0", "parallel_read_safe": True, "parallel_write_safe": True}

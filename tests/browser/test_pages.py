@@ -1,0 +1,326 @@
+"""The built book in a real browser: headless Chromium, no network, every page.
+
+Run by ``make browser-check`` (the last step of ``make test``, after the book is built); gate 1
+(``pytest tests``) does not collect this folder (see tests/conftest.py).
+
+Each page is served from a localhost http.server and opened in headless Chromium driven by
+Selenium and Debian's chromedriver. Host names do not resolve in that browser, so anything the
+book fetched from a CDN would fail here as it fails for a reader offline. A page fails if
+
+- a script throws or logs an error, or a resource fails to load (the console log);
+- it has math that MathJax did not typeset: a math element without ``mjx-container``, a MathJax
+  error or an undefined macro (drawn in red), or a source with ``$$`` and no typeset math;
+- an image does not load (``naturalWidth == 0``);
+- an internal link points to a missing file, or to a ``#fragment`` with no such id in the target;
+- it is a chapter (a MyST notebook) without its ``.ipynb`` download.
+
+Also: the search page finds a word, exercises are numbered and their solutions folded, and
+screenshots of a few pages go to build/screenshots/ for a person to look at.
+
+Where Chromium is missing the tests skip with the reason, except in CI (``CI=true``), where
+.ci/run installs it, so a missing browser fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import html.parser
+import http.server
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HTML = Path(os.environ.get("NORMBOOK_HTML", ROOT / "build" / "_build" / "html"))
+SCREENSHOTS = Path(os.environ.get("NORMBOOK_SCREENSHOTS", ROOT / "build" / "screenshots"))
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--disable-dev-shm-usage", "--window-size=1280,900",
+    # no name resolves: the book must not need the network (MathJax, fonts, scripts)
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+]
+# Chromium asks every site for /favicon.ico; the book has none, and that is not a broken page.
+IGNORED_CONSOLE = ("favicon.ico",)
+
+
+def _unavailable(reason: str):
+    """Skip on a developer's machine; fail in CI, where the browser and the book must exist."""
+    if IN_CI:
+        pytest.fail(f"{reason} (CI=true: .ci/run installs chromium, make test builds the book)")
+    pytest.skip(reason)
+
+
+def _pages() -> list[str]:
+    """Every built HTML page, relative to the HTML root (assets and copied sources excluded)."""
+    if not HTML.is_dir():
+        return []
+    skip = ("_static/", "_sources/", "_images/")
+    return sorted(
+        p.relative_to(HTML).as_posix()
+        for p in HTML.rglob("*.html")
+        if not p.relative_to(HTML).as_posix().startswith(skip)
+    )
+
+
+PAGES = _pages()
+
+
+# -- the server and the browser ----------------------------------------------------------------
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="session")
+def base_url():
+    if not (HTML / "index.html").is_file():
+        _unavailable(f"no built book at {HTML}: run `make book` first")
+    handler = functools.partial(_QuietHandler, directory=str(HTML))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="session")
+def browser():
+    chromium = next((shutil.which(n) for n in ("chromium", "chromium-browser") if shutil.which(n)), None)
+    driver_bin = shutil.which("chromedriver")
+    if chromium is None or driver_bin is None:
+        _unavailable("headless Chromium and chromedriver are not installed "
+                     "(Debian: apt-get install chromium chromium-driver)")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        _unavailable("selenium is not installed (it is in requirements.txt)")
+
+    profile = tempfile.mkdtemp(prefix="normbook-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={profile}")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(driver_bin), options=options)
+    driver.set_page_load_timeout(60)
+    driver.set_script_timeout(60)
+    yield driver
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+def _console_errors(driver) -> list[str]:
+    """Errors logged since the last call: exceptions, console.error, failed loads."""
+    return [
+        entry["message"]
+        for entry in driver.get_log("browser")
+        if entry["level"] == "SEVERE" and not any(s in entry["message"] for s in IGNORED_CONSOLE)
+    ]
+
+
+# JavaScript run in the page once it has loaded: wait for MathJax and the images, then report.
+_INSPECT = r"""
+const done = arguments[arguments.length - 1];
+(async () => {
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+    await MathJax.startup.promise;
+  }
+  const imgs = [...document.images];
+  imgs.forEach(img => { img.loading = "eager"; });
+  await Promise.all(imgs.map(img => img.complete ? null :
+      new Promise(r => { img.onload = img.onerror = r; setTimeout(r, 10000); })));
+  const math = [...document.querySelectorAll(".math")];
+  done({
+    mathjax: !!(window.MathJax && MathJax.version),
+    mathjaxSrc: [...document.scripts].map(s => s.src).filter(s => /mathjax/i.test(s)),
+    math: math.length,
+    untypeset: math.filter(m => !m.querySelector("mjx-container"))
+                   .map(m => m.textContent.trim().slice(0, 80)),
+    containers: document.querySelectorAll("mjx-container").length,
+    // a TeX error, or an undefined macro (MathJax draws its name in red): report the TeX
+    mathErrors: (window.MathJax && MathJax.startup && MathJax.startup.document
+                 ? [...MathJax.startup.document.getMathItemsWithin(document.body)] : [])
+        .filter(item => item.typesetRoot && item.typesetRoot.querySelector(
+            "mjx-merror, [style*='color: red'], [style*='color:red']"))
+        .map(item => item.math.slice(0, 80)),
+    brokenImages: imgs.filter(i => !i.complete || i.naturalWidth === 0)
+                      .map(i => i.getAttribute("src")),
+    links: [...document.querySelectorAll("a[href]")].map(a => a.href),
+    ipynb: [...document.querySelectorAll("a[href$='.ipynb']")].map(a => a.href),
+  });
+})().catch(e => done({error: String(e)}));
+"""
+
+
+class _Ids(html.parser.HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.ids: set[str] = set()
+
+    def handle_starttag(self, tag, attrs):
+        for key, value in attrs:
+            if value and (key == "id" or (key == "name" and tag == "a")):
+                self.ids.add(value)
+
+
+@functools.lru_cache(maxsize=None)
+def _ids_of(path: Path) -> frozenset[str]:
+    parser = _Ids()
+    parser.feed(path.read_text(encoding="utf-8", errors="replace"))
+    return frozenset(parser.ids)
+
+
+def _broken_links(page_url: str, links: list[str], base_url: str) -> list[str]:
+    broken = []
+    for link in dict.fromkeys(links):
+        if not link.startswith(base_url):
+            continue  # another site, mailto:, javascript:
+        parts = urllib.parse.urlsplit(link)
+        rel = urllib.parse.unquote(parts.path)[len(urllib.parse.urlsplit(base_url).path):]
+        target = HTML / rel
+        if target.is_dir() or rel == "":
+            target = target / "index.html"
+        if not target.is_file():
+            broken.append(f"{link} (no file {target.relative_to(HTML)})")
+            continue
+        fragment = urllib.parse.unquote(parts.fragment)
+        if fragment and target.suffix == ".html" and fragment not in _ids_of(target):
+            broken.append(f"{link} (no id {fragment!r} in {target.relative_to(HTML)})")
+    return broken
+
+
+def _source_of(page: str) -> str:
+    """The page's source as copied into _sources/ ('' if none)."""
+    for suffix in (".md", ".ipynb", ".rst", ".md.txt"):
+        src = HTML / "_sources" / (page[: -len(".html")] + suffix)
+        if src.is_file():
+            return src.read_text(encoding="utf-8", errors="replace")
+    return ""
+
+
+def _is_notebook(source: str) -> bool:
+    """A MyST notebook: YAML front matter with a kernelspec."""
+    if not source.startswith("---"):
+        return False
+    front = source.split("---", 2)[1]
+    return "kernelspec:" in front
+
+
+# -- the checks --------------------------------------------------------------------------------
+
+def test_the_book_was_built():
+    if not PAGES:
+        _unavailable(f"no built book at {HTML}: run `make book` first")
+    assert "index.html" in PAGES and "search.html" in PAGES, PAGES
+
+
+@pytest.mark.parametrize("page", PAGES or ["(no built book)"])
+def test_page(page, browser, base_url):
+    url = base_url + page
+    _console_errors(browser)  # drop what the previous page left
+    browser.get(url)
+    report = browser.execute_async_script(_INSPECT)
+    assert "error" not in report, f"{page}: the page inspection script failed: {report}"
+    problems = [f"console: {m}" for m in _console_errors(browser)]
+
+    source = _source_of(page)
+    if report["math"] or "$$" in source:
+        if not report["mathjax"]:
+            problems.append("math on the page but MathJax did not load")
+        if report["containers"] == 0:
+            problems.append(f"no typeset math (no mjx-container) although the page has "
+                            f"{report['math']} math elements")
+        if any(s.startswith("http") and not s.startswith(base_url) for s in report["mathjaxSrc"]):
+            problems.append(f"MathJax loaded from another site: {report['mathjaxSrc']}")
+    problems += [f"math not typeset: {t!r}" for t in report["untypeset"]]
+    problems += [f"MathJax error or undefined macro: {t!r}" for t in report["mathErrors"]]
+    problems += [f"image did not load: {src}" for src in report["brokenImages"]]
+    problems += [f"broken link: {b}" for b in _broken_links(url, report["links"], base_url)]
+    if _is_notebook(source) and not report["ipynb"]:
+        problems.append("a notebook page without its .ipynb download")
+    assert not problems, f"{page}:\n  " + "\n  ".join(problems)
+
+
+def test_search_finds_a_word(browser, base_url):
+    _console_errors(browser)
+    browser.get(base_url + "search.html?q=normalization")
+    deadline = time.time() + 30
+    hits = 0
+    while time.time() < deadline:
+        hits = browser.execute_script(
+            "return document.querySelectorAll('#search-results li, ul.search li').length")
+        if hits:
+            break
+        time.sleep(0.25)
+    assert hits > 0, "the search page found nothing for 'normalization'"
+    assert not _console_errors(browser)
+
+
+def test_exercises_are_numbered_and_solutions_folded(browser, base_url):
+    chapters = [p for p in PAGES if re.match(r"book/\d\d-.*\.html$", p)]
+    if not chapters:
+        pytest.skip("no chapter built yet")
+    found = 0
+    for page in chapters:
+        browser.get(base_url + page)
+        info = browser.execute_script(r"""
+            const ex = [...document.querySelectorAll('div.exercise > .admonition-title')]
+                .map(t => t.textContent.trim());
+            const sol = [...document.querySelectorAll('div.solution.dropdown')].map(s => {
+                const body = [...s.children].filter(c => !c.classList.contains('admonition-title'));
+                // togglebutton folds with visibility: hidden and height 0
+                return body.every(c => c.offsetParent === null
+                    || getComputedStyle(c).visibility === 'hidden'
+                    || c.getBoundingClientRect().height === 0);
+            });
+            return {ex, sol};""")
+        found += len(info["ex"])
+        unnumbered = [t for t in info["ex"] if not re.match(r"Exercise \d+(\.\d+)*", t)]
+        assert not unnumbered, f"{page}: exercises without a number: {unnumbered}"
+        assert all(info["sol"]), f"{page}: a dropdown solution is open when the page loads"
+    if not found:
+        pytest.skip("no exercises in the built chapters")
+
+
+def test_screenshots(browser, base_url):
+    """Screenshots of the front page, the first chapter (light and dark) and the API page."""
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    chapters = [p for p in PAGES if re.match(r"book/\d\d-.*\.html$", p)]
+    shots = {"intro": "book/intro.html", "api": "book/api.html"}
+    if chapters:
+        shots["chapter"] = chapters[0]
+    for name, page in shots.items():
+        if page not in PAGES:
+            continue
+        browser.get(base_url + page)
+        browser.execute_async_script(_INSPECT)
+        browser.save_screenshot(str(SCREENSHOTS / f"{name}.png"))
+    if chapters:
+        # dark theme, scrolled to the first figure or cell output: is it legible?
+        browser.get(base_url + chapters[0])
+        browser.execute_script("localStorage.setItem('mode', 'dark');")
+        browser.get(base_url + chapters[0])
+        browser.execute_async_script(_INSPECT)
+        browser.execute_script("""
+            const fig = document.querySelector('.cell_output img, figure img');
+            if (fig) fig.scrollIntoView({block: 'center'});""")
+        time.sleep(0.3)
+        browser.save_screenshot(str(SCREENSHOTS / "chapter-dark.png"))
+        theme = browser.execute_script("return document.documentElement.dataset.theme")
+        browser.execute_script("localStorage.setItem('mode', 'auto');")
+        assert theme == "dark", theme
+    assert (SCREENSHOTS / "intro.png").stat().st_size > 10_000
