@@ -194,7 +194,7 @@ def test_rms_norm_scale_identity_on_kernel_dx(M, D):
     assert (resid <= 64 * torch.finfo(torch.float32).eps * (x * dx).abs().sum(-1)).all()
 
 
-@pytest.mark.parametrize("M,D", [(37, 1000), (5, 70000)])
+@pytest.mark.parametrize("M,D", [(37, 1000), (6, 20000)])  # 20000: chunked path, four programs
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_parameter_gradients_are_deterministic(M, D, norm):
     """Two runs give bitwise equal dweight and dbias: fixed grid, fixed partials, fixed sum order."""

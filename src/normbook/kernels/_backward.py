@@ -213,11 +213,12 @@ def norm_backward(dy, ds, x, weight, mean, rstd, has_bias: bool, is_rms: bool):
     M, D = x.shape
     dev = x.device
     dx = torch.empty((M, D), dtype=x.dtype, device=dev)
-    empty = torch.zeros((0,), dtype=torch.float32, device=dev)
+
+    def zeros(present):  # a fresh tensor each: custom op outputs must not alias one another
+        return torch.zeros((D,) if present else (0,), dtype=torch.float32, device=dev)
+
     if M == 0:
-        dweight = torch.zeros(D, dtype=torch.float32, device=dev) if weight is not None else empty
-        dbias = torch.zeros(D, dtype=torch.float32, device=dev) if has_bias else empty
-        return dx, dweight, dbias
+        return dx, zeros(weight is not None), zeros(has_bias)
     cfg = backward_config(M, D)
     programs = persistent_programs(dev, triton.cdiv(M, cfg.ROWS))
     part_w = torch.empty((programs, D) if weight is not None else (0,), dtype=torch.float32, device=dev)
@@ -246,6 +247,6 @@ def norm_backward(dy, ds, x, weight, mean, rstd, has_bias: bool, is_rms: bool):
             x, dy, dsp, dx, w, mean_p, rstd, c1_p, c2, pw, pb, x.stride(0), dy.stride(0),
             dsp.stride(0), M, D, **flags, BLOCK_D=cfg.BLOCK_D, **cfg.launch())
     # the one small reduction, (programs, D) -> (D,), fixed order: deterministic
-    dweight = part_w.sum(0) if weight is not None else empty
-    dbias = part_b.sum(0) if has_bias else empty
+    dweight = part_w.sum(0) if weight is not None else zeros(False)
+    dbias = part_b.sum(0) if has_bias else zeros(False)
     return dx, dweight, dbias

@@ -1,0 +1,160 @@
+"""normbook.kernels as an API: custom ops under torch.compile, argument errors, import hygiene,
+and (marked gpu, skipped without CUDA) larger shapes and dispatch on a device."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+import normbook  # noqa: E402
+import normbook.kernels as K  # noqa: E402
+from test_kernels_accuracy import DEVICE, EPS, make  # noqa: E402
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (triton's interpreter switch is read at import)."""
+    full = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120)
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+class Block(torch.nn.Module):
+    """A pre-norm residual block in miniature, using all four public functions."""
+
+    def __init__(self, D):
+        super().__init__()
+        self.proj = torch.nn.Linear(D, D)
+        self.w = torch.nn.Parameter(1 + 0.1 * torch.randn(D))
+        self.b = torch.nn.Parameter(0.1 * torch.randn(D))
+
+    def forward(self, x, residual):
+        y, s = K.add_layer_norm(x, residual, self.w, self.b, EPS)
+        h = K.layer_norm(self.proj(y), (y.shape[-1],), self.w, None, EPS)
+        z, s2 = K.add_rms_norm(h, s, self.w, EPS)
+        return K.rms_norm(z, (z.shape[-1],), None) + s2
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    """fullgraph=True raises on any graph break, so passing means the custom ops traced whole."""
+    torch.manual_seed(0)
+    block = Block(48).to(DEVICE)
+    x = torch.randn(2, 5, 48, device=DEVICE, requires_grad=True)
+    r = torch.randn(2, 5, 48, device=DEVICE, requires_grad=True)
+    torch._dynamo.reset()
+    out = torch.compile(block, fullgraph=True)(x, r)
+    out.square().sum().backward()
+    got = [out.detach(), x.grad, r.grad, block.w.grad]
+    x.grad = r.grad = block.w.grad = None
+    out_e = block(x, r)
+    out_e.square().sum().backward()
+    # fp32; the compiled Linear may sum in another order: a few ulps
+    for a, e in zip(got, [out_e.detach(), x.grad, r.grad, block.w.grad]):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_custom_ops_are_registered():
+    assert hasattr(torch.ops.normbook, "norm_forward") and hasattr(torch.ops.normbook, "norm_backward")
+    x, w, b, _ = make(3, 16, torch.float32)
+    torch.library.opcheck(torch.ops.normbook.norm_forward.default, (x, None, w, b, EPS, False),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("call,error,words", [
+    (lambda x, w: K.layer_norm(x, (32,), w), ValueError, ["normalized_shape", "(32,)", "(64,)"]),
+    (lambda x, w: K.layer_norm(x, 64, w[:10]), ValueError, ["weight", "(64,)", "(10,)"]),
+    (lambda x, w: K.layer_norm(x.long(), 64), TypeError, ["input", "int64"]),
+    (lambda x, w: K.layer_norm(x.double(), 64), TypeError, ["input", "float64", "float32"]),
+    (lambda x, w: K.rms_norm(x, 64, w.double()), TypeError, ["weight", "float64"]),
+    (lambda x, w: K.rms_norm(x, 64, w.to("meta")), ValueError, ["weight", "device", "meta"]),
+    (lambda x, w: K.layer_norm(x, 64, w, eps=-1.0), ValueError, ["eps", "-1.0"]),
+    (lambda x, w: K.add_layer_norm(x, x[:, :32], w, None), ValueError, ["residual", "(4, 64)", "(4, 32)"]),
+    (lambda x, w: K.add_rms_norm(x, x.half(), w), TypeError, ["residual", "float32", "float16"]),
+    (lambda x, w: K.add_rms_norm(x, x.to("meta"), w), ValueError, ["residual", "device", "meta"]),
+    (lambda x, w: K.layer_norm([1.0, 2.0], 2), TypeError, ["input", "Tensor", "list"]),
+])
+def test_bad_input_names_the_argument(call, error, words):
+    x, w, _, _ = make(4, 64, torch.float32)
+    with pytest.raises(error) as info:
+        call(x, w)
+    for word in words:
+        assert word in str(info.value), f"{word!r} missing from: {info.value}"
+
+
+def test_empty_batch_and_d1():
+    """M = 0 launches nothing and returns empty tensors (and zero parameter grads); D = 1 works."""
+    x = torch.empty(0, 7, device=DEVICE, requires_grad=True)
+    w = torch.ones(7, device=DEVICE, requires_grad=True)
+    y = K.rms_norm(x, (7,), w)
+    y.sum().backward()
+    assert y.shape == (0, 7) and torch.equal(w.grad, torch.zeros(7, device=DEVICE))
+    x1 = torch.randn(5, 1, device=DEVICE)
+    torch.testing.assert_close(K.layer_norm(x1, (1,)), F.layer_norm(x1, (1,)))  # both exactly 0
+
+
+def test_cpu_without_interpreter_is_a_clear_error():
+    code = ("import torch, normbook.kernels as K\n"
+            "try:\n    K.layer_norm(torch.randn(2, 8), (8,))\n"
+            "except ValueError as e:\n    print('ValueError:', e)\n")
+    out = _python(code, TRITON_INTERPRET="0")
+    assert "ValueError:" in out.stdout and "TRITON_INTERPRET=1" in out.stdout, out.stdout + out.stderr
+
+
+def test_import_normbook_does_not_import_triton():
+    out = _python("import sys, normbook; normbook.layer_norm; print('triton' in sys.modules)")
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+# ----------------------------------------------------------------------------- on a GPU
+
+@pytest.mark.parametrize("M,D", [(32768, 1024), (4096, 8192), (1024, 16384), (64, 131072), (3, 70001)])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_three_ways_large(norm, M, D, dtype):
+    """Larger shapes, compiled kernels, bf16/fp16/fp32 on the device, same bound as on the CPU."""
+    from test_kernels_accuracy import test_layer_norm_three_ways, test_rms_norm_three_ways
+    (test_layer_norm_three_ways if norm == "layer" else test_rms_norm_three_ways)(M, D, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_public_api_dispatches_to_kernels(monkeypatch):
+    """normbook.layer_norm / rms_norm on a CUDA tensor go to normbook.kernels."""
+    calls = []
+    for name in ("layer_norm", "rms_norm"):
+        real = getattr(K, name)
+        monkeypatch.setattr(K, name, lambda *a, _real=real, _n=name, **k: calls.append(_n) or _real(*a, **k))
+    x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(normbook.layer_norm(x, 256), F.layer_norm(x, (256,)))
+    torch.testing.assert_close(normbook.rms_norm(x, 256), F.rms_norm(x, (256,)))
+    assert calls == ["layer_norm", "rms_norm"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("D", [4096, 32768])
+def test_gpu_parameter_gradients_bitwise_deterministic(D):
+    """Persistent grid, fixed partial layout, torch's deterministic sum: equal bits run to run."""
+    x = torch.randn(16384, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(D, device="cuda", requires_grad=True)
+    b = torch.randn(D, device="cuda", requires_grad=True)
+    dy = torch.randn_like(x)
+    runs = []
+    for _ in range(3):
+        w.grad = b.grad = None
+        K.layer_norm(x, (D,), w, b).backward(dy)
+        runs.append((w.grad.clone(), b.grad.clone()))
+    for dw, db in runs[1:]:
+        assert torch.equal(dw, runs[0][0]) and torch.equal(db, runs[0][1])

@@ -1,0 +1,90 @@
+"""The fused residual add, add_layer_norm and add_rms_norm: s = x + residual, y = norm(s).
+
+Forward: s is x + residual rounded to the dtype, exactly as torch computes it; y is the norm of
+that s, checked three ways as in test_kernels_accuracy. Backward, the (fork-rule): s feeds the
+norm and, in a transformer, the next residual branch, so the gradient of s is the gradient
+through the norm plus the gradient arriving at s; x and the residual both receive that sum.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+import normbook.kernels as K  # noqa: E402
+from normbook import reference  # noqa: E402
+from test_kernels_accuracy import DEVICE, EPS, assert_within_torch, make  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("M,D", [(0, 760), (1, 3), (37, 760), (1, 70000)])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_add_norm_forward_and_all_grads(norm, M, D, dtype):
+    x, w, b, dy = make(M, D, dtype, seed=1)
+    r, _, _, ds = make(M, D, dtype, seed=2)                 # residual stream and dL/ds from above
+    is_layer = norm == "layer"
+
+    def fused(x, r, w, b):
+        return K.add_layer_norm(x, r, w, b, EPS) if is_layer else K.add_rms_norm(x, r, w, EPS)
+
+    def unfused(x, r, w, b):
+        s = x + r
+        return (F.layer_norm(s, (D,), w, b, EPS) if is_layer else F.rms_norm(s, (D,), w, EPS)), s
+
+    def run(fn):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, r, w, b)]
+        y, s = fn(*leaves)
+        torch.autograd.backward((y, s), (dy, ds))
+        return y.detach(), s.detach(), [leaf.grad for leaf in leaves]
+
+    y, s, (dx, dr, dw, db) = run(fused)
+    yt, st, (dxt, drt, dwt, dbt) = run(unfused)
+    if K.ops.interpreted() and dtype == torch.bfloat16:
+        # Triton's interpreter casts fp32 -> bf16 by truncation where a GPU rounds to nearest
+        # even, so on the CPU the two s may differ by one bf16 ulp (2^-7 relative)
+        torch.testing.assert_close(s, st, rtol=2.0**-7, atol=0)
+    else:
+        assert torch.equal(s, st)                            # s = x + r rounded once, like torch
+    s64, w64, b64 = s.double(), w.double(), b.double()
+    if is_layer:
+        y64, mean, rstd = reference.layer_norm_forward(s64, w64, b64, EPS)
+        dnorm64, dw64, db64 = reference.layer_norm_backward(dy.double(), s64, w64, mean, rstd)
+        assert_within_torch(db, dbt, db64, name="dbias", sum_rows=M)
+    else:
+        y64, rstd = reference.rms_norm_forward(s64, w64, EPS)
+        dnorm64, dw64 = reference.rms_norm_backward(dy.double(), s64, w64, rstd)
+        assert db is None
+    ds64 = dnorm64 + ds.double()                             # fork rule: the two gradients add
+    assert_within_torch(y, yt, y64, name="y")
+    assert_within_torch(dx, dxt, ds64, name="dx")
+    assert torch.equal(dr, dx)                               # s = x + r: one gradient for both
+    assert_within_torch(dw, dwt, dw64, name="dweight", sum_rows=M)
+
+
+def test_add_norm_without_gradient_at_s():
+    """When s is not used downstream, only the gradient through the norm reaches x and residual."""
+    x, w, b, dy = make(5, 64, torch.float32, seed=3)
+    r = make(5, 64, torch.float32, seed=4).__next__()
+    x.requires_grad_(True)
+    r.requires_grad_(True)
+    y, _ = K.add_layer_norm(x, r, w, b, EPS)
+    y.backward(dy)
+    s64 = (x + r).detach().double()
+    _, mean, rstd = reference.layer_norm_forward(s64, w.double(), b.double(), EPS)
+    dx64, _, _ = reference.layer_norm_backward(dy.double(), s64, w.double(), mean, rstd)
+    torch.testing.assert_close(x.grad.double(), dx64, rtol=1e-5, atol=1e-5)  # fp32: a few ulps
+    assert torch.equal(x.grad, r.grad)
+
+
+def test_add_norm_reads_strided_inputs():
+    """x and the residual may each be a slice of a wider tensor; the results are those of copies."""
+    wide_x, w, b, _ = make(37, 1000, torch.bfloat16, seed=5)
+    wide_r = make(37, 1000, torch.bfloat16, seed=6).__next__()
+    x, r = wide_x[:, :760], wide_r[:, 200:960]
+    y, s = K.add_rms_norm(x, r, w[:760], EPS)
+    y_c, s_c = K.add_rms_norm(x.contiguous(), r.contiguous(), w[:760], EPS)
+    assert torch.equal(y, y_c) and torch.equal(s, s_c)
+    assert DEVICE in str(y.device)
