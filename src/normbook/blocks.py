@@ -188,7 +188,7 @@ def train(model: ResidualStack, teacher: nn.Module, *, steps: int, lr: float, wa
     """
     d_in = model.embed.in_features
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    opt = torch.optim.Adam(model.parameters(), lr=lr, foreach=True)   # one fused update for all tensors
     losses = torch.full((steps,), float("nan"), dtype=torch.float64)
     for step in range(steps):
         if warmup > 0:
