@@ -199,7 +199,9 @@ def norm_bwd_chunked_kernel(
 
 
 def norm_backward(dy, ds, x, weight, mean, rstd, has_bias: bool, is_rms: bool):
-    """Launch the backward on (M, D) ``x`` and ``dy`` whose last dims are contiguous.
+    """(ln-dx), (rms-dx), (ln-dparams) and (fork-rule): launch the backward on (M, D) rows.
+
+    ``x`` and ``dy`` have contiguous last dims; their row strides are honoured.
 
     Args:
         dy: (M, D) gradient at y; ds: (M, D) gradient at s, or None (no fused residual).

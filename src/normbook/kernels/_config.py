@@ -14,6 +14,7 @@ shape is constexpr, and it is bucketed: BLOCK_D = next_power_of_2(D), so every D
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -78,8 +79,12 @@ def persistent_programs(device: torch.device, tiles: int) -> int:
     shapes split the rows the same way and sum the partials in the same order: bitwise equal.
     """
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        programs = 2 * sms   # two resident programs per SM hide the per-row reduction latency
+        programs = 2 * _sm_count(device.index)   # two resident programs per SM
     else:
         programs = CPU_PROGRAMS
     return max(1, min(programs, tiles))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index) -> int:
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count

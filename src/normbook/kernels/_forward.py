@@ -161,7 +161,7 @@ def norm_fwd_chunked_kernel(
 
 
 def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
-    """Launch the forward on a (M, D) ``x`` whose last dim is contiguous.
+    """(ln-y) and (rms-y), with the residual add: launch the forward on (M, D) rows, last dim contiguous.
 
     Returns:
         y: (M, D) contiguous, x's dtype; s: (M, D) x + residual, or an empty tensor without a

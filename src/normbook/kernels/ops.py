@@ -4,7 +4,7 @@ Two ops carry everything: ``normbook::norm_forward`` (both norms, with or withou
 residual add) and ``normbook::norm_backward``. Each has a fake (shape-only) implementation, so
 ``torch.compile(fullgraph=True)`` traces a model through them without a graph break, and the
 forward has an autograd formula that calls the backward op. The public functions validate,
-flatten (..., *normalized_shape) to (M, D), call the op and restore the shape.
+flatten ``(..., *normalized_shape)`` to ``(M, D)``, call the op and restore the shape.
 """
 
 from __future__ import annotations
@@ -110,9 +110,9 @@ def _check_kernel_input(t: Tensor, name: str) -> None:
                      f"got device {t.device}")
 
 
-def _prepare(input, normalized_shape, eps, params: dict, residual=None):
+def _prepare(input, normalized_shape, eps, params: dict, residual=None, name="input"):
     """Validate; return (x, residual, *params) as (M, D) rows and (D,) vectors."""
-    _check_kernel_input(input, "input")
+    _check_kernel_input(input, name)
     shape = _validate.as_shape(normalized_shape)
     _validate.check_normalized_shape(input, shape)
     for name, p in params.items():
@@ -143,12 +143,13 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
 
     Forward (ln-mean) to (ln-y) of "One token's vector"; gradient (ln-dx) and (ln-dparams) of
     "The backward pass". Statistics in fp32 (biased variance, eps inside the root).
+    float64 is refused: use :func:`normbook.layer_norm`, whose reference path computes in it.
 
     Args:
-        input: (*, *normalized_shape) float16, bfloat16 or float32; CUDA, or CPU under
+        input: ``(*, *normalized_shape)`` float16, bfloat16 or float32; CUDA, or CPU under
             TRITON_INTERPRET=1.
         normalized_shape: int or sequence, the trailing dims to normalize over (D = product).
-        weight, bias: optional (*normalized_shape), any of the three dtypes.
+        weight, bias: optional, of shape ``normalized_shape``, any of the three dtypes.
         eps: added to the variance inside the square root.
 
     Returns:
@@ -165,9 +166,9 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     Forward (rms-ms), (rms-y) of "One token's vector"; gradient (rms-dx) of "RMSNorm".
 
     Args:
-        input: (*, *normalized_shape) float16, bfloat16 or float32.
+        input: ``(*, *normalized_shape)`` float16, bfloat16 or float32.
         normalized_shape: int or sequence, the trailing dims to normalize over.
-        weight: optional (*normalized_shape).
+        weight: optional, of shape ``normalized_shape``.
         eps: inside the square root; None means ``torch.finfo(input.dtype).eps``, as in torch.
 
     Returns:
@@ -188,7 +189,7 @@ def add_layer_norm(x, residual, weight, bias, eps=1e-5):
     gradient of x and of the residual alike ("Residual connections").
 
     Args:
-        x, residual: (*, D) of one dtype and device.
+        x, residual: ``(..., D)``, of one dtype and device.
         weight, bias: (D,) or None.
         eps: added to the variance inside the square root.
 
@@ -196,7 +197,7 @@ def add_layer_norm(x, residual, weight, bias, eps=1e-5):
         (y, s), both of x's shape and dtype.
     """
     D = x.shape[-1] if isinstance(x, Tensor) and x.dim() > 0 else 0
-    xs, r, w, b = _prepare(x, D, eps, {"weight": weight, "bias": bias}, residual=residual)
+    xs, r, w, b = _prepare(x, D, eps, {"weight": weight, "bias": bias}, residual=residual, name="x")
     y, s, _, _ = norm_forward(xs, r, w, b, float(eps), False)
     return y.reshape(x.shape), s.reshape(x.shape)
 
@@ -213,6 +214,6 @@ def add_rms_norm(x, residual, weight, eps=None):
     if eps is None and isinstance(x, Tensor) and x.is_floating_point():
         eps = torch.finfo(x.dtype).eps
     D = x.shape[-1] if isinstance(x, Tensor) and x.dim() > 0 else 0
-    xs, r, w = _prepare(x, D, eps, {"weight": weight}, residual=residual)
+    xs, r, w = _prepare(x, D, eps, {"weight": weight}, residual=residual, name="x")
     y, s, _, _ = norm_forward(xs, r, w, None, float(eps), True)
     return y.reshape(x.shape), s.reshape(x.shape)
