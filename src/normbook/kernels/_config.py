@@ -2,12 +2,18 @@
 
 D and the row strides are runtime arguments, so a new D does not recompile. Only the block
 shape is constexpr, and it is bucketed: BLOCK_D = next_power_of_2(D), so every D in
-(2^(k-1), 2^k] shares one compiled kernel.
+(2^(k-1), 2^k] shares one compiled kernel. (Triton's JIT does specialize on D % 16 == 0 and
+on 16-byte-aligned pointers and strides: that is what lets the loads be 128 bits wide.)
 
-- D <= MAX_FUSED_D_FWD (forward) or MAX_FUSED_D_BWD (backward): the whole row lives in registers; statistics take two passes over those
-  registers and HBM is read once. When D is small a program takes several rows (ROWS), so each
-  program still moves a useful number of bytes.
-- wider rows: the row is processed in CHUNK_D-wide chunks (a loop), never refused.
+- D <= MAX_FUSED_D_FWD (forward) or MAX_FUSED_D_BWD (backward): the whole row lives in
+  registers; statistics take two passes over those registers and HBM is read once. When D is
+  small a program takes several rows (ROWS), so each program still moves a useful number of bytes.
+- wider rows: processed in CHUNK_D-wide chunks (a loop), never refused. The price is a second
+  read of the row: the forward re-reads it to normalize (mostly from L2), the backward reads x
+  and dy once for c1, c2 and again for dx and the partials.
+- The backward's cap is half the forward's because it keeps four row-sized fp32 tensors live
+  (x, dy and the dweight, dbias partials): at D = 16384 that is about 160 registers per thread
+  at 16 warps, over the 128 available, and ptxas spills (see ``python -m normbook.kernels.report``).
 - Backward: a persistent grid of a fixed number of programs, each looping over its rows with
   fp32 partial sums of dweight and dbias, so the final reduction is small and deterministic.
 """
