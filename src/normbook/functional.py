@@ -93,11 +93,11 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     (ln-dparams) and (ln-dx) of "The backward pass".
 
     Args:
-        input: (*, *normalized_shape) floating tensor.
+        input: ``(*, *normalized_shape)`` floating tensor.
         normalized_shape: int or sequence of ints, the trailing dims to normalize over
             (D = their product).
-        weight: optional (*normalized_shape) scale gamma.
-        bias: optional (*normalized_shape) shift beta.
+        weight: optional ``(*normalized_shape)`` scale gamma.
+        bias: optional ``(*normalized_shape)`` shift beta.
         eps: added to the variance inside the square root.
 
     Returns:
@@ -128,9 +128,9 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     (rms-dx) of "RMSNorm".
 
     Args:
-        input: (*, *normalized_shape) floating tensor.
+        input: ``(*, *normalized_shape)`` floating tensor.
         normalized_shape: int or sequence of ints, the trailing dims to normalize over.
-        weight: optional (*normalized_shape) scale gamma.
+        weight: optional ``(*normalized_shape)`` scale gamma.
         eps: added to the mean square inside the square root; None means
             ``torch.finfo(input.dtype).eps``, as in torch.
 

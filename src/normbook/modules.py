@@ -20,7 +20,7 @@ class LayerNorm(torch.nn.LayerNorm):
     Args (as ``torch.nn.LayerNorm``): normalized_shape, eps=1e-5, elementwise_affine=True,
     bias=True, device=None, dtype=None.
 
-    Shape: input (*, *normalized_shape) -> output of the same shape.
+    Shape: input ``(*, *normalized_shape)`` -> output of the same shape.
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -33,7 +33,7 @@ class RMSNorm(torch.nn.RMSNorm):
     Args (as ``torch.nn.RMSNorm``): normalized_shape, eps=None, elementwise_affine=True,
     device=None, dtype=None.
 
-    Shape: input (*, *normalized_shape) -> output of the same shape.
+    Shape: input ``(*, *normalized_shape)`` -> output of the same shape.
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
