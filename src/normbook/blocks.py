@@ -112,9 +112,9 @@ class ResidualStack(nn.Module):
         self.final_norm = norm(dim) if final_norm else nn.Identity()
         self.head = nn.Linear(dim, d_out)
         for mod in self.modules():
-            if isinstance(mod, nn.Linear):                 # the initialisation Xiong et al. analyse:
-                nn.init.xavier_uniform_(mod.weight)        # F(x) has about the scale of x
-                nn.init.zeros_(mod.bias)
+            if isinstance(mod, nn.Linear):                 # the initialisation Xiong et al. (2020)
+                nn.init.xavier_uniform_(mod.weight)        # analyse, instead of torch's default,
+                nn.init.zeros_(mod.bias)                   # whose branches start smaller
 
     def forward(self, x):
         h = self.embed(x)                                  # (..., D) the residual stream
@@ -129,9 +129,9 @@ def teacher_batch(teacher: nn.Module, batch: int, d_in: int, generator: torch.Ge
     Returns:
         x: (batch, d_in); target: (batch, d_out), computed without gradient.
     """
-    x = torch.randn(batch, d_in, generator=generator)    # (B, d_in)
+    x = torch.randn(batch, d_in, generator=generator)    # (batch, d_in)
     with torch.no_grad():
-        target = teacher(x)                                # (B, d_out)
+        target = teacher(x)                                # (batch, d_out)
     return x, target
 
 
@@ -178,7 +178,7 @@ def train(model: ResidualStack, teacher: nn.Module, *, steps: int, lr: float, wa
     (linear warmup), then stays at lr; ``warmup=0`` uses lr from the first step.
 
     Args:
-        model: maps (B, d_in) to (B, d_out). teacher: the same, fixed.
+        model: maps (batch, d_in) to (batch, d_out). teacher: the target map, fixed.
         steps: number of Adam steps. lr: peak learning rate. warmup: warmup length in steps.
         batch: tokens per step. seed: seeds the data stream (the model is initialised by the caller).
 
