@@ -51,6 +51,7 @@ class MLP(nn.Module):
         self.down = nn.Linear(hidden, dim)
 
     def forward(self, x):
+        """F(x) for x of shape (..., D)."""
         return self.down(nn.functional.gelu(self.up(x)))   # (..., D)
 
 
@@ -63,6 +64,7 @@ class PreNormBlock(nn.Module):
         self.mlp = MLP(dim, hidden)
 
     def forward(self, x):
+        """x + F(N(x)) for x of shape (..., D)."""
         return x + self.mlp(self.norm(x))                  # identity path: a bare +
 
 
@@ -75,6 +77,7 @@ class PostNormBlock(nn.Module):
         self.mlp = MLP(dim, hidden)
 
     def forward(self, x):
+        """N(x + F(x)) for x of shape (..., D)."""
         return self.norm(x + self.mlp(x))                  # identity path goes through N
 
 
@@ -117,17 +120,24 @@ class ResidualStack(nn.Module):
                 nn.init.zeros_(mod.bias)                   # whose branches start smaller
 
     def forward(self, x):
+        """(..., d_in) -> (..., d_out)."""
         h = self.embed(x)                                  # (..., D) the residual stream
         for blk in self.blocks:
             h = blk(h)
         return self.head(self.final_norm(h))               # (..., d_out)
 
 
-def teacher_batch(teacher: nn.Module, batch: int, d_in: int, generator: torch.Generator):
+def teacher_batch(teacher, batch: int, d_in: int, generator):
     """A regression batch: Gaussian inputs and the outputs of a fixed random ``teacher``.
 
+    Args:
+        teacher: the target map, from :func:`make_teacher`.
+        batch: the number of inputs. d_in: their width.
+        generator: a seeded ``torch.Generator`` that draws the inputs.
+
     Returns:
-        x: (batch, d_in); target: (batch, d_out), computed without gradient.
+        The pair (x, target), of shapes (batch, d_in) and (batch, d_out); the target is
+        computed without gradient.
     """
     x = torch.randn(batch, d_in, generator=generator)    # (batch, d_in)
     with torch.no_grad():
@@ -135,7 +145,7 @@ def teacher_batch(teacher: nn.Module, batch: int, d_in: int, generator: torch.Ge
     return x, target
 
 
-def make_teacher(d_in: int, d_out: int, width: int = 64, seed: int = 0) -> nn.Module:
+def make_teacher(d_in: int, d_out: int, width: int = 64, seed: int = 0):
     """The task: a fixed random two-layer tanh network, x (..., d_in) -> (..., d_out).
 
     Gaussian weights, scaled so that tanh works in its curved range and each output has a
@@ -152,12 +162,16 @@ def make_teacher(d_in: int, d_out: int, width: int = 64, seed: int = 0) -> nn.Mo
     return teacher.requires_grad_(False)
 
 
-def layer_grad_norms(model: ResidualStack, x, target):
+def layer_grad_norms(model, x, target):
     """Per-block gradient norms of the MSE loss at the model's current parameters.
 
+    Args:
+        model: a :class:`ResidualStack`; its gradients are left cleared.
+        x: (..., d_in) inputs. target: (..., d_out) targets.
+
     Returns:
-        (depth,) tensor: the 2-norm of the gradient of all of block l's parameters, together,
-        for l = 0 (next to the input) to depth - 1 (next to the output).
+        A float64 tensor of shape (depth,), the 2-norm of the gradient of all of block l's
+        parameters together, for l = 0 (next to the input) to depth - 1 (next to the output).
     """
     model.zero_grad(set_to_none=True)
     loss = nn.functional.mse_loss(model(x), target)
@@ -170,7 +184,7 @@ def layer_grad_norms(model: ResidualStack, x, target):
     return torch.tensor(norms, dtype=torch.float64)
 
 
-def train(model: ResidualStack, teacher: nn.Module, *, steps: int, lr: float, warmup: int = 0,
+def train(model, teacher, *, steps: int, lr: float, warmup: int = 0,
           batch: int = 64, seed: int = 0):
     """Train ``model`` on fresh teacher batches with Adam; return the loss at every step.
 
@@ -178,13 +192,13 @@ def train(model: ResidualStack, teacher: nn.Module, *, steps: int, lr: float, wa
     (linear warmup), then stays at lr; ``warmup=0`` uses lr from the first step.
 
     Args:
-        model: maps (batch, d_in) to (batch, d_out). teacher: the target map, fixed.
+        model: a :class:`ResidualStack`, trained in place. teacher: the target map, fixed.
         steps: number of Adam steps. lr: peak learning rate. warmup: warmup length in steps.
         batch: tokens per step. seed: seeds the data stream (the model is initialised by the caller).
 
     Returns:
-        (steps,) float64 tensor of training losses (MSE), one per step, before that step's update.
-        A non-finite loss stops training; the remaining entries are nan.
+        A float64 tensor of shape (steps,), the training loss (MSE) of each step's batch before
+        that step's update. A non-finite loss stops training; the remaining entries are nan.
     """
     d_in = model.embed.in_features
     g = torch.Generator().manual_seed(seed)
