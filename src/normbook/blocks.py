@@ -202,7 +202,7 @@ def train(model, teacher, *, steps: int, lr: float, warmup: int = 0,
     """
     d_in = model.embed.in_features
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=lr, foreach=True)   # one fused update for all tensors
+    opt = torch.optim.Adam(model.parameters(), lr=lr, fused=True)   # one fused kernel for all tensors
     losses = torch.full((steps,), float("nan"), dtype=torch.float64)
     for step in range(steps):
         if warmup > 0:
