@@ -190,4 +190,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        # The interpreter replaces triton's compiler in this process (and make exports
+        # TRITON_INTERPRET=1): run the report again in a process where kernels compile.
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        os.execve(sys.executable, [sys.executable, "-m", "normbook.kernels.report", *sys.argv[1:]], env)
     sys.exit(main())
