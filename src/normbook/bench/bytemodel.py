@@ -89,6 +89,7 @@ _STATS_READ = {k: [_R(t.name, cols="1", fp32=True) for t in v] for k, v in _STAT
 _PARAMS = {"ln": [_R("weight", rows="1"), _R("bias", rows="1")], "rms": [_R("weight", rows="1")]}
 _DPARAMS = {"ln": [_W("dweight", rows="1"), _W("dbias", rows="1")], "rms": [_W("dweight", rows="1")]}
 
+#: The byte model as data. Maps (op, mode) to the tensors read and written, with shapes and dtypes.
 TRAFFIC: dict[tuple[str, str], list[Tensor]] = {}
 for _op, _k in (("layer_norm", "ln"), ("rms_norm", "rms")):
     # forward: read x, write y (+ params, + fp32 stats for backward)
