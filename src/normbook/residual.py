@@ -36,7 +36,7 @@ def _branch_backward(dt, u, A, t):
 
 
 def residual_tanh_forward(x, A):
-    """Residual block y = x + tanh(A x), the example of equation (residual-grad).
+    """Residual block y = x + tanh(A x), equation (residual-block); its gradient is (residual-grad).
 
     Args:
         x: (..., D) input, one token per row.
@@ -72,7 +72,9 @@ def residual_tanh_backward(dy, x, A, t):
 
 
 def pre_norm_tanh_forward(x, A, weight, bias, eps):
-    """Pre-norm block y = x + tanh(A LayerNorm(x)): x feeds the identity path and the norm.
+    """Pre-norm block y = x + tanh(A LayerNorm(x)), equation (residual-pre-norm).
+
+    x feeds the identity path and the norm: the fork that :func:`pre_norm_tanh_backward` sums.
 
     Args:
         x: (..., D) input. A: (D, D). weight, bias: (D,) or None. eps: LayerNorm's eps.
