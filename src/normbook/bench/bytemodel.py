@@ -1,5 +1,7 @@
 """The byte model: how many bytes each (op, mode) must move through HBM.
 
+Equations (kern-bytes-fwd) and (kern-bytes-bwd) of the chapter "Kernels".
+
 A norm does O(D) work on O(D) bytes per row, so it is memory-bound and its speed is best
 reported as bytes moved over time (GB/s), next to the copy bandwidth of the same device.
 The byte count is a property of the *op*, not of the implementation: every provider is

@@ -1,4 +1,4 @@
-"""Fused Triton kernels for LayerNorm and RMSNorm, chapter "Fused kernels".
+"""Fused Triton kernels for LayerNorm and RMSNorm, chapter "Kernels".
 
 Public functions (same signatures as ``torch.nn.functional``; always the Triton kernels:
 compiled on CUDA, interpreted on the CPU when TRITON_INTERPRET=1 was set before triton was

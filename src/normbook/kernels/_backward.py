@@ -1,5 +1,5 @@
 """Backward kernels, equations (ln-ghat), (ln-c), (ln-dx), (ln-dparams) of "The backward pass",
-(rms-dx) of "RMSNorm" and (fork-rule) of "Residual connections".
+(rms-dx) of "RMSNorm" and (fork-rule) of "Residual connections and the fork rule".
 
 Per row, with xhat recomputed from x, mean and rstd (never saved):
     ghat = dy * weight,   c1 = mean_d(ghat),   c2 = mean_d(ghat * xhat),

@@ -7,7 +7,8 @@ the norm, so x and the residual are each read once and s is written once.
 Two kernels, chosen by row length (see ``_config``):
 - ``norm_fwd_rows_kernel``: ROWS whole rows per program, each row held in registers.
 - ``norm_fwd_chunked_kernel``: one row per program, in CHUNK_D-wide chunks, for rows too wide
-  for the registers; chunk statistics are merged with Chan's formula.
+  for the registers; chunk statistics are merged with Chan's formula, equation (kern-chan) of
+  "Kernels" (never the cancelling E[x^2] - E[x]^2 of (kern-naive-var)).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def norm_fwd_chunked_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_D: tl.constexpr,   # chunk width
 ):
-    """(ln-mean) to (ln-y) and (rms-ms), (rms-y) for rows wider than the registers: one row per program."""
+    """(ln-mean) to (ln-y), (rms-ms), (rms-y) for rows too wide for the registers; statistics by (kern-chan)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
 
