@@ -116,7 +116,7 @@ def layer_norm_jacobian(x, eps):
 
 
 def rms_norm_forward(x, weight, eps):
-    """RMSNorm forward, equations (rms-ms) and (rms-y) of "One token's vector".
+    """RMSNorm forward, equations (rms-ms), (rms-y) of "One token's vector" and (rms-xhat) of "RMSNorm".
 
     ms = (1/D) sum_e x_e^2,   rstd = 1 / sqrt(ms + eps),   xhat = x * rstd,   y = weight * xhat.
     No mean is subtracted and there is no bias.
@@ -140,7 +140,7 @@ def rms_norm_forward(x, weight, eps):
 
 
 def rms_norm_backward(dy, x, weight, rstd):
-    """RMSNorm backward, equation (rms-dx) of "RMSNorm": LayerNorm's (ln-dx) without c1.
+    """RMSNorm backward, equations (rms-dparams) and (rms-dx) of "RMSNorm": (ln-dx) without c1.
 
     ghat = dy * weight,   c2 = mean_d(ghat * xhat),   dx = (ghat - c2 * xhat) * rstd,
     dweight_d = sum_n dy_nd xhat_nd.
