@@ -46,7 +46,7 @@ def count(provider: str, op: str, M: int = 64, D: int = 256):
     """((launches, passes) forward, (launches, passes) backward) of one benchmark provider on the CPU.
 
     Args:
-        provider: a name from :mod:`normbook.bench.providers` that runs on the CPU ("naive", "torch").
+        provider: a name from ``normbook.bench.providers`` that runs on the CPU ("naive", "torch").
         op: "layer_norm", "rms_norm", "add_layer_norm" or "add_rms_norm".
         M, D: the (M, D) shape counted; counts do not depend on it for M * D larger than D.
     """
