@@ -198,3 +198,17 @@ def test_cli_summary_of_recorded_json(tmp_path, capsys):
     assert cli.main(["--summary", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "rms_norm fwd bf16" in out and "goal: all PASS" in out
+
+
+def test_recorded_gpu_results_ignores_cpu_and_synthetic_runs(tmp_path):
+    import json
+
+    from normbook.bench.plot import recorded_gpu_results
+
+    assert recorded_gpu_results(tmp_path / "missing") == []
+    for name, prov in [("cpu", {"device_type": "cpu"}), ("fake", {"device_type": "cuda", "synthetic": True}),
+                       ("gpu", {"device_type": "cuda"})]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"provenance": prov, "copy_bandwidth_gbps": 1.0, "rows": []}))
+    found = recorded_gpu_results(tmp_path)
+    assert [r["provenance"] for r in found] == [{"device_type": "cuda"}]

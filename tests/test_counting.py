@@ -21,3 +21,4 @@ def test_the_composition_costs_more_passes_than_the_fused_op():
     assert torch_ops == 1 and torch_bwd_ops == 1 and torch_passes == 2
     assert naive_ops >= 5 and naive_passes >= 3 * fused_passes("layer_norm", "fwd")
     assert naive_bwd_passes > 3 * fused_passes("layer_norm", "bwd")
+

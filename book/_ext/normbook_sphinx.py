@@ -12,7 +12,6 @@ wrong for this book:
 - Triton missing: ``normbook.kernels`` imports triton. Where triton cannot be installed (macOS),
   autodoc documents the kernels against a stand-in (``autodoc_mock_imports``) so the API page
   still builds; the page says so.
-- Plain-text shapes in docstrings: "(*, *normalized_shape)" is not the start of emphasis.
 - Citations as "(Ba et al., 2016)": the ``author_year_round`` referencing style, and an
   author-year label style for the bibliography.
 """
@@ -20,7 +19,6 @@ wrong for this book:
 from __future__ import annotations
 
 import importlib.util
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,21 +85,6 @@ def _mock_triton_if_missing(app, config):
         config.autodoc_mock_imports = [*config.autodoc_mock_imports, "triton"]
 
 
-_EMPHASIS_START = re.compile(r"(?<![\\*\w`])\*(?=[^\s*])")
-
-
-def _literal_stars(app, what, name, obj, options, lines):
-    """Docstrings write shapes as plain text, "(*, *normalized_shape)"; a ``*`` there is not emphasis.
-
-    Escapes a ``*`` that reStructuredText would read as the start of emphasis, outside
-    ``literal`` spans. The package's docstrings never use ``*emphasis*``.
-    """
-    for i, line in enumerate(lines):
-        parts = line.split("``")
-        parts[::2] = [_EMPHASIS_START.sub(r"\\*", p) for p in parts[::2]]
-        lines[i] = "``".join(parts)
-
-
 def _offer_ipynb(app, pagename, templatename, context, doctree):
     """Put the executed notebook of a MyST-notebook page in _sources/ and into the download menu."""
     if "kernelspec" not in app.env.metadata.get(pagename, {}):
@@ -130,7 +113,6 @@ def _dedupe_scripts(app, pagename, templatename, context, doctree):
 
 def setup(app):
     app.connect("config-inited", _mock_triton_if_missing)
-    app.connect("autodoc-process-docstring", _literal_stars, priority=600)  # after napoleon
     # before sphinx-book-theme builds its header buttons (priority 501)
     app.connect("html-page-context", _offer_ipynb, priority=400)
     app.connect("html-page-context", _dedupe_scripts, priority=999)  # after every other handler

@@ -47,6 +47,18 @@ def load_results(sources) -> list[dict]:
     return out
 
 
+def recorded_gpu_results(folder) -> list[dict]:
+    """The real GPU runs recorded under ``folder`` (each run's ``results.json``, searched recursively).
+
+    CPU runs and synthetic test fixtures are left out, so that nothing but a measurement on a GPU
+    is ever plotted as one. Returns [] when the folder does not exist or holds none.
+    """
+    folder = Path(folder)
+    files = sorted(folder.rglob("results.json")) if folder.is_dir() else []
+    return [r for r in load_results(files)
+            if r["provenance"].get("device_type") == "cuda" and not r["provenance"].get("synthetic")]
+
+
 def provenance_line(result: dict) -> str:
     """A one-line caption: device, versions, commit, date, copy bandwidth.
 
