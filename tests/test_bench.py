@@ -46,12 +46,14 @@ def test_byte_model_docstring_example():
 
 
 def test_byte_model_rejects_bad_names():
-    with pytest.raises(ValueError, match="op: expected"):
+    with pytest.raises(ValueError, match=r"op: expected one of \('layer_norm', .*got 'batch_norm'"):
         bytemodel.bytes_moved("batch_norm", "fwd", M, D, "fp32")
-    with pytest.raises(ValueError, match="mode: expected"):
+    with pytest.raises(ValueError, match=r"mode: expected one of \('fwd', 'bwd', 'fwd_bwd'\), got 'backward'"):
         bytemodel.bytes_moved("layer_norm", "backward", M, D, "fp32")
-    with pytest.raises(ValueError, match="dtype: expected"):
+    with pytest.raises(ValueError, match=r"dtype: expected one of \['bf16', .*got 'int8'"):
         bytemodel.bytes_moved("layer_norm", "fwd", M, D, "int8")
+    with pytest.raises(ValueError, match=r"M, D: expected positive sizes, got M=0, D=8"):
+        bytemodel.bytes_moved("layer_norm", "fwd", 0, D, "fp32")
 
 
 # ---- providers and timing on the CPU -------------------------------------------------------
@@ -158,7 +160,7 @@ def test_plot_rejects_foreign_json(tmp_path):
     (tmp_path / "x.json").write_text("{}")
     with pytest.raises(ValueError, match="not a normbook.bench result"):
         plot.load_results(tmp_path / "x.json")
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match=r"sources: no JSON results at .*missing-\*\.json"):
         plot.load_results(tmp_path / "missing-*.json")
 
 

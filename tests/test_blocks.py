@@ -60,9 +60,9 @@ def test_stack_shapes_and_grad_norms(arrangement, norm):
 
 
 def test_stack_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="arrangement"):
+    with pytest.raises(ValueError, match=r"arrangement: expected one of \('pre', 'post'\), got 'sandwich'"):
         blocks.ResidualStack(2, 2, 8, 2, arrangement="sandwich")
-    with pytest.raises(ValueError, match="depth"):
+    with pytest.raises(ValueError, match=r"depth: expected a positive int, got 0"):
         blocks.ResidualStack(2, 2, 8, 0)
 
 
