@@ -50,14 +50,18 @@ def check_normalized_shape(input: torch.Tensor, shape: tuple[int, ...]) -> None:
         )
 
 
-def check_param(param, name: str, input: torch.Tensor, shape: tuple[int, ...]) -> None:
-    """An optional affine parameter: None, or a floating tensor of ``normalized_shape`` on input's device."""
+def check_param(param, name: str, input: torch.Tensor, shape: tuple[int, ...], dtypes=None) -> None:
+    """An optional affine parameter: None, or a floating tensor of ``normalized_shape`` on input's
+    device; with ``dtypes``, also one of those dtypes."""
     if param is None:
         return
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(param).__name__}")
     if not param.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point dtype, got {param.dtype}")
+    if dtypes is not None and param.dtype not in dtypes:
+        names = [str(d).removeprefix("torch.") for d in dtypes]
+        raise TypeError(f"{name}: expected {', '.join(names[:-1])} or {names[-1]}, got {param.dtype}")
     if tuple(param.shape) != shape:
         raise ValueError(
             f"{name}: expected shape {shape} (normalized_shape), got {tuple(param.shape)}"
@@ -71,3 +75,30 @@ def check_param(param, name: str, input: torch.Tensor, shape: tuple[int, ...]) -
 def check_eps(eps) -> None:
     if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps >= 0:
         raise ValueError(f"eps: expected a non-negative float, got {eps!r}")
+
+
+def default_eps(input, eps):
+    """RMSNorm's eps: None means ``torch.finfo(input.dtype).eps``, as in torch.
+
+    A non-float ``input`` leaves eps as given, for :func:`check_input` to reject the input first.
+    """
+    if eps is None and isinstance(input, torch.Tensor) and input.is_floating_point():
+        return torch.finfo(input.dtype).eps
+    return eps
+
+
+def check_norm_args(input, normalized_shape, params: dict, eps, name: str = "input",
+                    param_dtypes=None) -> tuple[int, ...]:
+    """Every check of a norm's arguments, in order; returns ``normalized_shape`` as a tuple.
+
+    ``input`` a floating tensor whose trailing dims are ``normalized_shape``; each of ``params``
+    (name -> tensor or None) None or of that shape on input's device (and, with
+    ``param_dtypes``, of one of those dtypes); ``eps`` a non-negative number.
+    """
+    check_input(input, name)
+    shape = as_shape(normalized_shape)
+    check_normalized_shape(input, shape)
+    for pname, p in params.items():
+        check_param(p, pname, input, shape, param_dtypes)
+    check_eps(eps)
+    return shape

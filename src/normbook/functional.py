@@ -109,12 +109,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         Tensor of input's shape and dtype. CUDA inputs use the Triton kernels when Triton is
         installed; all others the reference autograd Function (fp32 reductions for bf16/fp16).
     """
-    _validate.check_input(input)
-    shape = _validate.as_shape(normalized_shape)
-    _validate.check_normalized_shape(input, shape)
-    _validate.check_param(weight, "weight", input, shape)
-    _validate.check_param(bias, "bias", input, shape)
-    _validate.check_eps(eps)
+    shape = _validate.check_norm_args(input, normalized_shape, {"weight": weight, "bias": bias}, eps)
     x, w, b = _flatten(input, shape, weight, bias)
     if _use_kernels(input):
         from normbook import kernels
@@ -142,13 +137,8 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     Returns:
         Tensor of input's shape and dtype.
     """
-    _validate.check_input(input)
-    shape = _validate.as_shape(normalized_shape)
-    _validate.check_normalized_shape(input, shape)
-    _validate.check_param(weight, "weight", input, shape)
-    if eps is None:
-        eps = torch.finfo(input.dtype).eps
-    _validate.check_eps(eps)
+    eps = _validate.default_eps(input, eps)
+    shape = _validate.check_norm_args(input, normalized_shape, {"weight": weight}, eps)
     x, w = _flatten(input, shape, weight)
     if _use_kernels(input):
         from normbook import kernels

@@ -9,7 +9,6 @@ flatten ``(..., *normalized_shape)`` to ``(M, D)``, call the op and restore the 
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -17,6 +16,7 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from normbook import _validate
+from normbook.functional import _flatten
 from normbook.kernels import _backward, _forward
 
 __all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"]
@@ -113,16 +113,9 @@ def _check_kernel_input(t: Tensor, name: str) -> None:
 def _prepare(input, normalized_shape, eps, params: dict, residual=None, name="input"):
     """Validate; return (x, residual, *params) as (M, D) rows and (D,) vectors."""
     _check_kernel_input(input, name)
-    shape = _validate.as_shape(normalized_shape)
-    _validate.check_normalized_shape(input, shape)
-    for name, p in params.items():
-        _validate.check_param(p, name, input, shape)
-        if p is not None and p.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name}: expected float16, bfloat16 or float32, got {p.dtype}")
-    _validate.check_eps(eps)
-    D = math.prod(shape)
-    lead = input.shape[: input.dim() - len(shape)]
-    x = _rows(input.reshape(*lead, D))
+    shape = _validate.check_norm_args(input, normalized_shape, params, eps, name, SUPPORTED_DTYPES)
+    x, *flat = _flatten(input, shape, *params.values())
+    x = _rows(x)
     if residual is not None:
         _validate.check_input(residual, "residual")
         if residual.shape != input.shape:
@@ -131,9 +124,8 @@ def _prepare(input, normalized_shape, eps, params: dict, residual=None, name="in
             raise TypeError(f"residual: expected x's dtype {input.dtype}, got {residual.dtype}")
         if residual.device != input.device:
             raise ValueError(f"residual: expected x's device {input.device}, got {residual.device}")
-        residual = _rows(residual.reshape(*lead, D))
-    flat = [None if p is None else p.reshape(D).contiguous() for p in params.values()]
-    return x, residual, *flat
+        residual = _rows(_flatten(residual, shape)[0])
+    return x, residual, *(None if p is None else p.contiguous() for p in flat)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -174,8 +166,7 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     Returns:
         Tensor of input's shape and dtype.
     """
-    if eps is None and isinstance(input, Tensor) and input.is_floating_point():
-        eps = torch.finfo(input.dtype).eps
+    eps = _validate.default_eps(input, eps)
     x, _, w = _prepare(input, normalized_shape, eps, {"weight": weight})
     y = norm_forward(x, None, w, None, float(eps), True)[0]
     return y.reshape(input.shape)
@@ -211,8 +202,7 @@ def add_rms_norm(x, residual, weight, eps=None):
     Returns:
         (y, s), both of x's shape and dtype.
     """
-    if eps is None and isinstance(x, Tensor) and x.is_floating_point():
-        eps = torch.finfo(x.dtype).eps
+    eps = _validate.default_eps(x, eps)
     D = x.shape[-1] if isinstance(x, Tensor) and x.dim() > 0 else 0
     xs, r, w = _prepare(x, D, eps, {"weight": weight}, residual=residual, name="x")
     y, s, _, _ = norm_forward(xs, r, w, None, float(eps), True)
