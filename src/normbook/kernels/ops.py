@@ -196,8 +196,14 @@ def add_layer_norm(x, residual, weight, bias, eps=1e-5):
 def add_rms_norm(x, residual, weight, eps=None):
     """(fork-rule): s = x + residual, y = RMSNorm(s) over the last dim, in one pass.
 
-    As :func:`add_layer_norm` without the mean and the bias; eps None means
-    ``torch.finfo(x.dtype).eps``.
+    Forward (rms-ms), (rms-y) on s; gradient (rms-dx) plus the gradient arriving at s. As
+    :func:`add_layer_norm` without the mean and the bias.
+
+    Args:
+        x, residual: ``(..., D)``, of one dtype and device.
+        weight: (D,) or None.
+        eps: added to the mean square inside the square root; None means
+            ``torch.finfo(x.dtype).eps``, as in torch.
 
     Returns:
         (y, s), both of x's shape and dtype.
