@@ -22,15 +22,18 @@ def test_residual_tanh_backward_matches_autograd(shape):
 
 
 def test_identity_path_alone_is_wrong():
+    """The hand backward keeps the branch's term, and that term is far above the 1e-12 tolerance
+    above, so a backward that returned the identity path alone (= instead of +=) would fail."""
     torch.manual_seed(1)
     D = 8
     x = torch.randn(D, dtype=torch.float64, requires_grad=True)
     A = torch.randn(D, D, dtype=torch.float64)
     dy = torch.randn(D, dtype=torch.float64)
-    y, _ = residual.residual_tanh_forward(x, A)
+    y, t = residual.residual_tanh_forward(x, A)
     y.backward(dy)
-    # forgetting the branch (assigning instead of accumulating) gives a visibly wrong gradient
-    assert (dy - x.grad).abs().max() > 1e-2
+    dx, _ = residual.residual_tanh_backward(dy, x.detach(), A, t.detach())
+    torch.testing.assert_close(dx, x.grad, rtol=1e-12, atol=1e-12)
+    assert (dx - dy).abs().max() > 1e-2                  # the branch's term, use 2 of x
 
 
 @pytest.mark.parametrize("affine", [True, False])
