@@ -5,14 +5,9 @@ import torch
 import torch.nn.functional as F
 
 import normbook
+from helpers import grads
 
 f64 = dict(dtype=torch.float64)
-
-
-def grads(fn, *tensors, dy):
-    leaves = [t.clone().requires_grad_() if t is not None else None for t in tensors]
-    fn(*leaves).backward(dy)
-    return [None if t is None else t.grad for t in leaves]
 
 
 @pytest.mark.parametrize("shape,norm_shape", [((7, 11), (11,)), ((2, 3, 4, 5), (4, 5)), ((6,), (6,)), ((3, 1), (1,)), ((2, 3, 2, 2), (3, 2, 2))])
@@ -22,8 +17,8 @@ def test_layer_norm_matches_torch_with_multidim_normalized_shape(shape, norm_sha
     dy = torch.randn(shape, **f64)
     ours = normbook.layer_norm(x, norm_shape, w, b, 1e-5)
     torch.testing.assert_close(ours, F.layer_norm(x, norm_shape, w, b, 1e-5), rtol=1e-12, atol=1e-12)
-    g_ours = grads(lambda *t: normbook.layer_norm(t[0], norm_shape, t[1], t[2], 1e-5), x, w, b, dy=dy)
-    g_torch = grads(lambda *t: F.layer_norm(t[0], norm_shape, t[1], t[2], 1e-5), x, w, b, dy=dy)
+    g_ours = grads(lambda *t: normbook.layer_norm(t[0], norm_shape, t[1], t[2], 1e-5), dy, x, w, b)[1]
+    g_torch = grads(lambda *t: F.layer_norm(t[0], norm_shape, t[1], t[2], 1e-5), dy, x, w, b)[1]
     for a, e in zip(g_ours, g_torch):
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
 
@@ -36,8 +31,8 @@ def test_rms_norm_matches_torch(shape, norm_shape, eps):
     w = torch.randn(ns, **f64)
     dy = torch.randn(shape, **f64)
     torch.testing.assert_close(normbook.rms_norm(x, norm_shape, w, eps), F.rms_norm(x, ns, w, eps), rtol=1e-12, atol=1e-12)
-    g_ours = grads(lambda *t: normbook.rms_norm(t[0], norm_shape, t[1], eps), x, w, dy=dy)
-    g_torch = grads(lambda *t: F.rms_norm(t[0], ns, t[1], eps), x, w, dy=dy)
+    g_ours = grads(lambda *t: normbook.rms_norm(t[0], norm_shape, t[1], eps), dy, x, w)[1]
+    g_torch = grads(lambda *t: F.rms_norm(t[0], ns, t[1], eps), dy, x, w)[1]
     for a, e in zip(g_ours, g_torch):
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
 

@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 
 import normbook.kernels as K  # noqa: E402
 from normbook import checks, reference  # noqa: E402
+from helpers import grads  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
@@ -64,14 +65,6 @@ def make(M, D, dtype, seed=0, mean=0.5):
     b = (0.5 * torch.randn(D, generator=g)).to(dtype)
     dy = torch.randn(M, D, generator=g).to(dtype)
     return (t.to(DEVICE) for t in (x, w, b, dy))
-
-
-def grads(fn, dy, *inputs):
-    """Forward ``fn`` on fresh leaves of ``inputs``, backward with ``dy``: (y, grads)."""
-    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
-    y = fn(*leaves)
-    y.backward(dy)
-    return y.detach(), [leaf.grad for leaf in leaves]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
