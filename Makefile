@@ -13,7 +13,10 @@ export PYTHONHASHSEED := 0
 HTML_DIR := build/_build/html
 PORT ?= 8000
 
-.PHONY: book test pytest nbval notebooks browser-check serve clean
+TRITON36 := build/triton36
+KERNEL_TESTS := tests/test_kernels_accuracy.py tests/test_kernels_api.py tests/test_kernels_residual.py
+
+.PHONY: book test pytest triton36 gpu-dry-run gpu-wheels nbval notebooks browser-check serve clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +36,29 @@ book: $(STAMP)
 ## Gate 1: the package, with Triton in its interpreter on the CPU.
 pytest: $(STAMP)
 	$(PY) -m pytest tests -q
+
+## The GPU machine runs Triton 3.6.0 (this one 3.9): every kernel compiles for sm_80/sm_90 and the
+## interpreter kernel tests pass under 3.6 too. numpy 2.2.6 goes with it: 3.6's interpreter breaks
+## on numpy 2.4. Both live in $(TRITON36), first on PYTHONPATH, apart from the venv.
+$(TRITON36)/.installed: $(STAMP)
+	$(PY) -m pip install --quiet --target $(TRITON36) --no-deps triton==3.6.0 numpy==2.2.6
+	touch $@
+
+triton36: $(TRITON36)/.installed
+	env -u TRITON_INTERPRET PYTHONPATH=$(TRITON36) $(PY) -m normbook.kernels.report --json build/report-triton36.json
+	PYTHONPATH=$(TRITON36) $(PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning:triton.runtime.interpreter $(KERNEL_TESTS)
+
+## benchmarks/gpu_check.sh with DRY_RUN=1: the GPU check's every step on the CPU, so a broken
+## script is found here and not in the GPU's few minutes.
+gpu-dry-run: $(STAMP)
+	rm -rf build/gpu-dry-run
+	DRY_RUN=1 OUT=build/gpu-dry-run PYTHON=$(abspath $(PY)) bash benchmarks/gpu_check.sh
+
+## Wheels for the GPU machine (Python 3.12, no network): Liger-Kernel, pure Python, into .whl/
+## (git-ignored), which the device tool carries along (benchmarks/README.md).
+gpu-wheels:
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl liger-kernel==0.8.5
 
 ## Each chapter as a notebook, into build/notebooks (outside book/: a .ipynb beside its .md breaks -W).
 notebooks: $(STAMP)
@@ -58,6 +84,8 @@ serve:
 ## The gates in order, each only after the one before passed (also under make -j).
 test:
 	$(MAKE) pytest
+	$(MAKE) triton36
+	$(MAKE) gpu-dry-run
 	$(MAKE) nbval
 	$(MAKE) book
 	$(MAKE) browser-check

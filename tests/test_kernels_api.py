@@ -44,7 +44,8 @@ class Block(torch.nn.Module):
 
 
 def test_torch_compile_fullgraph_matches_eager():
-    """fullgraph=True raises on any graph break, so passing means the custom ops traced whole."""
+    """The two routes agree: eager runs NormFunction, torch.compile the custom ops (fullgraph=True
+    raises on any graph break, so passing means the custom ops traced whole)."""
     torch.manual_seed(0)
     block = Block(48).to(DEVICE)
     x = torch.randn(2, 5, 48, device=DEVICE, requires_grad=True)
@@ -59,6 +60,36 @@ def test_torch_compile_fullgraph_matches_eager():
     # fp32; the compiled Linear may sum in another order: a few ulps
     for a, e in zip(got, [out_e.detach(), x.grad, r.grad, block.w.grad]):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_eager_route_is_the_function_and_compile_the_op():
+    x, w, b, _ = make(3, 16, torch.float32)
+    x.requires_grad_(True)
+    assert type(K.layer_norm(x, 16, w, b)).__name__ == "Tensor"
+    assert K.layer_norm(x, 16, w, b).grad_fn.name() == "NormFunctionBackward"
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: K.rms_norm(x, 16, w), backend=backend, fullgraph=True)(x)
+    assert any("normbook.norm_forward" in t for t in seen), seen
+
+
+def test_host_benchmark_writes_every_key(tmp_path):
+    """python -m normbook.bench host: every key the issue names, and the ratios."""
+    path = tmp_path / "host.json"
+    out = _python(f"import sys; from normbook.bench.cli import main; sys.exit(main(['host', '--number', '20', "
+                  f"'--repeat', '1', '--json', {str(path)!r}]))")
+    assert out.returncode == 0, out.stderr
+    data = __import__("json").loads(path.read_text())
+    for key in ("normbook_layer_norm_fwd_us", "normbook_layer_norm_fwd_bwd_us", "normbook_rms_norm_fwd_us",
+                "normbook_rms_norm_fwd_bwd_us", "torch_layer_norm_fwd_us", "torch_layer_norm_fwd_bwd_us"):
+        assert 0 < data[key] < 1e5, (key, data[key])
+    assert "goal" in out.stdout and set(data["ratios"]) == {
+        "layer_norm_fwd", "layer_norm_fwd_bwd", "rms_norm_fwd", "rms_norm_fwd_bwd"}
 
 
 def test_custom_ops_are_registered():

@@ -25,7 +25,7 @@ def test_quick_report_compiles_without_spills(tmp_path):
     rows = json.loads(path.read_text())["rows"]
     kernels = {r["kernel"] for r in rows}
     assert kernels == {"norm_fwd_rows_kernel", "norm_bwd_rows_kernel", "norm_fwd_chunked_kernel",
-                       "norm_bwd_stats_kernel", "norm_bwd_chunked_kernel"}
+                       "norm_bwd_stats_kernel", "norm_bwd_chunked_kernel", "norm_bwd_finish_kernel"}
     for r in rows:
         assert "error" not in r, r
         assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 255, r

@@ -9,6 +9,7 @@ Examples:
     python -m normbook.bench --quick
     python -m normbook.bench --ops layer_norm,rms_norm --modes fwd --dtypes bf16 --D 1024..16384
     python -m normbook.bench --plot benchmarks/results --out figures/
+    python -m normbook.bench host --json host.json     # host time per call, launches stubbed
 """
 
 from __future__ import annotations
@@ -167,6 +168,11 @@ def config_from_args(args, parser) -> runner.Config:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["host"]:
+        from normbook.bench import host
+
+        return host.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.plot or args.summary:

@@ -8,7 +8,8 @@ and across rows dweight = sum_n dy * xhat, dbias = sum_n dy.
 
 The parameter gradients are a reduction over M rows. Programs of a persistent grid (a fixed
 number, see ``_config.persistent_programs``) each loop over their rows and keep fp32 partial
-sums, write one (D,) partial each, and ``partials.sum(0)`` finishes: no atomics, no locks, the
+sums, write one (D,) partial each, and ``norm_bwd_finish_kernel`` sums them (a grid of one
+program writes dweight and dbias itself): no atomics, no locks, the
 same summation order every run, so the result is bitwise reproducible.
 
 Kernels, chosen by row length:
@@ -16,15 +17,19 @@ Kernels, chosen by row length:
 - ``norm_bwd_stats_kernel`` then ``norm_bwd_chunked_kernel``: for wide rows, c1 and c2 are
   computed first chunk by chunk (two fp32 scalars per row), then a grid over (programs,
   column chunks) forms dx and the partials with each chunk's accumulators in registers.
+- ``norm_bwd_finish_kernel``: sums the partials and writes dweight, dbias in the
+  parameters' dtypes, one launch for both.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from normbook.kernels._config import backward_config, persistent_programs
+from normbook.kernels._config import Config, backward_config, maxnreg_for, norm_flags, persistent_programs
 
 
 @triton.jit
@@ -34,10 +39,10 @@ def norm_bwd_rows_kernel(
     DS,                      # (M, D) gradient arriving at s, rows stride_ds apart (if HAS_DS)
     DX,                      # (M, D) output dx, contiguous
     W,                       # (D,) weight gamma (if HAS_WEIGHT)
-    Mean,                    # (M,) fp32 mean saved by the forward (LayerNorm only)
-    Rstd,                    # (M,) fp32 rstd saved by the forward
-    DW,                      # (programs, D) fp32 output: this program's partial dweight
-    DB,                      # (programs, D) fp32 output: this program's partial dbias
+    Stats,                   # (2, M) fp32 mean [0], rstd [1] saved by the forward; RMSNorm (1, M)
+    DW,                      # (programs, D) fp32 partial dweight, one row per program; with
+                             # one program, the (D,) dweight itself, in the weight's dtype
+    DB,                      # (programs, D) fp32 partial dbias, or the (D,) dbias (as DW)
     stride_x,                # row stride of X, in elements
     stride_dy,               # row stride of DY, in elements
     stride_ds,               # row stride of DS, in elements
@@ -66,12 +71,12 @@ def norm_bwd_rows_kernel(
         rows64 = rows.to(tl.int64)[:, None]
         x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)[:, None]
+        rstd = tl.load(Stats + (0 if IS_RMS else M) + rows, mask=row_mask, other=0.0)[:, None]
         # xhat recomputed from two saved scalars per row (ln-xhat); padding stays zero
         if IS_RMS:
             xhat = x * rstd
         else:
-            mean = tl.load(Mean + rows, mask=row_mask, other=0.0)[:, None]
+            mean = tl.load(Stats + rows, mask=row_mask, other=0.0)[:, None]
             xhat = tl.where(mask, (x - mean) * rstd, 0.0)
         ghat = dy * w if HAS_WEIGHT else dy                       # (ln-ghat)
         # c1: component of ghat along 1; c2: along xhat (ln-c). dx removes both (ln-dx).
@@ -91,9 +96,9 @@ def norm_bwd_rows_kernel(
         if HAS_BIAS:
             db += dy
     if HAS_WEIGHT:
-        tl.store(DW + pid * D + cols, tl.sum(dw, axis=0), mask=col_mask)
+        tl.store(DW + pid * D + cols, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=col_mask)
     if HAS_BIAS:
-        tl.store(DB + pid * D + cols, tl.sum(db, axis=0), mask=col_mask)
+        tl.store(DB + pid * D + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -101,12 +106,12 @@ def norm_bwd_stats_kernel(
     X,                       # (M, D) forward input (s when the residual add was fused)
     DY,                      # (M, D) gradient arriving at y, rows stride_dy apart
     W,                       # (D,) weight gamma (if HAS_WEIGHT)
-    Mean,                    # (M,) fp32 mean saved by the forward (LayerNorm only)
-    Rstd,                    # (M,) fp32 rstd saved by the forward
+    Stats,                   # (2, M) fp32 mean [0], rstd [1] saved by the forward; RMSNorm (1, M)
     C1,                      # (M,) fp32 output: c1 = mean_d(ghat) (LayerNorm only)
     C2,                      # (M,) fp32 output: c2 = mean_d(ghat * xhat)
     stride_x,                # row stride of X, in elements
     stride_dy,               # row stride of DY, in elements
+    M,                       # number of rows
     D,                       # row length, any size
     IS_RMS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
@@ -115,9 +120,9 @@ def norm_bwd_stats_kernel(
     """(ln-c) for rows wider than the registers: c1 and c2 of one row per program, chunk by chunk."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
-    rstd = tl.load(Rstd + row)
+    rstd = tl.load(Stats + (0 if IS_RMS else M) + row)
     if not IS_RMS:
-        mean = tl.load(Mean + row)
+        mean = tl.load(Stats + row)
     sum_ghat = tl.zeros((BLOCK_D,), dtype=tl.float32)
     sum_ghat_xhat = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for start in range(0, D, BLOCK_D):
@@ -147,12 +152,12 @@ def norm_bwd_chunked_kernel(
     DS,                      # (M, D) gradient arriving at s, rows stride_ds apart (if HAS_DS)
     DX,                      # (M, D) output dx, contiguous
     W,                       # (D,) weight gamma (if HAS_WEIGHT)
-    Mean,                    # (M,) fp32 mean saved by the forward (LayerNorm only)
-    Rstd,                    # (M,) fp32 rstd saved by the forward
+    Stats,                   # (2, M) fp32 mean [0], rstd [1] saved by the forward; RMSNorm (1, M)
     C1,                      # (M,) fp32 c1 from norm_bwd_stats_kernel (LayerNorm only)
     C2,                      # (M,) fp32 c2 from norm_bwd_stats_kernel
-    DW,                      # (programs, D) fp32 output: partial dweight, row = program
-    DB,                      # (programs, D) fp32 output: partial dbias, row = program
+    DW,                      # (programs, D) fp32 partial dweight, one row per program; with
+                             # one program, the (D,) dweight itself, in the weight's dtype
+    DB,                      # (programs, D) fp32 partial dbias, or the (D,) dbias (as DW)
     stride_x,                # row stride of X, in elements
     stride_dy,               # row stride of DY, in elements
     stride_ds,               # row stride of DS, in elements
@@ -176,13 +181,13 @@ def norm_bwd_chunked_kernel(
     for row in range(pid.to(tl.int64), M, programs):             # int64: M * D may pass 2^31
         x = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + row * stride_dy + c, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(Rstd + row)
+        rstd = tl.load(Stats + (0 if IS_RMS else M) + row)
         c2 = tl.load(C2 + row)
         if IS_RMS:
             xhat = x * rstd
             dx = ((dy * w if HAS_WEIGHT else dy) - c2 * xhat) * rstd          # (rms-dx)
         else:
-            xhat = tl.where(mask, (x - tl.load(Mean + row)) * rstd, 0.0)
+            xhat = tl.where(mask, (x - tl.load(Stats + row)) * rstd, 0.0)
             c1 = tl.load(C1 + row)
             dx = ((dy * w if HAS_WEIGHT else dy) - c1 - c2 * xhat) * rstd     # (ln-dx)
         if HAS_DS:
@@ -193,12 +198,49 @@ def norm_bwd_chunked_kernel(
         if HAS_BIAS:
             db += dy
     if HAS_WEIGHT:
-        tl.store(DW + pid * D + c, dw, mask=mask)
+        tl.store(DW + pid * D + c, dw.to(DW.dtype.element_ty), mask=mask)
     if HAS_BIAS:
-        tl.store(DB + pid * D + c, db, mask=mask)
+        tl.store(DB + pid * D + c, db.to(DB.dtype.element_ty), mask=mask)
 
 
-def norm_backward(dy, ds, x, weight, mean, rstd, has_bias: bool, is_rms: bool):
+@triton.jit
+def norm_bwd_finish_kernel(
+    PW,                      # (programs, D) fp32 partial dweight, one row per program
+    PB,                      # (programs, D) fp32 partial dbias
+    DW,                      # (D,) output dweight, in the weight's dtype (if HAS_WEIGHT)
+    DB,                      # (D,) output dbias, in the bias's dtype (if HAS_BIAS)
+    programs,                # rows of PW and PB
+    D,                       # row length
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_P: tl.constexpr,   # partials summed per step
+    BLOCK_D: tl.constexpr,   # columns per program
+):
+    """(ln-dparams), the last step: sum the per-program partials in a fixed order, cast once."""
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)    # (BLOCK_D,)
+    col_mask = cols < D
+    dw = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
+    db = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
+    for first in range(0, programs, BLOCK_P):
+        p = first + tl.arange(0, BLOCK_P)                         # (BLOCK_P,)
+        mask = (p < programs)[:, None] & col_mask[None, :]
+        offs = p.to(tl.int64)[:, None] * D + cols[None, :]
+        if HAS_WEIGHT:
+            dw += tl.load(PW + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            db += tl.load(PB + offs, mask=mask, other=0.0)
+    if HAS_WEIGHT:
+        tl.store(DW + cols, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=col_mask)
+
+
+# The finish sums (32, 64) fp32 tiles of partials, 8 KB per program: narrow column blocks, so
+# D / 64 programs share the reduction. ROWS is its BLOCK_P, the partials summed per step.
+FINISH_CONFIG = Config(chunked=False, BLOCK_D=64, ROWS=32, num_warps=4, maxnreg=maxnreg_for(4))
+
+
+def norm_backward(dy, ds, x, weight, stats, bias_dtype, is_rms: bool):
     """(ln-dx), (rms-dx), (ln-dparams) and (fork-rule): launch the backward on (M, D) rows.
 
     ``x`` and ``dy`` have contiguous last dims; their row strides are honoured.
@@ -206,49 +248,58 @@ def norm_backward(dy, ds, x, weight, mean, rstd, has_bias: bool, is_rms: bool):
     Args:
         dy: (M, D) gradient at y; ds: (M, D) gradient at s, or None (no fused residual).
         x: (M, D) the forward's normalized input (s when the residual was fused).
-        weight: (D,) or None; mean: (M,) fp32 (unused for RMSNorm); rstd: (M,) fp32.
+        weight: (D,) or None; stats: the forward's fp32 (2, M) mean and rstd, or (1, M) rstd
+        for RMSNorm.
+        bias_dtype: the bias's dtype, or None when there is no bias.
 
     Returns:
-        dx: (M, D) contiguous, x's dtype; dweight, dbias: (D,) fp32, or empty when there is no
-        weight / no bias.
+        dx: (M, D) contiguous, x's dtype; dweight: (D,) in weight's dtype, or None without a
+        weight; dbias: (D,) in ``bias_dtype``, or None without a bias.
     """
     M, D = x.shape
-    dev = x.device
-    dx = torch.empty((M, D), dtype=x.dtype, device=dev)
-
-    def zeros(present):  # a fresh tensor each: custom op outputs must not alias one another
-        return torch.zeros((D,) if present else (0,), dtype=torch.float32, device=dev)
-
-    if M == 0:
-        return dx, zeros(weight is not None), zeros(has_bias)
+    has_w, has_b = weight is not None, bias_dtype is not None
+    # empty_like: cheapest on the host; contiguous, since x's rows are dense or x is not dense
+    dx = torch.empty_like(x)
+    dweight = torch.empty_like(weight) if has_w else None
+    dbias = None
+    if has_b:
+        dbias = torch.empty_like(weight, dtype=bias_dtype) if has_w else x.new_empty((D,), dtype=bias_dtype)
+    if M == 0:  # no rows: the sums over rows are zero
+        return dx, dweight if not has_w else dweight.zero_(), dbias if not has_b else dbias.zero_()
     cfg = backward_config(M, D)
-    programs = persistent_programs(dev, triton.cdiv(M, cfg.ROWS))
-    part_w = torch.empty((programs, D) if weight is not None else (0,), dtype=torch.float32, device=dev)
-    part_b = torch.empty((programs, D) if has_bias else (0,), dtype=torch.float32, device=dev)
-    w = weight if weight is not None else x             # placeholders: never read when absent
+    programs = persistent_programs(x, -(-M // cfg.ROWS))
+    if programs == 1 or not (has_w or has_b):
+        pw, pb = dweight, dbias             # one program writes the sums over rows itself
+    else:                                   # fp32 partial sums, one (D,) row per program
+        part = x.new_empty((2, programs, D), dtype=torch.float32)
+        pw, pb = part[0], part[1]
+    w = weight if has_w else x                          # placeholders: never read when absent
+    pw = pw if has_w else stats
+    pb = pb if has_b else stats
     dsp = ds if ds is not None else dy
-    mean_p = mean if not is_rms else rstd
-    pw = part_w if weight is not None else rstd
-    pb = part_b if has_bias else rstd
-    flags = dict(IS_RMS=is_rms, HAS_DS=ds is not None, HAS_WEIGHT=weight is not None,
-                 HAS_BIAS=has_bias)
+    flags = norm_flags(cfg, is_rms, ds is not None, has_w, has_b, ("HAS_DS", "HAS_WEIGHT", "HAS_BIAS"))
     if not cfg.chunked:
         norm_bwd_rows_kernel[(programs,)](
-            x, dy, dsp, dx, w, mean_p, rstd, pw, pb, x.stride(0), dy.stride(0), dsp.stride(0),
-            M, D, **flags, ROWS=cfg.ROWS, BLOCK_D=cfg.BLOCK_D, **cfg.launch())
+            x, dy, dsp, dx, w, stats, pw, pb, x.stride(0), dy.stride(0), dsp.stride(0),
+            M, D, **flags)
     else:
-        c1 = torch.empty((0,) if is_rms else (M,), dtype=torch.float32, device=dev)
-        c2 = torch.empty((M,), dtype=torch.float32, device=dev)
-        c1_p = c1 if not is_rms else c2
+        c1 = x.new_empty((M,), dtype=torch.float32) if not is_rms else stats
+        c2 = x.new_empty((M,), dtype=torch.float32)
         norm_bwd_stats_kernel[(M,)](
-            x, dy, w, mean_p, rstd, c1_p, c2, x.stride(0), dy.stride(0), D,
-            IS_RMS=is_rms, HAS_WEIGHT=weight is not None, BLOCK_D=cfg.BLOCK_D,
-            **cfg.launch())
-        grid = (programs, triton.cdiv(D, cfg.BLOCK_D))
-        norm_bwd_chunked_kernel[grid](
-            x, dy, dsp, dx, w, mean_p, rstd, c1_p, c2, pw, pb, x.stride(0), dy.stride(0),
-            dsp.stride(0), M, D, **flags, BLOCK_D=cfg.BLOCK_D, **cfg.launch())
-    # the one small reduction, (programs, D) -> (D,), fixed order: deterministic
-    dweight = part_w.sum(0) if weight is not None else zeros(False)
-    dbias = part_b.sum(0) if has_bias else zeros(False)
+            x, dy, w, stats, c1, c2, x.stride(0), dy.stride(0), M, D,
+            **cfg.flags(IS_RMS=is_rms, HAS_WEIGHT=has_w))
+        norm_bwd_chunked_kernel[(programs, -(-D // cfg.BLOCK_D))](
+            x, dy, dsp, dx, w, stats, c1, c2, pw, pb, x.stride(0), dy.stride(0),
+            dsp.stride(0), M, D, **flags)
+    if programs > 1 and (has_w or has_b):
+        # the one small reduction, (programs, D) -> (D,), in a fixed order: deterministic
+        norm_bwd_finish_kernel[(-(-D // FINISH_CONFIG.BLOCK_D),)](
+            pw, pb, dweight if has_w else stats, dbias if has_b else stats, programs, D,
+            **_finish_flags(has_w, has_b))
     return dx, dweight, dbias
+
+
+@functools.lru_cache(maxsize=None)
+def _finish_flags(has_w: bool, has_b: bool) -> dict:
+    cfg = FINISH_CONFIG
+    return dict(HAS_WEIGHT=has_w, HAS_BIAS=has_b, BLOCK_P=cfg.ROWS, BLOCK_D=cfg.BLOCK_D, **cfg.launch())

@@ -21,10 +21,9 @@ on 16-byte-aligned pointers and strides: that is what lets the loads be 128 bits
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
-import triton
 
 MAX_FUSED_D_FWD = 16384   # widest row the forward holds in registers: 16 values per thread
 MAX_FUSED_D_BWD = 8192    # backward holds x, dy, dweight and dbias partials: 8 per thread
@@ -39,9 +38,14 @@ MIN_BLOCK_D = 16          # narrower blocks only waste the 128-bit loads
 CPU_PROGRAMS = 4          # persistent grid size in the interpreter (any fixed number is deterministic)
 
 
-@dataclass(frozen=True)
-class Config:
-    """One launch shape. BLOCK_D and ROWS are constexpr; everything else is a runtime argument."""
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1); plain Python, no Triton helper on the hot path."""
+    return 1 << (n - 1).bit_length()
+
+
+class Config(NamedTuple):
+    """One launch shape. BLOCK_D and ROWS are constexpr; everything else is a runtime argument.
+    (A NamedTuple: it hashes in C, and the launch caches below hash it on every call.)"""
 
     chunked: bool   # D too wide for registers: loop over chunks instead of holding the row
     BLOCK_D: int    # columns per block: next_power_of_2(D), or CHUNK_D when chunked
@@ -54,43 +58,61 @@ class Config:
         34 registers into 32 for occupancy by spilling: it takes what it needs up to the cap."""
         return dict(num_warps=self.num_warps, maxnreg=self.maxnreg)
 
+    def flags(self, **constexprs) -> dict:
+        """Keyword arguments of one launch: the flags given, the block shape, the options."""
+        out = dict(constexprs, BLOCK_D=self.BLOCK_D, **self.launch())
+        if not self.chunked:
+            out["ROWS"] = self.ROWS
+        return out
+
+
+@functools.lru_cache(maxsize=4096)
+def norm_flags(cfg: Config, is_rms: bool, a: bool, b: bool, c: bool, names: tuple) -> dict:
+    """``cfg.flags`` of IS_RMS and three more boolean flags named by ``names``, cached: a
+    launch on the hot path builds no dict of its own."""
+    return cfg.flags(IS_RMS=is_rms, **dict(zip(names, (a, b, c))))
+
 
 def _config(M: int, D: int, max_fused: int, elems: int) -> Config:
     if D > max_fused:
-        return Config(True, CHUNK_D, 1, CHUNK_WARPS, _maxnreg(CHUNK_WARPS))
-    block_d = max(MIN_BLOCK_D, triton.next_power_of_2(D))
-    rows = max(1, min(MAX_ROWS, TILE_ELEMS // block_d, triton.next_power_of_2(max(M, 1))))
+        return Config(True, CHUNK_D, 1, CHUNK_WARPS, maxnreg_for(CHUNK_WARPS))
+    block_d = max(MIN_BLOCK_D, next_power_of_2(D))
+    rows = max(1, min(MAX_ROWS, TILE_ELEMS // block_d, next_power_of_2(max(M, 1))))
     num_warps = max(1, min(MAX_WARPS, rows * block_d // (32 * elems)))
-    return Config(False, block_d, rows, num_warps, _maxnreg(num_warps))
+    return Config(False, block_d, rows, num_warps, maxnreg_for(num_warps))
 
 
-def _maxnreg(num_warps: int) -> int:
+def maxnreg_for(num_warps: int) -> int:
     return min(255, 65536 // (32 * num_warps))   # 64K registers per SM
 
 
+@functools.lru_cache(maxsize=4096)
 def forward_config(M: int, D: int) -> Config:
-    """Block shape of the forward for M rows of length D."""
+    """Block shape of the forward for M rows of length D (cached: called on every launch)."""
     return _config(M, D, MAX_FUSED_D_FWD, ELEMS_FWD)
 
 
+@functools.lru_cache(maxsize=4096)
 def backward_config(M: int, D: int) -> Config:
-    """Block shape of the backward for M rows of length D."""
+    """Block shape of the backward for M rows of length D (cached: called on every launch)."""
     return _config(M, D, MAX_FUSED_D_BWD, ELEMS_BWD)
 
 
-def persistent_programs(device: torch.device, tiles: int) -> int:
-    """Grid size of the persistent backward: a fixed count per device, never more than the tiles.
+def persistent_programs(x: torch.Tensor, tiles: int) -> int:
+    """Grid size of the persistent backward on x's device: a fixed count per device, never
+    more than the tiles.
 
     The count depends only on the device and the number of row tiles, so two runs with the same
     shapes split the rows the same way and sum the partials in the same order: bitwise equal.
     """
-    if device.type == "cuda":
-        programs = 2 * _sm_count(device.index)   # two resident programs per SM
+    return _programs(tiles, x.get_device())
+
+
+@functools.lru_cache(maxsize=4096)
+def _programs(tiles: int, device_index: int) -> int:
+    """device_index: -1 for the CPU (Tensor.get_device), else the CUDA device."""
+    if device_index >= 0:
+        programs = 2 * torch.cuda.get_device_properties(device_index).multi_processor_count
     else:
-        programs = CPU_PROGRAMS
+        programs = CPU_PROGRAMS   # the interpreter: any fixed number is deterministic
     return max(1, min(programs, tiles))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index) -> int:
-    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count

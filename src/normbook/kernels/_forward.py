@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normbook.kernels._config import forward_config
+from normbook.kernels._config import forward_config, norm_flags
 
 
 @triton.jit
@@ -28,8 +28,7 @@ def norm_fwd_rows_kernel(
     Y,                       # (M, D) output y, contiguous
     W,                       # (D,) weight gamma (if HAS_WEIGHT)
     B,                       # (D,) bias beta (if HAS_BIAS)
-    Mean,                    # (M,) fp32 output: mean of each row (LayerNorm only)
-    Rstd,                    # (M,) fp32 output: 1 / sqrt(var + eps) of each row
+    Stats,                   # (2, M) fp32 output: mean [0], rstd [1]; RMSNorm (1, M): rstd
     stride_x,                # row stride of X, in elements
     stride_r,                # row stride of R, in elements
     M,                       # number of rows
@@ -77,9 +76,11 @@ def norm_fwd_rows_kernel(
         y = y + b[None, :]
     tl.store(Y + rows64 * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     # two fp32 scalars per row for backward instead of D values of xhat
-    if not IS_RMS:
-        tl.store(Mean + rows, mean, mask=row_mask)
-    tl.store(Rstd + rows, rstd, mask=row_mask)
+    if IS_RMS:
+        tl.store(Stats + rows, rstd, mask=row_mask)
+    else:
+        tl.store(Stats + rows, mean, mask=row_mask)
+        tl.store(Stats + M + rows, rstd, mask=row_mask)
 
 
 @triton.jit
@@ -90,8 +91,7 @@ def norm_fwd_chunked_kernel(
     Y,                       # (M, D) output y, contiguous
     W,                       # (D,) weight gamma (if HAS_WEIGHT)
     B,                       # (D,) bias beta (if HAS_BIAS)
-    Mean,                    # (M,) fp32 output: mean of each row (LayerNorm only)
-    Rstd,                    # (M,) fp32 output: 1 / sqrt(var + eps) of each row
+    Stats,                   # (2, M) fp32 output: mean [0], rstd [1]; RMSNorm (1, M): rstd
     stride_x,                # row stride of X, in elements
     stride_r,                # row stride of R, in elements
     M,                       # number of rows
@@ -136,9 +136,11 @@ def norm_fwd_chunked_kernel(
             m2 += m2_b + delta * delta * (n * n_b / n_new)
             n = n_new
     rstd = tl.math.rsqrt(m2 / D + eps)                           # (ln-var), (ln-rstd)
-    if not IS_RMS:
-        tl.store(Mean + row, mean)
-    tl.store(Rstd + row, rstd)
+    if IS_RMS:
+        tl.store(Stats + row, rstd)
+    else:
+        tl.store(Stats + row, mean)
+        tl.store(Stats + M + row, rstd)
 
     # Pass 2, normalize. The row is read again (from L2 for rows that fit there); s is
     # recomputed from x and r rather than read back, so no thread depends on another's store.
@@ -165,26 +167,26 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     """(ln-y) and (rms-y), with the residual add: launch the forward on (M, D) rows, last dim contiguous.
 
     Returns:
-        y: (M, D) contiguous, x's dtype; s: (M, D) x + residual, or an empty tensor without a
-        residual; mean: (M,) fp32, empty for RMSNorm; rstd: (M,) fp32.
+        y: (M, D) contiguous, x's dtype; s: (M, D) x + residual, or None without a residual;
+        stats: fp32, what backward needs, (2, M) for LayerNorm (mean, rstd) and (1, M) for
+        RMSNorm (rstd): ``stats[-1]`` is rstd either way.
     """
     M, D = x.shape
-    y = torch.empty((M, D), dtype=x.dtype, device=x.device)
-    s = torch.empty((M, D) if residual is not None else (0,), dtype=x.dtype, device=x.device)
-    mean = torch.empty((0,) if is_rms else (M,), dtype=torch.float32, device=x.device)
-    rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    # empty_like: cheapest on the host; contiguous, since x's rows are dense or x is not dense
+    y = torch.empty_like(x)
+    s = torch.empty_like(x) if residual is not None else None
+    # two fp32 scalars per row (one for RMSNorm) for backward, in one allocation
+    stats = x.new_empty((1 if is_rms else 2, M), dtype=torch.float32)
     if M == 0:
-        return y, s, mean, rstd
+        return y, s, stats
     cfg = forward_config(M, D)
-    r = residual if residual is not None else x      # placeholders: never read when absent
-    args = (x, r, s, y, weight if weight is not None else x, bias if bias is not None else x,
-            mean if not is_rms else rstd, rstd, x.stride(0), r.stride(0), M, D, float(eps))
-    flags = dict(IS_RMS=is_rms, HAS_RESIDUAL=residual is not None,
-                 HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
+    r = residual if residual is not None else x      # placeholders: never touched when absent
+    args = (x, r, s if s is not None else y, y, weight if weight is not None else x,
+            bias if bias is not None else x, stats, x.stride(0), r.stride(0), M, D, eps)
+    flags = norm_flags(cfg, is_rms, residual is not None, weight is not None, bias is not None,
+                       ("HAS_RESIDUAL", "HAS_WEIGHT", "HAS_BIAS"))
     if cfg.chunked:
-        norm_fwd_chunked_kernel[(M,)](*args, **flags, BLOCK_D=cfg.BLOCK_D, **cfg.launch())
+        norm_fwd_chunked_kernel[(M,)](*args, **flags)
     else:
-        grid = (triton.cdiv(M, cfg.ROWS),)
-        norm_fwd_rows_kernel[grid](*args, **flags, ROWS=cfg.ROWS, BLOCK_D=cfg.BLOCK_D,
-                                   **cfg.launch())
-    return y, s, mean, rstd
+        norm_fwd_rows_kernel[(-(-M // cfg.ROWS),)](*args, **flags)
+    return y, s, stats

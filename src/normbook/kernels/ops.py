@@ -1,14 +1,23 @@
-"""The kernels as torch custom ops with autograd, and the four public functions.
+"""The kernels with autograd: an eager path as light as torch's, and custom ops for torch.compile.
 
-Two ops carry everything: ``normbook::norm_forward`` (both norms, with or without the fused
-residual add) and ``normbook::norm_backward``. Each has a fake (shape-only) implementation, so
-``torch.compile(fullgraph=True)`` traces a model through them without a graph break, and the
-forward has an autograd formula that calls the backward op. The public functions validate,
-flatten ``(..., *normalized_shape)`` to ``(M, D)``, call the op and restore the shape.
+Two routes reach the same launchers (``_forward.norm_forward``, ``_backward.norm_backward``):
+
+- **eager** (the usual case): :class:`NormFunction`, a ``torch.autograd.Function`` whose
+  forward and backward call the launchers directly. Host cost per call is what matters here
+  (a small batch is over on the GPU in microseconds), so the path is kept short:
+  checks of a few attribute reads, cached launch configurations, no Triton helper objects.
+- **torch.compile** (``torch.compiler.is_compiling()``): the custom ops
+  ``normbook::norm_forward`` and ``normbook::norm_backward``, each with a fake (shape-only)
+  implementation and the forward with an autograd formula, so ``torch.compile(fullgraph=True)``
+  traces a model through them without a graph break.
+
+Both routes share ``_setup_context`` and ``_grad``; the public functions validate, flatten
+``(..., *normalized_shape)`` to ``(M, D)``, pick the route and restore the shape.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -16,23 +25,26 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from normbook import _validate
-from normbook.functional import _flatten
 from normbook.kernels import _backward, _forward
 
-__all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"]
+__all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "NormFunction"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# decided once, when triton decorated the kernels
+_INTERPRETED = isinstance(_forward.norm_fwd_rows_kernel, InterpretedFunction)
 
 
 def interpreted() -> bool:
     """True when TRITON_INTERPRET=1 was set before triton was imported: kernels run on the CPU."""
-    return isinstance(_forward.norm_fwd_rows_kernel, InterpretedFunction)
+    return _INTERPRETED
 
 
 def _rows(t: Tensor) -> Tensor:
     """(..., D) -> (M, D) with a unit stride along D. Row strides are kept (a slice of a wider
     tensor is read in place); only a non-contiguous last dim is copied."""
-    t = t.reshape(-1, t.shape[-1])
+    if t.dim() != 2:
+        t = t.reshape(-1, t.shape[-1])
     return t.contiguous() if t.stride(-1) != 1 and t.shape[-1] > 1 else t
 
 
@@ -40,67 +52,100 @@ def _rows(t: Tensor) -> Tensor:
 
 @torch.library.custom_op("normbook::norm_forward", mutates_args=())
 def norm_forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
-                 bias: Optional[Tensor], eps: float, is_rms: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(ln-y) or (rms-y) on (M, D) rows: returns y, s (empty without residual), mean (empty for RMSNorm), rstd."""
-    return _forward.norm_forward(x, residual, weight, bias, eps, is_rms)
+                 bias: Optional[Tensor], eps: float, is_rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(ln-y) or (rms-y) on (M, D) rows: returns y, s (empty without residual) and the fp32
+    stats, (2, M) mean and rstd, or (1, M) rstd for RMSNorm."""
+    y, s, stats = _forward.norm_forward(x, residual, weight, bias, eps, is_rms)
+    return y, x.new_empty((0,)) if s is None else s, stats   # an op returns tensors, never None
 
 
 @norm_forward.register_fake
 def _(x, residual, weight, bias, eps, is_rms):
     M, D = x.shape
-    f32 = torch.float32
     return (x.new_empty((M, D)), x.new_empty((M, D) if residual is not None else (0,)),
-            x.new_empty((0,) if is_rms else (M,), dtype=f32), x.new_empty((M,), dtype=f32))
+            x.new_empty((1 if is_rms else 2, M), dtype=torch.float32))
 
 
 @torch.library.custom_op("normbook::norm_backward", mutates_args=())
-def norm_backward(dy: Tensor, ds: Optional[Tensor], x: Tensor, weight: Optional[Tensor], mean: Tensor,
-                  rstd: Tensor, has_bias: bool, is_rms: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(ln-dx) or (rms-dx), (ln-dparams) and the (fork-rule): returns dx and fp32 dweight, dbias (empty if absent)."""
-    return _backward.norm_backward(dy, ds, x, weight, mean, rstd, has_bias, is_rms)
+def norm_backward(dy: Tensor, ds: Optional[Tensor], x: Tensor, weight: Optional[Tensor], stats: Tensor,
+                  bias_dtype: Optional[torch.dtype], is_rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(ln-dx) or (rms-dx), (ln-dparams) and the (fork-rule): dx, dweight, dbias (empty if absent)."""
+    dx, dweight, dbias = _backward.norm_backward(dy, ds, x, weight, stats, bias_dtype, is_rms)
+    empty = x.new_empty((0,))
+    return dx, empty.clone() if dweight is None else dweight, empty if dbias is None else dbias
 
 
 @norm_backward.register_fake
-def _(dy, ds, x, weight, mean, rstd, has_bias, is_rms):
+def _(dy, ds, x, weight, stats, bias_dtype, is_rms):
     D = x.shape[1]
-    f32 = torch.float32
-    return (x.new_empty(x.shape), x.new_empty((D,) if weight is not None else (0,), dtype=f32),
-            x.new_empty((D,) if has_bias else (0,), dtype=f32))
+    return (x.new_empty(x.shape), x.new_empty((0,)) if weight is None else weight.new_empty((D,)),
+            x.new_empty((0,)) if bias_dtype is None else x.new_empty((D,), dtype=bias_dtype))
 
 
 def _setup_context(ctx, inputs, output):
     x, residual, weight, bias, eps, is_rms = inputs
-    _, s, mean, rstd = output
+    _, s, stats = output
     # backward needs the normalized input (s when the add is fused) and two fp32 scalars per row
-    ctx.save_for_backward(s if residual is not None else x, weight, mean, rstd)
-    ctx.has_residual = residual is not None
-    ctx.bias_dtype = None if bias is None else bias.dtype
-    ctx.is_rms = is_rms
+    # (one for RMSNorm) instead of the D values of xhat
+    ctx.save_for_backward(s if residual is not None else x, weight, stats)
+    ctx.mark_non_differentiable(stats)
+    ctx.set_materialize_grads(False)   # no zero tensors for stats (or an unused s): None is enough
+    ctx.meta = (residual is not None, None if bias is None else bias.dtype, is_rms)
 
 
-def _grad(ctx, dy, ds, dmean, drstd):
-    x, weight, mean, rstd = ctx.saved_tensors
+def _grad(ctx, dy, ds, backward):
+    """Gradients of (x, residual, weight, bias, eps, is_rms) from those of (y, s)."""
+    x, weight, stats = ctx.saved_tensors
+    has_residual, bias_dtype, is_rms = ctx.meta
     dy = _rows(dy) if dy is not None else torch.zeros_like(x)
-    ds = _rows(ds) if ctx.has_residual and ds is not None else None
-    dx, dweight, dbias = norm_backward(dy, ds, x, weight, mean, rstd, ctx.bias_dtype is not None, ctx.is_rms)
+    ds = _rows(ds) if has_residual and ds is not None else None
+    dx, dweight, dbias = backward(dy, ds, x, weight, stats, bias_dtype, is_rms)
     # fork rule: s = x + residual, so x and the residual receive the same gradient
-    dresidual = dx if ctx.has_residual else None
-    dweight = dweight.to(weight.dtype) if weight is not None else None
-    dbias = dbias.to(ctx.bias_dtype) if ctx.bias_dtype is not None else None
-    return dx, dresidual, dweight, dbias, None, None
+    return (dx, dx if has_residual else None, dweight if weight is not None else None,
+            dbias if bias_dtype is not None else None, None, None)
 
 
-norm_forward.register_autograd(_grad, setup_context=_setup_context)
+def _op_grad(ctx, dy, ds, dstats):
+    return _grad(ctx, dy, ds, norm_backward)
+
+
+norm_forward.register_autograd(_op_grad, setup_context=_setup_context)
+
+
+class NormFunction(torch.autograd.Function):
+    """The eager route: the same forward and backward as the custom ops, without the dispatcher.
+
+    ``apply(x, residual, weight, bias, eps, is_rms) -> (y, s, stats)`` on (M, D) rows; s is
+    None without a residual.
+    """
+
+    forward = staticmethod(_forward.norm_forward)
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    def backward(ctx, dy, ds, dstats):
+        return _grad(ctx, dy, ds, _backward.norm_backward)
+
+    @classmethod
+    def apply(cls, *args):
+        # Function.apply binds default arguments with inspect.signature on every call when
+        # setup_context is defined (about 12 us); ours are all positional and complete, so
+        # outside functorch transforms go straight to the C++ apply.
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*args)
+
+
+def _route():
+    """The custom op under torch.compile, the Function otherwise; either maps
+    (x, residual, weight, bias, eps, is_rms) on (M, D) rows to (y, s, stats)."""
+    return norm_forward if torch.compiler.is_compiling() else NormFunction.apply
 
 
 # ----------------------------------------------------------------------------- argument checks
 
-def _check_kernel_input(t: Tensor, name: str) -> None:
-    _validate.check_input(t, name)
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name}: the Triton kernels take float16, bfloat16 or float32, got {t.dtype}"
-                        " (normbook.layer_norm / normbook.rms_norm compute float64 on the reference path)")
-    if t.device.type == "cuda" or (t.device.type == "cpu" and interpreted()):
+def _check_device(t: Tensor, name: str) -> None:
+    if t.is_cuda or (_INTERPRETED and t.device.type == "cpu"):
         return
     if t.device.type == "cpu":
         raise ValueError(f"{name}: expected a CUDA tensor, got a CPU tensor while Triton's interpreter "
@@ -110,25 +155,76 @@ def _check_kernel_input(t: Tensor, name: str) -> None:
                      f"got device {t.device}")
 
 
-def _prepare(input, normalized_shape, eps, params: dict, residual=None, name="input"):
-    """Validate; return (x, residual, *params) as (M, D) rows and (D,) vectors."""
-    _check_kernel_input(input, name)
-    shape = _validate.check_norm_args(input, normalized_shape, params, eps, name, SUPPORTED_DTYPES)
-    x, *flat = _flatten(input, shape, *params.values())
-    x = _rows(x)
+def _check_kernel_input(t, name: str) -> None:
+    _validate.check_input(t, name)
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name}: the Triton kernels take float16, bfloat16 or float32, got {t.dtype}"
+                        " (normbook.layer_norm / normbook.rms_norm compute float64 on the reference path)")
+    _check_device(t, name)
+
+
+def _fast_ok(input, D, weight, bias, eps) -> bool:
+    """The common case in a few attribute reads: a kernel-dtype tensor on a kernel device whose
+    last dim is D, parameters None or (D,) on its device, eps a non-negative float. Anything
+    else goes through the full checks, which raise with a message or accept the rare case."""
+    if not (isinstance(input, Tensor) and input.dtype in SUPPORTED_DTYPES and input.ndim
+            and input.shape[-1] == D and (input.is_cuda or (_INTERPRETED and input.is_cpu))
+            and type(eps) is float and eps >= 0.0):
+        return False
+    device = None
+    for p in (weight, bias):
+        if p is None or p is _NO_BIAS:
+            continue
+        if device is None:
+            device = input.device
+        if not (isinstance(p, Tensor) and p.ndim == 1 and p.shape[0] == D
+                and p.dtype in SUPPORTED_DTYPES and p.device == device):
+            return False
+    return True
+
+
+def _prepare(input, normalized_shape, eps, weight, bias, residual=None, name="input"):
+    """Validate; return (x, residual, weight, bias) as (M, D) rows and contiguous (D,) vectors."""
+    t = type(normalized_shape)
+    D = normalized_shape if t is int else (
+        normalized_shape[0] if t in (tuple, list, torch.Size) and len(normalized_shape) == 1 else None)
+    if D is None or not _fast_ok(input, D, weight, bias, eps):
+        _check_kernel_input(input, name)
+        params = {"weight": weight} if bias is _NO_BIAS else {"weight": weight, "bias": bias}
+        shape = _validate.check_norm_args(input, normalized_shape, params, eps, name, SUPPORTED_DTYPES)
+        D = math.prod(shape)
+        input = input.reshape(*input.shape[: input.dim() - len(shape)], D)
+        weight = None if weight is None else weight.reshape(D)
+        bias = None if bias is None or bias is _NO_BIAS else bias.reshape(D)
     if residual is not None:
-        _validate.check_input(residual, "residual")
-        if residual.shape != input.shape:
-            raise ValueError(f"residual: expected x's shape {tuple(input.shape)}, got {tuple(residual.shape)}")
-        if residual.dtype != input.dtype:
-            raise TypeError(f"residual: expected x's dtype {input.dtype}, got {residual.dtype}")
-        if residual.device != input.device:
-            raise ValueError(f"residual: expected x's device {input.device}, got {residual.device}")
-        residual = _rows(_flatten(residual, shape)[0])
-    return x, residual, *(None if p is None else p.contiguous() for p in flat)
+        if not (isinstance(residual, Tensor) and residual.shape == input.shape
+                and residual.dtype == input.dtype and residual.device == input.device):
+            _check_residual(residual, input)
+        residual = _rows(residual)
+    return (_rows(input), residual, None if weight is None else weight.contiguous(),
+            None if bias is None or bias is _NO_BIAS else bias.contiguous())
+
+
+_NO_BIAS = object()   # RMSNorm has no bias argument at all (so none is named in its errors)
+
+
+def _check_residual(residual, input) -> None:
+    _validate.check_input(residual, "residual")
+    if residual.shape != input.shape:
+        raise ValueError(f"residual: expected x's shape {tuple(input.shape)}, got {tuple(residual.shape)}")
+    if residual.dtype != input.dtype:
+        raise TypeError(f"residual: expected x's dtype {input.dtype}, got {residual.dtype}")
+    if residual.device != input.device:
+        raise ValueError(f"residual: expected x's device {input.device}, got {residual.device}")
 
 
 # ----------------------------------------------------------------------------- public API
+
+def _restore(out: Tensor, input: Tensor) -> Tensor:
+    """(M, D) rows back to input's shape (a view; none needed for a 2-D input)."""
+    return out if input.dim() == 2 else out.view(input.shape)
+
+
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     """(ln-y): LayerNorm by the fused Triton kernels, as ``torch.nn.functional.layer_norm``.
@@ -147,9 +243,9 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     Returns:
         Tensor of input's shape and dtype (also when weight is fp32 and input bf16).
     """
-    x, _, w, b = _prepare(input, normalized_shape, eps, {"weight": weight, "bias": bias})
-    y = norm_forward(x, None, w, b, float(eps), False)[0]
-    return y.reshape(input.shape)
+    x, _, w, b = _prepare(input, normalized_shape, eps, weight, bias)
+    y = _route()(x, None, w, b, float(eps), False)[0]
+    return y if input.dim() == 2 else y.view(input.shape)
 
 
 def rms_norm(input, normalized_shape, weight=None, eps=None):
@@ -166,13 +262,14 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     Returns:
         Tensor of input's shape and dtype.
     """
-    eps = _validate.default_eps(input, eps)
-    x, _, w = _prepare(input, normalized_shape, eps, {"weight": weight})
-    y = norm_forward(x, None, w, None, float(eps), True)[0]
-    return y.reshape(input.shape)
+    if eps is None:
+        eps = _validate.default_eps(input, eps)
+    x, _, w, _ = _prepare(input, normalized_shape, eps, weight, _NO_BIAS)
+    y = _route()(x, None, w, None, float(eps), True)[0]
+    return y if input.dim() == 2 else y.view(input.shape)
 
 
-def add_layer_norm(x, residual, weight, bias, eps=1e-5):
+def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5):
     """(fork-rule): s = x + residual, y = LayerNorm(s) over the last dim, in one pass.
 
     x and the residual are each read once, s is written once. In backward, s forks into the
@@ -188,12 +285,12 @@ def add_layer_norm(x, residual, weight, bias, eps=1e-5):
         (y, s), both of x's shape and dtype.
     """
     D = x.shape[-1] if isinstance(x, Tensor) and x.dim() > 0 else 0
-    xs, r, w, b = _prepare(x, D, eps, {"weight": weight, "bias": bias}, residual=residual, name="x")
-    y, s, _, _ = norm_forward(xs, r, w, b, float(eps), False)
-    return y.reshape(x.shape), s.reshape(x.shape)
+    xs, r, w, b = _prepare(x, D, eps, weight, bias, residual=residual, name="x")
+    y, s, _ = _route()(xs, r, w, b, float(eps), False)
+    return _restore(y, x), _restore(s, x)
 
 
-def add_rms_norm(x, residual, weight, eps=None):
+def add_rms_norm(x, residual, weight=None, eps=None):
     """(fork-rule): s = x + residual, y = RMSNorm(s) over the last dim, in one pass.
 
     Forward (rms-ms), (rms-y) on s; gradient (rms-dx) plus the gradient arriving at s. As
@@ -208,8 +305,9 @@ def add_rms_norm(x, residual, weight, eps=None):
     Returns:
         (y, s), both of x's shape and dtype.
     """
-    eps = _validate.default_eps(x, eps)
+    if eps is None:
+        eps = _validate.default_eps(x, eps)
     D = x.shape[-1] if isinstance(x, Tensor) and x.dim() > 0 else 0
-    xs, r, w = _prepare(x, D, eps, {"weight": weight}, residual=residual, name="x")
-    y, s, _, _ = norm_forward(xs, r, w, None, float(eps), True)
-    return y.reshape(x.shape), s.reshape(x.shape)
+    xs, r, w, _ = _prepare(x, D, eps, weight, _NO_BIAS, residual=residual, name="x")
+    y, s, _ = _route()(xs, r, w, None, float(eps), True)
+    return _restore(y, x), _restore(s, x)

@@ -42,7 +42,7 @@ DTYPES = ("bf16", "fp32")
 DS = (1024, 4096, 8192, 16384, 65536)   # 8192: widest fused backward; 65536: chunked
 QUICK = dict(archs=(90,), dtypes=("bf16",), ds=(4096, 65536))
 ROW_TENSORS = {"X", "R", "S", "Y", "W", "B", "DY", "DS", "DX"}   # input dtype (weight too, here)
-FP32_TENSORS = {"Mean", "Rstd", "DW", "DB", "C1", "C2"}           # statistics and partials
+FP32_TENSORS = {"Stats", "DW", "DB", "PW", "PB", "C1", "C2"}           # statistics and partials
 
 
 def _jit(kernel):
@@ -68,6 +68,10 @@ def launches(D: int, is_rms: bool, residual: bool):
     else:
         rows = dict(ROWS=bwd.ROWS, BLOCK_D=bwd.BLOCK_D)
         out.append((_backward.norm_bwd_rows_kernel, dict(bwd_flags, **rows), bwd))
+    finish = _backward.FINISH_CONFIG
+    out.append((_backward.norm_bwd_finish_kernel,
+                dict(HAS_WEIGHT=True, HAS_BIAS=not is_rms, BLOCK_P=finish.ROWS, BLOCK_D=finish.BLOCK_D),
+                finish))
     return out
 
 
@@ -175,13 +179,21 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     parser.add_argument("--quick", action="store_true", help="sm_90, bf16, D in (4096, 65536) only")
+    parser.add_argument("--archs", help="comma list of compute capabilities (default 80,90)")
     args = parser.parse_args(argv)
+    opts = dict(QUICK) if args.quick else {}
+    if args.archs:
+        try:
+            opts["archs"] = tuple(int(a) for a in args.archs.split(","))
+        except ValueError:
+            parser.error(f"--archs: expected a comma list such as 80,90, got {args.archs!r}")
     start = time.perf_counter()
-    rows = run(**QUICK) if args.quick else run()
+    rows = run(**opts)
     seconds = time.perf_counter() - start
     print(table(rows))
     failed = [r for r in rows if problems(r)]
-    print(f"\n{len(rows)} kernel configurations compiled in {seconds:.1f} s; {len(failed)} failed")
+    print(f"\n{len(rows)} kernel configurations compiled in {seconds:.1f} s with Triton "
+          f"{triton.__version__}; {len(failed)} failed")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(triton=triton.__version__, m=M_REPORT, seconds=round(seconds, 1),
