@@ -1,97 +1,143 @@
 #!/usr/bin/env bash
 # benchmarks/gpu_check.sh: the prepared GPU check (see benchmarks/README.md).
 #
-# Runs in the repository root on a machine whose python3 already has torch and triton, with
-# no network: it installs nothing and imports normbook from src/ through PYTHONPATH.
+# Runs in the repository root on a machine whose python3 already has torch and triton, with no
+# network: it imports normbook from src/ through PYTHONPATH and installs only the wheels in .whl/
+# (Liger-Kernel; `make gpu-wheels` downloads them), into a temporary folder.
+#
 # Steps, each under its own timeout so that one hang cannot eat the rest (all: < 8 minutes):
-#   env           versions and nvidia-smi
-#   gpu_tests     python3 -m pytest -m gpu tests/test_kernels_*.py -> $OUT/gpu_tests.txt
-#   report        python3 -m normbook.kernels.report --json  -> $OUT/compile_report.json (if present)
-#   bench_bf16    4 ops, fwd and bwd, normbook and torch      -> $OUT/bench-bf16/results.json
-#   bench_fp32    layer_norm fp32, normbook, torch, compile   -> $OUT/bench-fp32/results.json
-#   bench_compile 4 ops bf16 under torch.compile, in the time left -> $OUT/bench-bf16-compile/
-#   summary       tables and the DESIGN.md goal check         -> $OUT/summary.txt
-#   plots         GB/s and fraction of copy vs D              -> $OUT/plots/*.png
-# OUT unset (a run by hand): the results go to benchmarks/results/gpu-<date>/.
-# PYTHON overrides the interpreter (default python3).
+#   env        versions, commit, nvidia-smi
+#   wheels     .whl/*.whl -> a temporary site folder first on PYTHONPATH (else: Liger not measured)
+#   gpu_tests  pytest -m gpu over the kernel tests
+#   report     the static compile report, compiled here (Triton of this machine)
+#   host       python -m normbook.bench host: host time per call, launches stubbed
+#   bench_*    bf16: 4 ops x fwd/bwd, normbook, torch, liger; fp32 layer_norm with compile;
+#              bf16 torch.compile in the time left
+#   merge, summary, plots
+# What comes back is at most 8 files, none in a folder (the device tool returns no more):
+#   $OUT/results.json   every benchmark row, merged, with provenance
+#   $OUT/summary.txt    steps, host times, the tables and the goal check
+#   $OUT/report.json    the compile report of this machine
+#   $OUT/overview.png   fraction of copy bandwidth, every op, bf16
+#   $OUT/logs.tar.gz    every log, every per-run JSON, every plot
+# DRY_RUN=1: the same steps on the CPU (Triton's interpreter, M = 64, small D, torch.compile's
+# aot_eager backend), in under 3 minutes: `make test` runs it, so a broken step shows here.
+# OUT unset: benchmarks/results/gpu-<date>/. PYTHON overrides the interpreter (default python3).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
-DEADLINE=450   # seconds after start by which every step has ended (the hard limit is 480)
+DRY=${DRY_RUN:-0}
 OUT="${OUT:-benchmarks/results/gpu-$(date +%F)}"
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 PY="${PYTHON:-python3}"
+WORK=$(mktemp -d)
+LOGS="$WORK/logs"
+mkdir -p "$LOGS"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-export PIP_NO_INDEX=1           # nothing here may reach for the network
-unset TRITON_INTERPRET          # compiled kernels, not the interpreter
-: > "$OUT/steps.txt"
+export PIP_NO_INDEX=1 PYTHONUNBUFFERED=1    # nothing here may reach for the network
+unset TRITON_INTERPRET                     # compiled kernels (the dry run's bench sets it itself)
+: > "$LOGS/steps.txt"
 
 elapsed() { echo $(( $(date +%s) - T0 )); }
 
-# step NAME SECONDS TAIL CMD...: run CMD with a timeout, its output in $OUT/NAME.txt; show
-# the last TAIL lines; record rc and time in $OUT/steps.txt. rc 124: timed out.
+# step NAME SECONDS CMD...: run CMD with a timeout, its output in logs/NAME.txt; show the last
+# lines; record rc and time in logs/steps.txt. rc 124: timed out.
 step() {
-  local name=$1 limit=$2 tail_n=$3; shift 3
+  local name=$1 limit=$2; shift 2
   local t=$(date +%s) rc
   echo "=== [$(elapsed)s] $name (timeout ${limit}s)"
-  timeout -k 10 "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  timeout -k 10 "$limit" "$@" > "$LOGS/$name.txt" 2>&1
   rc=$?
-  tail -n "$tail_n" "$OUT/$name.txt"
+  tail -n 8 "$LOGS/$name.txt"
   echo "=== $name: rc=$rc in $(( $(date +%s) - t ))s"
-  echo "$name rc=$rc $(( $(date +%s) - t ))s" >> "$OUT/steps.txt"
+  echo "$name rc=$rc $(( $(date +%s) - t ))s" >> "$LOGS/steps.txt"
 }
 
-# D in an order that spreads coverage if a time budget cuts a run short
-D_ORDER=1024,32768,131072,4096,16384,65536,2048,8192
-BENCH=("$PY" -m normbook.bench --device cuda --M 32768 --D "$D_ORDER" --modes fwd,bwd
-       --warmup-ms 10 --rep-ms 50 --no-plots --no-progress)
+if [ "$DRY" = 1 ]; then
+  BENCH=("$PY" -m normbook.bench --dry-run --no-plots --no-progress)
+  BF16=(--dtypes bf16 --D 256,1024)
+  FP32=(--dtypes fp32 --D 1024)
+  LIM_BF16=90; LIM_FP32=40; DEADLINE=170
+else
+  # D in an order that spreads coverage if a time budget cuts a run short
+  BENCH=("$PY" -m normbook.bench --device cuda --M 32768 --modes fwd,bwd
+         --warmup-ms 10 --rep-ms 50 --no-plots --no-progress)
+  BF16=(--dtypes bf16 --D 1024,32768,131072,4096,16384,65536,2048,8192)
+  FP32=(--dtypes fp32 --D 1024,32768,4096,16384,65536,2048,8192,131072)
+  LIM_BF16=170; LIM_FP32=70; DEADLINE=450
+fi
+OPS=(--ops layer_norm,rms_norm,add_layer_norm,add_rms_norm)
 
-step env 30 200 bash -c "$PY -c 'import sys, platform, torch, triton; \
+step env 30 bash -c "$PY -c 'import sys, platform, torch, triton; \
 print(\"python\", sys.version.split()[0], platform.platform()); \
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available\", torch.cuda.is_available()); \
 print(\"triton\", triton.__version__); \
 print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else None)'; \
-git rev-parse HEAD 2>/dev/null || echo 'commit unknown'; nvidia-smi || echo 'nvidia-smi failed'"
+git rev-parse HEAD 2>/dev/null || echo 'commit unknown'; nvidia-smi 2>&1 || echo 'nvidia-smi: none'"
+
+# Liger-Kernel travels as a wheel in .whl/ (make gpu-wheels); installed apart, never into python3's site
+if ls .whl/*.whl >/dev/null 2>&1; then
+  step wheels 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" .whl/*.whl
+  export PYTHONPATH="$PYTHONPATH:$WORK/site"
+else
+  echo "no .whl/ (make gpu-wheels): Liger-Kernel is recorded as not measured" | tee "$LOGS/wheels.txt"
+fi
 
 if "$PY" -c "import pytest" 2>/dev/null; then
-  # only the kernel test files: the others import test-only packages (hypothesis) the GPU machine may lack
-  step gpu_tests 100 25 "$PY" -m pytest -m gpu tests/test_kernels_accuracy.py tests/test_kernels_api.py tests/test_kernels_residual.py -q -p no:cacheprovider
+  # only the kernel test files: the others import test-only packages the GPU machine may lack
+  step gpu_tests 100 "$PY" -m pytest -m gpu tests/test_kernels_accuracy.py tests/test_kernels_api.py \
+    tests/test_kernels_residual.py tests/test_kernels_gpu.py -q -p no:cacheprovider
 else
-  echo "pytest is not installed for $PY: GPU tests not run" | tee "$OUT/gpu_tests.txt"
+  echo "pytest is not installed for $PY: GPU tests not run" | tee "$LOGS/gpu_tests.txt"
 fi
 
-if [ -f src/normbook/kernels/report.py ]; then
-  step compile_report 45 15 "$PY" -m normbook.kernels.report --json "$OUT/compile_report.json"
+step report 60 "$PY" -m normbook.kernels.report --json "$WORK/report.json"
+step host 60 "$PY" -m normbook.bench host --json "$WORK/host.json"
+
+step bench_bf16 "$LIM_BF16" "${BENCH[@]}" "${OPS[@]}" "${BF16[@]}" \
+  --providers normbook,torch,liger --time-budget $(( LIM_BF16 - 30 )) --out "$WORK/bench-bf16"
+step bench_fp32 "$LIM_FP32" "${BENCH[@]}" --ops layer_norm "${FP32[@]}" \
+  --providers normbook,torch,compile,liger --time-budget $(( LIM_FP32 - 25 )) --out "$WORK/bench-fp32"
+
+# torch.compile of bf16 in what is left, keeping 50 s for the summary, the plots and the archive.
+# A compile takes seconds per shape; rows past the budget are recorded as skipped.
+left=$(( DEADLINE - 50 - $(elapsed) ))
+if [ "$left" -ge 40 ]; then
+  step bench_compile "$left" "${BENCH[@]}" "${OPS[@]}" "${BF16[@]}" --providers compile \
+    --time-budget $(( left - 30 )) --out "$WORK/bench-bf16-compile"
 else
-  echo "no src/normbook/kernels/report.py: compile report not run"
+  echo "only ${left}s left: torch.compile bf16 benchmark not run" | tee -a "$LOGS/steps.txt"
 fi
 
-step bench_bf16 140 12 "${BENCH[@]}" --ops layer_norm,rms_norm,add_layer_norm,add_rms_norm \
-  --dtypes bf16 --providers normbook,torch --time-budget 105 --out "$OUT/bench-bf16"
-
-step bench_fp32 80 12 "${BENCH[@]}" --ops layer_norm --dtypes fp32 \
-  --providers normbook,torch,compile --time-budget 50 --out "$OUT/bench-fp32"
-
-# torch.compile of bf16 in what is left, keeping 60 s for the summary and the plots. A
-# compile takes seconds per shape; rows past the budget are recorded as skipped.
-left=$(( DEADLINE - 60 - $(elapsed) ))
-if [ "$left" -ge 45 ]; then
-  step bench_compile "$left" 12 "${BENCH[@]}" \
-    --ops layer_norm,rms_norm,add_layer_norm,add_rms_norm --dtypes bf16 --providers compile \
-    --time-budget $(( left - 35 )) --out "$OUT/bench-bf16-compile"
-else
-  echo "only ${left}s left: torch.compile bf16 benchmark not run"
-fi
-
-results=$(ls "$OUT"/bench-*/results.json 2>/dev/null)
+results=$(ls "$WORK"/bench-*/results.json 2>/dev/null)
 if [ -n "$results" ]; then
   # shellcheck disable=SC2086  # one argument per results file
-  step summary 25 90 "$PY" -m normbook.bench --summary $results
-  # shellcheck disable=SC2086
-  step plots 35 3 "$PY" -m normbook.bench --plot $results --out "$OUT/plots"
+  step merge 30 "$PY" -m normbook.bench --merge $results --out "$OUT/results.json"
+  step summary 30 "$PY" -m normbook.bench --summary "$OUT/results.json"
+  step plots 60 "$PY" -m normbook.bench --plot $results --out "$WORK/plots"
+  step overview 30 "$PY" -m normbook.bench --overview "$OUT/results.json" --out "$OUT/overview.png"
 else
-  echo "no benchmark results to summarize"
+  echo "no benchmark results: nothing to merge, summarize or plot" | tee -a "$LOGS/steps.txt"
 fi
+[ -f "$WORK/report.json" ] && cp "$WORK/report.json" "$OUT/report.json"
 
-echo "=== done in $(elapsed)s; results in $OUT"
-cat "$OUT/steps.txt"
+{
+  echo "normbook GPU check$([ "$DRY" = 1 ] && echo ' (DRY RUN on the CPU: no figure here is a GPU measurement)'), $(date -u +%FT%TZ), $(elapsed) s"
+  echo; echo "== steps (rc 0 = ok, 124 = timed out)"; cat "$LOGS/steps.txt"
+  echo; echo "== versions"; cat "$LOGS/env.txt" 2>/dev/null | head -n 6
+  echo; echo "== GPU tests"; tail -n 3 "$LOGS/gpu_tests.txt" 2>/dev/null
+  echo; echo "== compile report"; tail -n 1 "$LOGS/report.txt" 2>/dev/null
+  echo; echo "== host time per call"; cat "$LOGS/host.txt" 2>/dev/null
+  echo; echo "== benchmark"; cat "$LOGS/summary.txt" 2>/dev/null || echo "no benchmark results"
+} > "$OUT/summary.txt"
+
+cp "$OUT/summary.txt" "$WORK/"
+( cd "$WORK" && tar -czf "$OUT/logs.tar.gz" logs plots bench-* host.json report.json summary.txt 2>/dev/null )
+rm -rf "$WORK"
+echo "=== done in $(elapsed)s; in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+# every file is written whatever failed; the exit status says whether every step passed
+if grep -v " rc=0 " "$OUT/summary.txt" | grep -q " rc=[0-9]"; then
+  echo "=== some steps failed:"; grep " rc=" "$OUT/summary.txt" | grep -v " rc=0 "
+  exit 1
+fi

@@ -131,7 +131,7 @@ def test_time_budget_records_skips(tmp_path):
 # ---- plots from a synthetic JSON (made up here; never written to benchmarks/results) -------
 def _synthetic_result():
     rows = []
-    for prov, frac in (("normbook", 0.9), ("torch", 0.6)):
+    for prov, frac in (("normbook", 0.9), ("torch", 0.6), ("compile", 0.6), ("liger", 0.8)):
         for mode in ("fwd", "bwd"):
             for Mx, Dx in ((32768, 1024), (32768, 4096), (1 << 20, 128)):
                 gbps = 4000.0 * frac
@@ -198,22 +198,36 @@ def test_import_needs_neither_triton_nor_matplotlib():
 def test_goal_check_on_synthetic_rows():
     from normbook.bench.goal import check_goal
 
-    lines, ok = check_goal([_synthetic_result()])  # normbook 0.9 of copy, torch 0.6: faster
+    grid = dict(ops=("rms_norm",), Ds=(1024, 4096))
+    # normbook 0.9 of copy; torch and compile 0.6, liger 0.8: normbook faster than each
+    lines, ok = check_goal([_synthetic_result()], **grid)
     assert ok and len(lines) == 2 * 2  # (fwd, bwd) x D in {1024, 4096}; M = 2**20 not judged
     assert all(line.endswith("PASS") for line in lines)
     slow = _synthetic_result()
     for r in slow["rows"]:
         if r["provider"] == "normbook" and r["mode"] == "fwd":
             r["frac_copy"] = 0.85  # below the forward target of 0.90
-    lines, ok = check_goal([slow])
+    lines, ok = check_goal([slow], **grid)
     assert not ok and sum(line.endswith("FAIL") for line in lines) == 2
+    # a rival without a row is "not measured" with its reason, never a pass
+    partial = _synthetic_result()
+    partial["rows"] = [r for r in partial["rows"] if r["provider"] != "liger"]
+    partial["skipped"] = [dict(provider="liger", op="rms_norm", mode="fwd", dtype="bf16", M=32768,
+                               D=1024, reason="liger_kernel not importable")]
+    lines, ok = check_goal([partial], **grid)
+    assert not ok and all(line.endswith("NOT MEASURED") for line in lines)
+    assert "liger not measured (liger_kernel not importable)" in lines[0]
+    # and the whole grid: every op and D without rows is NOT MEASURED
+    lines, ok = check_goal([_synthetic_result()])
+    assert not ok and sum(line.endswith("NOT MEASURED") for line in lines) == len(lines) - 4
 
 
 def test_cli_summary_of_recorded_json(tmp_path, capsys):
     (tmp_path / "results.json").write_text(json.dumps(_synthetic_result()))
     assert cli.main(["--summary", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "rms_norm fwd bf16" in out and "goal: all PASS" in out
+    assert "rms_norm fwd bf16" in out and "goal: not met" in out
+    assert "rms_norm       fwd  D=1024    0.90 of copy" in out and "D=1024" in out
 
 
 def test_recorded_gpu_results_ignores_cpu_and_synthetic_runs(tmp_path):

@@ -204,8 +204,10 @@ def test_parameter_gradients_are_deterministic(M, D, norm):
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_strided_rows_are_read_in_place(norm):
-    """A slice of a wider tensor is read through its row stride (no copy); results are bitwise
-    those of the contiguous copy."""
+    """A slice of a wider tensor is read through its row stride (no copy). In the interpreter the
+    results are bitwise those of the contiguous copy; compiled, the two inputs may specialize
+    differently (alignment, vector width, so the reduction tree), so a GPU promises equality to
+    rounding, and bitwise equality only run to run."""
     M, D = 37, 760
     wide, w, b, dy = make(M, D + 40, torch.bfloat16)
     x = wide[:, 8:D + 8]                                    # row stride D + 40
@@ -216,7 +218,13 @@ def test_strided_rows_are_read_in_place(norm):
           else (lambda x: K.rms_norm(x, (D,), w, EPS)))
     y, (dx,) = grads(fn, dy, x)
     y_c, (dx_c,) = grads(fn, dy.contiguous(), x.contiguous())
-    assert torch.equal(y, y_c) and torch.equal(dx, dx_c)
+    if K.ops.interpreted():
+        assert torch.equal(y, y_c) and torch.equal(dx, dx_c)
+    else:  # bf16: two roundings apart at most
+        torch.testing.assert_close(y, y_c, rtol=2.0**-7, atol=2.0**-7)
+        torch.testing.assert_close(dx, dx_c, rtol=2.0**-7, atol=2.0**-7 * dx_c.abs().max().item())
+    y2, (dx2,) = grads(fn, dy, x)
+    assert torch.equal(y, y2) and torch.equal(dx, dx2)      # run to run: bitwise
 
 
 def test_transposed_input_is_copied_and_correct():

@@ -15,6 +15,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -112,6 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--plot", nargs="+", metavar="SRC",
                    help="do not run: draw plots from JSON files/folders/globs into --out")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the steps on the CPU: the normbook kernels in Triton's interpreter, "
+                   "M = 64, small D, torch.compile with the aot_eager backend (nothing is timed "
+                   "meaningfully)")
+    p.add_argument("--overview", nargs="+", metavar="SRC",
+                   help="do not run: one PNG of every op's fraction of copy bandwidth (bf16), "
+                   "--out FILE")
+    p.add_argument("--merge", nargs="+", metavar="SRC",
+                   help="do not run: merge recorded JSON (rows, skips, each run's provenance) "
+                   "into one file, --out FILE")
     p.add_argument("--summary", nargs="+", metavar="SRC",
                    help="do not run: print the tables and the goal check of recorded JSON")
     return p
@@ -120,6 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args, parser) -> runner.Config:
     """Defaults by device and --quick, then the explicit flags on top."""
     notes = []
+    if args.dry_run:
+        if args.device == "cuda":
+            parser.error("--dry-run: runs on the CPU; drop --device cuda")
+        args.device = "cpu"
+        if os.environ.get("TRITON_INTERPRET") != "1" and "triton" in sys.modules:
+            parser.error("--dry-run: set TRITON_INTERPRET=1 before triton is imported")
+        os.environ["TRITON_INTERPRET"] = "1"   # before anything imports triton
+        providers.SETTINGS.update(interpreter=True, compile_backend="aot_eager")
+        notes.append("dry run: the normbook kernels in Triton's interpreter, torch.compile with "
+                     "aot_eager; the times check the steps, they are not performance figures")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device: cuda requested, but torch.cuda.is_available() is False "
                      f"(torch {torch.__version__}, built with CUDA {torch.version.cuda})")
@@ -145,6 +166,10 @@ def config_from_args(args, parser) -> runner.Config:
             modes = ["fwd", "bwd"]
         if args.compile:
             provs.append("compile")
+        if args.dry_run:
+            M, Ds, extra, warmup, rep = 64, [256, 1024], [], 1.0, 3.0
+            dtypes, modes = ["bf16", "fp32"], ["fwd", "bwd"]
+            provs = ["normbook", "torch", "compile", "naive", "liger"]
     if args.M is not None or args.D is not None:
         extra = []
     M = args.M if args.M is not None else M
@@ -156,7 +181,7 @@ def config_from_args(args, parser) -> runner.Config:
         dtypes = _names(parser, "--dtypes", args.dtypes, bytemodel.DTYPES)
     if args.providers:
         provs = _names(parser, "--providers", args.providers, list(providers.PROVIDERS))
-    if not cuda and "normbook" in provs:
+    if not cuda and "normbook" in provs and not args.dry_run:
         notes.append("provider normbook skipped: Triton's interpreter is far too slow to time")
     return runner.Config(
         ops=ops, modes=modes, dtypes=dtypes, providers=provs,
@@ -175,6 +200,28 @@ def main(argv=None) -> int:
         return host.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.overview:
+        from normbook.bench.plot import plot_overview
+
+        if not args.out:
+            parser.error("--overview: also give --out FILE.png")
+        try:
+            print(plot_overview(args.overview, args.out))
+        except (FileNotFoundError, ValueError, ImportError) as e:
+            parser.error(f"--overview: {e}")
+        return 0
+    if args.merge:
+        from normbook.bench.plot import load_results
+
+        if not args.out:
+            parser.error("--merge: also give --out FILE for the merged JSON")
+        try:
+            merged = runner.merge(load_results(args.merge))
+        except (FileNotFoundError, ValueError) as e:
+            parser.error(f"--merge: {e}")
+        runner.write_json(merged, args.out)
+        print(f"merged {len(merged['runs'])} runs, {len(merged['rows'])} rows into {args.out}")
+        return 0
     if args.plot or args.summary:
         from normbook.bench.plot import load_results, plot_results
 

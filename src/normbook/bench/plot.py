@@ -12,7 +12,7 @@ import glob
 import json
 from pathlib import Path
 
-__all__ = ["load_results", "plot_results", "provenance_line"]
+__all__ = ["load_results", "plot_results", "plot_overview", "provenance_line"]
 
 _MODE_TITLE = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
 _STYLE = {"normbook": ("C3", "o"), "torch": ("C0", "s"), "compile": ("C2", "^"),
@@ -119,6 +119,49 @@ def plot_results(sources, out_dir, fmt: str = "png") -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def plot_overview(sources, path, dtype: str = "bf16") -> Path:
+    """One figure, the goal at a glance: fraction of copy bandwidth against D, one column per op,
+    forward on top and backward below, one line per provider, in ``dtype``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = load_results(sources)
+    rows = [dict(row, _device=r["provenance"].get("device", "?")) for r in results
+            for row in r["rows"] if row["dtype"] == dtype]
+    ops = list(dict.fromkeys(r["op"] for r in rows)) or ["(no rows)"]
+    fig, axes = plt.subplots(2, len(ops), figsize=(4.2 * len(ops), 6.5), squeeze=False, sharex=True)
+    for j, op in enumerate(ops):
+        for i, mode in enumerate(("fwd", "bwd")):
+            ax = axes[i, j]
+            sel = [r for r in rows if r["op"] == op and r["mode"] == mode]
+            for prov in dict.fromkeys(r["provider"] for r in sel):
+                rs = sorted((r for r in sel if r["provider"] == prov), key=lambda r: r["D"])
+                color, marker = _STYLE.get(prov, (None, "o"))
+                ax.plot([r["D"] for r in rs], [r["frac_copy"] for r in rs], color=color,
+                        marker=marker, markersize=4, label=prov)
+            ax.axhline(1.0, color="k", linewidth=0.8, linestyle="--")
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(bottom=0)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.set_title(f"{op} {_MODE_TITLE[mode]}", fontsize=9)
+        axes[1, j].set_xlabel("D")
+    axes[0, 0].set_ylabel("fraction of copy bandwidth")
+    axes[1, 0].set_ylabel("fraction of copy bandwidth")
+    if rows:
+        axes[0, -1].legend(fontsize=7, loc="best")
+    captions = list(dict.fromkeys(provenance_line(r) for r in results))
+    fig.suptitle(f"normbook against its rivals, {dtype}")
+    fig.text(0.5, 0.005, "\n".join(captions), ha="center", va="bottom", fontsize=7)
+    fig.tight_layout(rect=(0, 0.03 * len(captions), 1, 0.96))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _panel(ax_gbps, ax_frac, rows, by_device: bool) -> None:

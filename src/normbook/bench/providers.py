@@ -36,6 +36,11 @@ __all__ = ["Unsupported", "Inputs", "make_inputs", "PROVIDERS", "get", "TORCH_DT
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EPS = 1e-5
 
+# Set by ``python -m normbook.bench --dry-run``: the normbook kernels may run in Triton's
+# interpreter on the CPU (to check the benchmark's steps, not to time anything), and
+# torch.compile uses this backend ("aot_eager" traces as inductor would, without its C++ build).
+SETTINGS = {"interpreter": False, "compile_backend": "inductor"}
+
 
 class Unsupported(Exception):
     """This provider cannot run this (op, mode) here; the message says why."""
@@ -165,7 +170,7 @@ def _plain_add_rms_norm(x, residual, weight, eps):
 
 def compiled(op: str, mode: str, device) -> Fn:
     """torch.compile(dynamic=False) of the plain formula; the runner resets dynamo per shape."""
-    opts = dict(dynamic=False)
+    opts = dict(dynamic=False, backend=SETTINGS["compile_backend"])
     if op == "layer_norm":
         f = torch.compile(_plain_layer_norm, **opts)
         return lambda i: (f(i.x, i.weight, i.bias, i.eps),)
@@ -193,7 +198,7 @@ def reference(op: str, mode: str, device) -> Fn:
 
 # ---- normbook's Triton kernels -------------------------------------------------------------
 def normbook_kernels(op: str, mode: str, device) -> Fn:
-    if device.type != "cuda":
+    if device.type != "cuda" and not SETTINGS["interpreter"]:
         raise Unsupported("Triton kernels run only in the interpreter on the CPU, far too slow "
                           "to benchmark; run on a CUDA device")
     try:
@@ -218,9 +223,9 @@ def _import(name: str):
 
 
 def liger(op: str, mode: str, device) -> Fn:
+    LF = _import("liger_kernel.transformers.functional")   # first: a dry run checks the import
     if device.type != "cuda":
-        raise Unsupported("Liger-Kernel needs a GPU")
-    LF = _import("liger_kernel.transformers.functional")
+        raise Unsupported("Liger-Kernel needs a GPU (it imports here)")
     if op == "layer_norm":
         return lambda i: (LF.liger_layer_norm(i.x, i.weight, i.bias, i.eps),)
     if op == "rms_norm":
@@ -229,7 +234,7 @@ def liger(op: str, mode: str, device) -> Fn:
     if op == "add_rms_norm" and hasattr(LF, "liger_fused_add_rms_norm"):
         return lambda i: tuple(LF.liger_fused_add_rms_norm(
             i.x, i.residual, i.weight, i.eps, 0.0, "llama", False))
-    raise Unsupported(f"this Liger-Kernel has no fused {op}")
+    raise Unsupported(f"no such op: this Liger-Kernel has no fused {op}")
 
 
 def quack(op: str, mode: str, device) -> Fn:
@@ -244,11 +249,11 @@ def quack(op: str, mode: str, device) -> Fn:
     if op == "layer_norm":
         ln = getattr(Q, "layernorm", None) or getattr(_import("quack.layernorm"), "layernorm", None)
         if ln is None:
-            raise Unsupported("quack has no layernorm here")
+            raise Unsupported("no such op: quack has no layernorm here")
         if mode != "fwd":
             raise Unsupported("quack's layernorm is forward-only")
         return lambda i: (ln(i.x, i.weight, eps=i.eps),)
-    raise Unsupported(f"quack has no fused {op}")
+    raise Unsupported(f"no such op: quack has no fused {op}")
 
 
 PROVIDERS: dict[str, Callable[..., Fn]] = {

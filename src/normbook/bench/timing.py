@@ -22,7 +22,9 @@ import torch
 
 from normbook.bench.providers import Inputs
 
-__all__ = ["closure", "bench", "copy_bandwidth", "synchronize"]
+__all__ = ["closure", "bench", "copy_bandwidth", "synchronize", "host_ms"]
+
+MIN_REPS = 25   # at least this many timed calls per row, also when one call takes milliseconds
 
 
 def closure(fn: Callable[[Inputs], tuple], inp: Inputs, mode: str) -> Callable[[], object]:
@@ -77,10 +79,36 @@ def bench(fn: Callable[[], object], device, warmup_ms: float = 25, rep_ms: float
     if device.type == "cuda":
         import triton.testing
 
+        # do_bench times rep_ms / (one call's time) calls: a wide row (4 ms a call at
+        # D = 131072) would get a dozen; stretch rep_ms so the median has MIN_REPS behind it
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        rep_ms = max(rep_ms, MIN_REPS * start.elapsed_time(end))
         ms, q20, q80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms,
                                                quantiles=[0.5, 0.2, 0.8])
         return float(ms), float(q20), float(q80)
     return _bench_cpu(fn, warmup_ms, rep_ms)
+
+
+def host_ms(fn: Callable[[], object], device, calls: int = 20) -> float | None:
+    """Host time per call on CUDA: the Python, framework and launch cost of ``fn``, timed with
+    perf_counter around ``calls`` calls before synchronizing (the GPU runs behind). When it
+    exceeds the device time of the row, a training loop without do_bench's cache flush between
+    calls would wait on the host, not on the kernel: the runner flags such rows. None on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) * 1e3 / calls
+    synchronize(device)
+    return host
 
 
 def copy_bandwidth(device, nbytes: int | None = None, warmup_ms: float = 25,
@@ -89,6 +117,7 @@ def copy_bandwidth(device, nbytes: int | None = None, warmup_ms: float = 25,
 
     Bytes = 2 * numel * itemsize (one read, one write). Default buffer: 1 GiB per tensor on
     CUDA (far past L2), 64 MiB on the CPU. Returns {"gbps", "ms", "bytes", "method"}.
+    An idle GPU runs at a low clock: give a long ``warmup_ms`` for the first measurement.
     """
     device = torch.device(device)
     if nbytes is None:

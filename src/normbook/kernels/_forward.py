@@ -19,6 +19,8 @@ import triton.language as tl
 
 from normbook.kernels._config import forward_config, norm_flags
 
+FP32_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)   # torch.finfo(torch.float32).tiny
+
 
 @triton.jit
 def norm_fwd_rows_kernel(
@@ -63,7 +65,9 @@ def norm_fwd_rows_kernel(
         mean = tl.sum(x, axis=1) / D                              # (ROWS,)
         xc = tl.where(mask, x - mean[:, None], 0.0)               # padding must not count
     var = tl.sum(xc * xc, axis=1) / D                             # (ROWS,)
-    rstd = tl.math.rsqrt(var + eps)                               # (ln-rstd)
+    # (ln-rstd). On a GPU rsqrt flushes a subnormal argument (eps = 0, a near-constant row)
+    # to zero and returns inf; the smallest normal float keeps rstd finite.
+    rstd = tl.math.rsqrt(tl.maximum(var + eps, FP32_MIN_NORMAL))
     xhat = xc * rstd[:, None]                                     # (ln-xhat)
 
     # y = weight * xhat + bias (ln-y)
@@ -135,7 +139,7 @@ def norm_fwd_chunked_kernel(
             mean += delta * (n_b / n_new)
             m2 += m2_b + delta * delta * (n * n_b / n_new)
             n = n_new
-    rstd = tl.math.rsqrt(m2 / D + eps)                           # (ln-var), (ln-rstd)
+    rstd = tl.math.rsqrt(tl.maximum(m2 / D + eps, FP32_MIN_NORMAL))   # (ln-var), (ln-rstd)
     if IS_RMS:
         tl.store(Stats + row, rstd)
     else:
