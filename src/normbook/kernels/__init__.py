@@ -7,12 +7,15 @@ imported, a clear error otherwise):
 - :func:`layer_norm`, :func:`rms_norm`;
 - :func:`add_layer_norm`, :func:`add_rms_norm`: the residual add fused in front, -> (y, s).
 
-All are autograd-capable and are torch custom ops (``torch.ops.normbook.norm_forward`` and
-``norm_backward``), so ``torch.compile(fullgraph=True)`` traces through them.
+All are autograd-capable. In eager mode they call an ``autograd.Function`` directly (host cost
+near torch's own, see ``python -m normbook.bench host``); under ``torch.compile`` they are the
+custom ops ``torch.ops.normbook.norm_forward`` and ``norm_backward``, so
+``torch.compile(fullgraph=True)`` traces through them. Kernels compile under Triton 3.6 and 3.9.
 
 Modules, one topic each: ``_forward`` and ``_backward`` (kernels and launchers), ``_config``
-(block sizes, rows per program, persistent grid), ``ops`` (custom ops, autograd, public
-functions), ``report`` (``python -m normbook.kernels.report``: the static compile report).
+(block sizes, rows per program, persistent grid, cached launch options), ``ops`` (the
+Function, the custom ops, argument checks, public functions), ``report``
+(``python -m normbook.kernels.report``: the static compile report).
 """
 
 try:

@@ -263,7 +263,10 @@ def norm_backward(dy, ds, x, weight, stats, bias_dtype, is_rms: bool):
     dweight = torch.empty_like(weight) if has_w else None
     dbias = None
     if has_b:
-        dbias = torch.empty_like(weight, dtype=bias_dtype) if has_w else x.new_empty((D,), dtype=bias_dtype)
+        if has_w:
+            dbias = torch.empty_like(weight) if bias_dtype == weight.dtype else torch.empty_like(weight, dtype=bias_dtype)
+        else:
+            dbias = x.new_empty((D,), dtype=bias_dtype)
     if M == 0:  # no rows: the sums over rows are zero
         return dx, dweight if not has_w else dweight.zero_(), dbias if not has_b else dbias.zero_()
     cfg = backward_config(M, D)

@@ -97,7 +97,10 @@ def _grad(ctx, dy, ds, backward):
     """Gradients of (x, residual, weight, bias, eps, is_rms) from those of (y, s)."""
     x, weight, stats = ctx.saved_tensors
     has_residual, bias_dtype, is_rms = ctx.meta
-    dy = _rows(dy) if dy is not None else torch.zeros_like(x)
+    if dy is None:                      # only s was used downstream
+        dy = torch.zeros_like(x)
+    elif dy.stride(-1) != 1:            # incoming gradients may be any view (an expand, say)
+        dy = _rows(dy)
     ds = _rows(ds) if has_residual and ds is not None else None
     dx, dweight, dbias = backward(dy, ds, x, weight, stats, bias_dtype, is_rms)
     # fork rule: s = x + residual, so x and the residual receive the same gradient
