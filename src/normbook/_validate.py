@@ -30,9 +30,14 @@ def as_shape(normalized_shape) -> tuple[int, ...]:
 
 
 def check_input(input: torch.Tensor, name: str = "input") -> None:
-    """A floating-point tensor: normalization of integers or booleans is undefined."""
+    """A floating-point tensor: normalization of integers or booleans is undefined; float8 is
+    not implemented (as in torch)."""
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(input).__name__}")
+    if input.is_floating_point() and input.dtype.itemsize == 1:
+        raise NotImplementedError(
+            f"{name}: float8 inputs are not supported (expected float16, bfloat16, float32 or "
+            f"float64, got {input.dtype}); cast to bfloat16 first")
     if not input.is_floating_point():
         raise TypeError(
             f"{name}: expected a floating-point dtype (float16, bfloat16, float32, float64), "
@@ -72,18 +77,33 @@ def check_param(param, name: str, input: torch.Tensor, shape: tuple[int, ...], d
         )
 
 
+def as_eps(eps):
+    """eps as a Python float: a real number or a 0-d (or one-element) tensor, as torch accepts.
+    Anything else is returned unchanged for :func:`check_eps` to reject."""
+    if isinstance(eps, torch.Tensor) and eps.numel() == 1 and not eps.is_complex():
+        return float(eps)
+    if isinstance(eps, numbers.Real) and not isinstance(eps, bool):
+        return float(eps)
+    return eps
+
+
 def check_eps(eps) -> None:
-    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps >= 0:
-        raise ValueError(f"eps: expected a non-negative float, got {eps!r}")
+    """A real number. Negative values are accepted, as torch accepts them (the result is NaN
+    where var + eps < 0)."""
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or eps != eps:
+        raise ValueError(f"eps: expected a real number or a 0-d tensor, got {eps!r}")
 
 
 def default_eps(input, eps):
-    """RMSNorm's eps: None means ``torch.finfo(input.dtype).eps``, as in torch.
+    """RMSNorm's eps: None means the machine epsilon of torch's compute ("op-math") type:
+    fp32's for float16, bfloat16 and float32 inputs, fp64's for float64. (torch's docstring
+    says the input dtype's; what it does, measured bitwise, is fp32's for half inputs.)
 
     A non-float ``input`` leaves eps as given, for :func:`check_input` to reject the input first.
     """
-    if eps is None and isinstance(input, torch.Tensor) and input.is_floating_point():
-        return torch.finfo(input.dtype).eps
+    if (eps is None and isinstance(input, torch.Tensor) and input.is_floating_point()
+            and input.dtype.itemsize > 1):                    # float8: check_input says no
+        return torch.finfo(torch.promote_types(input.dtype, torch.float32)).eps
     return eps
 
 
@@ -93,7 +113,7 @@ def check_norm_args(input, normalized_shape, params: dict, eps, name: str = "inp
 
     ``input`` a floating tensor whose trailing dims are ``normalized_shape``; each of ``params``
     (name -> tensor or None) None or of that shape on input's device (and, with
-    ``param_dtypes``, of one of those dtypes); ``eps`` a non-negative number.
+    ``param_dtypes``, of one of those dtypes); ``eps`` a real number.
     """
     check_input(input, name)
     shape = as_shape(normalized_shape)

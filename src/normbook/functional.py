@@ -2,8 +2,11 @@
 
 Signatures, defaults and accepted inputs mirror ``torch.nn.functional``. A CUDA tensor, with
 Triton installed, goes to the fused kernels in :mod:`normbook.kernels`; everything else goes to
-an autograd Function whose backward is the book's hand-derived one from
-:mod:`normbook.reference`, so a reader on a CPU trains through the book's own equations.
+an autograd Function whose backward is the book's hand-derived one, (ln-dx) and (rms-dx), so a
+reader on a CPU trains through the book's own equations. It computes them with
+:mod:`normbook._math`: the formulas of :mod:`normbook.reference` with torch's vectorised
+reductions in place of its einsum strings (accurate in fp32 at any D) and a variance that does
+not overflow.
 """
 
 from __future__ import annotations
@@ -12,9 +15,7 @@ import importlib.util
 import math
 
 import torch
-from torch.autograd.function import once_differentiable
-
-from normbook import _validate, reference
+from normbook import _math, _validate
 
 __all__ = ["layer_norm", "rms_norm"]
 
@@ -33,53 +34,71 @@ def _use_kernels(input: torch.Tensor) -> bool:
             and importlib.util.find_spec("triton") is not None)
 
 
-class _LayerNormFunction(torch.autograd.Function):
-    """y = LayerNorm(x) with the backward of equation (ln-dx); x is (..., D)."""
+class _NormFunction(torch.autograd.Function):
+    """The CPU (and float64) path of both norms: forward, backward, jvp and vmap, in torch ops.
+
+    ``apply(x, weight, bias, eps, is_rms) -> (y, stats)`` with x (..., D) and stats
+    (..., 2) = (mean, rstd) for LayerNorm, (..., 1) = rstd for RMSNorm, in the compute dtype
+    (at least fp32). The backward is (ln-dx) / (rms-dx) and (ln-dparams) from the saved stats;
+    when autograd is building a graph of the backward (``create_graph=True``) the stats are
+    recomputed from x inside it, so that second derivatives see how they depend on x. Written in
+    the modern form (setup_context, jvp, generated vmap rule), so torch.func transforms work.
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):
+    def forward(x, weight, bias, eps, is_rms):
         ct = _compute_dtype(x.dtype)
         w = None if weight is None else weight.to(ct)
         b = None if bias is None else bias.to(ct)
-        y, mean, rstd = reference.layer_norm_forward(x.to(ct), w, b, eps)
-        # two fp32 scalars per token instead of D values of xhat
-        ctx.save_for_backward(x, w, mean, rstd)
-        ctx.param_dtypes = (None if weight is None else weight.dtype,
-                            None if bias is None else bias.dtype)
-        return y.to(x.dtype)
+        y, mean, rstd = _math.forward(x.to(ct), w, b, eps, is_rms)
+        stats = rstd if is_rms else torch.cat([mean, rstd], -1)   # one or two scalars per token
+        return y.to(x.dtype), stats
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        x, w, mean, rstd = ctx.saved_tensors
-        ct = mean.dtype
-        dx, dweight, dbias = reference.layer_norm_backward(dy.to(ct), x.to(ct), w, mean, rstd)
-        wdt, bdt = ctx.param_dtypes
-        dweight = None if wdt is None else dweight.to(wdt)
-        dbias = None if bdt is None else dbias.to(bdt)
-        return dx.to(x.dtype), dweight, dbias, None
-
-
-class _RMSNormFunction(torch.autograd.Function):
-    """y = RMSNorm(x) with the backward of equation (rms-dx); x is (..., D)."""
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, eps, is_rms = inputs
+        _, stats = output
+        ctx.save_for_backward(x, weight, stats)
+        ctx.save_for_forward(x, weight, stats)
+        ctx.mark_non_differentiable(stats)
+        ctx.meta = (eps, is_rms, None if weight is None else weight.dtype,
+                    None if bias is None else bias.dtype)
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def _unpack(ctx):
+        x, weight, stats = ctx.saved_tensors
+        eps, is_rms, wdt, bdt = ctx.meta
         ct = _compute_dtype(x.dtype)
+        xc = x.to(ct)
         w = None if weight is None else weight.to(ct)
-        y, rstd = reference.rms_norm_forward(x.to(ct), w, eps)
-        ctx.save_for_backward(x, w, rstd)  # one fp32 scalar per token
-        ctx.weight_dtype = None if weight is None else weight.dtype
-        return y.to(x.dtype)
+        return xc, w, stats, eps, is_rms, wdt, bdt
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        x, w, rstd = ctx.saved_tensors
-        ct = rstd.dtype
-        dx, dweight = reference.rms_norm_backward(dy.to(ct), x.to(ct), w, rstd)
-        dweight = None if ctx.weight_dtype is None else dweight.to(ctx.weight_dtype)
-        return dx.to(x.dtype), dweight, None
+    def backward(ctx, dy, dstats):
+        xc, w, stats, eps, is_rms, wdt, bdt = _NormFunction._unpack(ctx)
+        if torch.is_grad_enabled():   # a graph of the backward is being built: stats from x
+            mean, rstd = _math.stats(xc, eps, is_rms)
+        else:
+            mean, rstd = _split(stats, is_rms)
+        dx, dweight, dbias = _math.backward(dy.to(xc.dtype), xc, w, mean, rstd, bdt is not None)
+        return (dx.to(ctx.saved_tensors[0].dtype), None if wdt is None else dweight.to(wdt),
+                None if bdt is None else dbias.to(bdt), None, None)
+
+    @staticmethod
+    def jvp(ctx, tx, tw, tb, teps, tis_rms):
+        xc, w, stats, eps, is_rms, wdt, bdt = _NormFunction._unpack(ctx)
+        mean, rstd = _split(stats, is_rms)
+        ct = xc.dtype
+        ty = _math.jvp(None if tx is None else tx.to(ct), None if tw is None else tw.to(ct),
+                       None if tb is None else tb.to(ct), xc, w, mean, rstd)
+        return ty.to(ctx.saved_tensors[0].dtype), None
+
+
+def _split(stats, is_rms):
+    """stats (..., 2) or (..., 1) -> mean (..., 1) or None, rstd (..., 1)."""
+    return (None, stats) if is_rms else (stats[..., :1], stats[..., 1:])
 
 
 def _flatten(input, shape, *params):
@@ -87,6 +106,18 @@ def _flatten(input, shape, *params):
     D = math.prod(shape)
     x = input.reshape(*input.shape[: input.dim() - len(shape)], D)
     return (x, *(None if p is None else p.reshape(D) for p in params))
+
+
+def _nested(fn, input, normalized_shape, *args):
+    """A nested jagged tensor: the norm of its values, (sum of lengths, *normalized_shape),
+    rebuilt on the same offsets. Only trailing dims past the ragged one can be normalized."""
+    shape = _validate.as_shape(normalized_shape)
+    if len(shape) >= input.dim() - input._ragged_idx:
+        raise ValueError(f"normalized_shape: a nested jagged input can be normalized over its "
+                         f"regular trailing dims only, at most {input.dim() - input._ragged_idx - 1}, "
+                         f"got {shape}")
+    values = fn(input.values(), shape, *args)
+    return torch.nested.nested_tensor_from_jagged(values, input.offsets(), lengths=input.lengths())
 
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
@@ -98,17 +129,26 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     (ln-dparams) and (ln-dx) of "The backward pass".
 
     Args:
-        input: ``(*, *normalized_shape)`` floating tensor.
+        input: ``(*, *normalized_shape)`` floating tensor (a nested jagged tensor too, over its
+            regular trailing dims).
         normalized_shape: int or sequence of ints, the trailing dims to normalize over
-            (D = their product).
+            (D = their product; D = 0 gives an empty result, as in torch).
         weight: optional ``(*normalized_shape)`` scale gamma.
         bias: optional ``(*normalized_shape)`` shift beta.
-        eps: added to the variance inside the square root.
+        eps: a number or a 0-d tensor, added to the variance inside the square root.
 
     Returns:
         Tensor of input's shape and dtype. CUDA inputs use the Triton kernels when Triton is
-        installed; all others the reference autograd Function (fp32 reductions for bf16/fp16).
+        installed; all others an autograd Function in torch ops (fp32 reductions for
+        bf16/fp16), which supports double backward, forward-mode AD and torch.func.
+
+    Differs from torch on purpose: weight and bias may have another floating dtype than the
+    input (torch's CPU kernel refuses that); rows whose variance overflows (fp32 values past
+    about 1e19) give the finite, correct answer where torch gives NaN.
     """
+    if isinstance(input, torch.Tensor) and input.is_nested:
+        return _nested(layer_norm, input, normalized_shape, weight, bias, eps)
+    eps = _validate.as_eps(eps)
     shape = _validate.check_norm_args(input, normalized_shape, {"weight": weight, "bias": bias}, eps)
     x, w, b = _flatten(input, shape, weight, bias)
     if _use_kernels(input):
@@ -116,7 +156,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
 
         y = kernels.layer_norm(x, (x.shape[-1],), w, b, eps)
     else:
-        y = _LayerNormFunction.apply(x, w, b, float(eps))
+        y = _NormFunction.apply(x, w, b, eps, False)[0]
     return y.reshape(input.shape)
 
 
@@ -128,16 +168,19 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     (rms-dx) of "RMSNorm".
 
     Args:
-        input: ``(*, *normalized_shape)`` floating tensor.
+        input: ``(*, *normalized_shape)`` floating tensor (a nested jagged tensor too).
         normalized_shape: int or sequence of ints, the trailing dims to normalize over.
         weight: optional ``(*normalized_shape)`` scale gamma.
-        eps: added to the mean square inside the square root; None means
-            ``torch.finfo(input.dtype).eps``, as in torch.
+        eps: a number or 0-d tensor added to the mean square inside the square root; None
+            means the machine epsilon of the type torch computes in: fp32's for float16,
+            bfloat16 and float32 inputs (measured: not the input dtype's), fp64's for float64.
 
     Returns:
         Tensor of input's shape and dtype.
     """
-    eps = _validate.default_eps(input, eps)
+    if isinstance(input, torch.Tensor) and input.is_nested:
+        return _nested(rms_norm, input, normalized_shape, weight, eps)
+    eps = _validate.as_eps(_validate.default_eps(input, eps))
     shape = _validate.check_norm_args(input, normalized_shape, {"weight": weight}, eps)
     x, w = _flatten(input, shape, weight)
     if _use_kernels(input):
@@ -145,5 +188,5 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
 
         y = kernels.rms_norm(x, (x.shape[-1],), w, eps)
     else:
-        y = _RMSNormFunction.apply(x, w, float(eps))
+        y = _NormFunction.apply(x, w, None, eps, True)[0]
     return y.reshape(input.shape)

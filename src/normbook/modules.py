@@ -2,7 +2,9 @@
 
 They subclass ``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm``, so the constructor arguments,
 the parameters (weight initialised to 1, bias to 0), the ``state_dict`` keys and the repr are
-torch's own: a state_dict loads into either class and back. Only ``forward`` changes.
+torch's own: a state_dict loads into either class and back. Only ``forward`` changes; under
+``torch.jit.script`` it is torch's function, since TorchScript cannot compile Python's
+dispatch to the Triton kernels.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ class LayerNorm(torch.nn.LayerNorm):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():   # TorchScript compiles torch's own function instead
+            return torch.nn.functional.layer_norm(input, self.normalized_shape, self.weight,
+                                                  self.bias, self.eps)
         return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
@@ -37,4 +42,6 @@ class RMSNorm(torch.nn.RMSNorm):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():   # TorchScript compiles torch's own function instead
+            return torch.nn.functional.rms_norm(input, self.normalized_shape, self.weight, self.eps)
         return rms_norm(input, self.normalized_shape, self.weight, self.eps)

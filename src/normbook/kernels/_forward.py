@@ -20,6 +20,24 @@ import triton.language as tl
 from normbook.kernels._config import forward_config, norm_flags
 
 FP32_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)   # torch.finfo(torch.float32).tiny
+FP32_MAX = tl.constexpr(3.4028234663852886e38)           # torch.finfo(torch.float32).max
+
+
+@triton.jit
+def _clamp_tiny(v):
+    """v, with values in [0, smallest normal float) raised to it: rsqrt stays finite."""
+    return tl.where(v >= 0, tl.maximum(v, FP32_MIN_NORMAL), v)
+
+
+@triton.jit
+def _load_input(X, R, S, row, stride_x, stride_r, c, mask, HAS_RESIDUAL: tl.constexpr):
+    """Columns c of one row of the norm's input, fp32: x, or s = x + residual recomputed
+    (rounded to the dtype of S, as stored), so no thread depends on another's store."""
+    x = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(R + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
+        x = (x + r).to(S.dtype.element_ty).to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -66,8 +84,17 @@ def norm_fwd_rows_kernel(
         xc = tl.where(mask, x - mean[:, None], 0.0)               # padding must not count
     var = tl.sum(xc * xc, axis=1) / D                             # (ROWS,)
     # (ln-rstd). On a GPU rsqrt flushes a subnormal argument (eps = 0, a near-constant row)
-    # to zero and returns inf; the smallest normal float keeps rstd finite.
-    rstd = tl.math.rsqrt(tl.maximum(var + eps, FP32_MIN_NORMAL))
+    # to zero and returns inf; the smallest normal float keeps rstd finite. (A negative
+    # var + eps, possible with a negative eps, stays negative: NaN, as in torch.)
+    rstd = tl.math.rsqrt(_clamp_tiny(var + eps))
+    # fp32 values past about 1e19 square to inf: var = inf, rstd = 0 and an output of zeros.
+    # Such rows take the sum again on xc / amax, which cannot overflow, and amax comes back out
+    # of the root. One more reduction over registers, only when a row overflowed.
+    big = var > FP32_MAX                                          # (ROWS,)
+    if tl.max(big.to(tl.int32), axis=0) > 0:
+        amax = tl.where(big, tl.max(tl.abs(xc), axis=1), 1.0)     # (ROWS,)
+        u = xc / amax[:, None]
+        rstd = tl.where(big, tl.math.rsqrt(tl.sum(u * u, axis=1) / D) / amax, rstd)
     xhat = xc * rstd[:, None]                                     # (ln-xhat)
 
     # y = weight * xhat + bias (ln-y)
@@ -118,6 +145,7 @@ def norm_fwd_chunked_kernel(
     n = 0.0
     mean = 0.0
     m2 = 0.0
+    amax = 0.0                                                   # max |x|, for an overflow
     for start in range(0, D, BLOCK_D):
         c = start + cols
         mask = c < D
@@ -127,6 +155,7 @@ def norm_fwd_chunked_kernel(
             s = (x + r).to(S.dtype.element_ty)
             tl.store(S + row * D + c, s, mask=mask)
             x = s.to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
         if IS_RMS:
             m2 += tl.sum(x * x, axis=0)                          # (rms-ms): a sum of squares
         else:
@@ -139,22 +168,31 @@ def norm_fwd_chunked_kernel(
             mean += delta * (n_b / n_new)
             m2 += m2_b + delta * delta * (n * n_b / n_new)
             n = n_new
-    rstd = tl.math.rsqrt(tl.maximum(m2 / D + eps, FP32_MIN_NORMAL))   # (ln-var), (ln-rstd)
+    var = m2 / D                                                 # (ln-var)
+    if var > FP32_MAX:
+        # squares overflowed (values past about 1e19): the sum again on (x - mean) / amax,
+        # which cannot overflow, in one more pass; amax comes back out of the root
+        m2s = 0.0
+        for start in range(0, D, BLOCK_D):
+            c = start + cols
+            mask = c < D
+            x = _load_input(X, R, S, row, stride_x, stride_r, c, mask, HAS_RESIDUAL)
+            u = tl.where(mask, (x if IS_RMS else x - mean) / amax, 0.0)
+            m2s += tl.sum(u * u, axis=0)
+        rstd = tl.math.rsqrt(m2s / D) / amax
+    else:
+        rstd = tl.math.rsqrt(_clamp_tiny(var + eps))             # (ln-rstd)
     if IS_RMS:
         tl.store(Stats + row, rstd)
     else:
         tl.store(Stats + row, mean)
         tl.store(Stats + M + row, rstd)
 
-    # Pass 2, normalize. The row is read again (from L2 for rows that fit there); s is
-    # recomputed from x and r rather than read back, so no thread depends on another's store.
+    # Pass 2, normalize. The row is read again (from L2 for rows that fit there).
     for start in range(0, D, BLOCK_D):
         c = start + cols
         mask = c < D
-        x = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(R + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
-            x = (x + r).to(S.dtype.element_ty).to(tl.float32)
+        x = _load_input(X, R, S, row, stride_x, stride_r, c, mask, HAS_RESIDUAL)
         if IS_RMS:
             xhat = x * rstd
         else:

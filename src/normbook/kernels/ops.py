@@ -21,10 +21,11 @@ import math
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as _fwAD
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from normbook import _validate
+from normbook import _math, _validate
 from normbook.kernels import _backward, _forward
 
 __all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "NormFunction"]
@@ -44,7 +45,8 @@ def _rows(t: Tensor) -> Tensor:
     """(..., D) -> (M, D) with a unit stride along D. Row strides are kept (a slice of a wider
     tensor is read in place); only a non-contiguous last dim is copied."""
     if t.dim() != 2:
-        t = t.reshape(-1, t.shape[-1])
+        D = t.shape[-1]
+        t = t.reshape(-1, D) if D else t.reshape(math.prod(t.shape[:-1]), 0)
     return t.contiguous() if t.stride(-1) != 1 and t.shape[-1] > 1 else t
 
 
@@ -87,16 +89,39 @@ def _setup_context(ctx, inputs, output):
     _, s, stats = output
     # backward needs the normalized input (s when the add is fused) and two fp32 scalars per row
     # (one for RMSNorm) instead of the D values of xhat
-    ctx.save_for_backward(s if residual is not None else x, weight, stats)
+    saved = (s if residual is not None else x, weight, stats)
+    ctx.save_for_backward(*saved)
+    if _fwAD._current_level >= 0 or torch._C._are_functorch_transforms_active():
+        ctx.save_for_forward(*saved)   # forward-mode AD (jvp) reads them too
     ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)   # no zero tensors for stats (or an unused s): None is enough
-    ctx.meta = (residual is not None, None if bias is None else bias.dtype, is_rms)
+    ctx.meta = (residual is not None, None if bias is None else bias.dtype, is_rms, eps)
+
+
+def _math_grad(dy, ds, x, weight, stats, bias_dtype, is_rms, eps):
+    """The backward in differentiable torch ops (normbook._math) instead of the kernels, for a
+    backward that is itself differentiated (double backward, torch.func): the statistics are
+    recomputed from x so that their dependence on x is part of the graph. fp32 inside."""
+    xf = x.float()
+    wf = None if weight is None else weight.float()
+    mean, rstd = _math.stats(xf, eps, is_rms)
+    dx, dweight, dbias = _math.backward(dy.float(), xf, wf, mean, rstd, bias_dtype is not None)
+    if ds is not None:
+        dx = dx + ds                                    # fork rule
+    return (dx.to(x.dtype), None if weight is None else dweight.to(weight.dtype),
+            None if bias_dtype is None else dbias.to(bias_dtype))
 
 
 def _grad(ctx, dy, ds, backward):
     """Gradients of (x, residual, weight, bias, eps, is_rms) from those of (y, s)."""
     x, weight, stats = ctx.saved_tensors
-    has_residual, bias_dtype, is_rms = ctx.meta
+    has_residual, bias_dtype, is_rms, eps = ctx.meta
+    if torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+        # a graph of the backward is being built, or a transform wraps the tensors: torch ops
+        dy = torch.zeros_like(x) if dy is None else dy
+        ds = ds if has_residual else None
+        dx, dweight, dbias = _math_grad(dy, ds, x, weight, stats, bias_dtype, is_rms, eps)
+        return dx, dx if has_residual else None, dweight, dbias, None, None
     if dy is None:                      # only s was used downstream
         dy = torch.zeros_like(x)
     elif dy.stride(-1) != 1:            # incoming gradients may be any view (an expand, say)
@@ -129,6 +154,49 @@ class NormFunction(torch.autograd.Function):
     def backward(ctx, dy, ds, dstats):
         return _grad(ctx, dy, ds, _backward.norm_backward)
 
+    @staticmethod
+    def jvp(ctx, tx, tresidual, tweight, tbias, teps, tis_rms):
+        """Forward-mode tangents of (y, s): ts = tx + tresidual, ty = J ts (ln-jac) plus the
+        parameters' terms, in torch ops on the saved statistics."""
+        x, weight, stats = ctx.saved_tensors
+        has_residual, _, is_rms, _ = ctx.meta
+        ts = tx
+        if has_residual and tresidual is not None:
+            ts = tresidual if ts is None else ts + tresidual
+        mean = None if is_rms else stats[0][:, None]
+        rstd = stats[-1][:, None]
+        ty = _math.jvp(None if ts is None else ts.float(), None if tweight is None else tweight.float(),
+                       None if tbias is None else tbias.float(), x.float(),
+                       None if weight is None else weight.float(), mean, rstd)
+        ts_out = None if not has_residual else (torch.zeros_like(x) if ts is None else ts)
+        return ty.to(x.dtype), ts_out, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, residual, weight, bias, eps, is_rms):
+        """vmap: the norm is per row, so a batch of inputs is more rows. With unbatched
+        parameters the batch folds into M and the kernels run once; batched parameters (rare:
+        per-sample weights) take torch ops."""
+        B = info.batch_size
+        xd, rd, wd, bd = in_dims[:4]
+        x = _batch_first(x, xd, B)                          # (B, M, D)
+        residual = None if residual is None else _batch_first(residual, rd, B)
+        _, M, D = x.shape
+        k = 1 if is_rms else 2
+        if wd is None and bd is None:
+            y, s, stats = NormFunction.apply(
+                x.reshape(B * M, D), None if residual is None else residual.reshape(B * M, D),
+                weight, bias, eps, is_rms)
+            return ((y.view(B, M, D), None if s is None else s.view(B, M, D), stats.view(k, B, M)),
+                    (0, None if s is None else 0, 1))
+        weight = None if weight is None else _batch_first(weight, wd, B)[:, None, :]   # (B, 1, D)
+        bias = None if bias is None else _batch_first(bias, bd, B)[:, None, :]
+        s = x if residual is None else x + residual
+        y, mean, rstd = _math.forward(s.float(), None if weight is None else weight.float(),
+                                      None if bias is None else bias.float(), eps, is_rms)
+        stats = rstd[..., 0][None] if is_rms else torch.stack([mean[..., 0], rstd[..., 0]])
+        return ((y.to(x.dtype), None if residual is None else s, stats),
+                (0, None if residual is None else 0, 1))
+
     @classmethod
     def apply(cls, *args):
         # Function.apply binds default arguments with inspect.signature on every call when
@@ -137,6 +205,11 @@ class NormFunction(torch.autograd.Function):
         if torch._C._are_functorch_transforms_active():
             return super().apply(*args)
         return super(torch.autograd.Function, cls).apply(*args)
+
+
+def _batch_first(t, dim, B):
+    """t with its vmapped dim first, or expanded to B copies when it is not batched."""
+    return t.expand(B, *t.shape) if dim is None else t.movedim(dim, 0)
 
 
 def _route():
@@ -168,11 +241,11 @@ def _check_kernel_input(t, name: str) -> None:
 
 def _fast_ok(input, D, weight, bias, eps) -> bool:
     """The common case in a few attribute reads: a kernel-dtype tensor on a kernel device whose
-    last dim is D, parameters None or (D,) on its device, eps a non-negative float. Anything
+    last dim is D, parameters None or (D,) on its device, eps a float. Anything
     else goes through the full checks, which raise with a message or accept the rare case."""
     if not (isinstance(input, Tensor) and input.dtype in SUPPORTED_DTYPES and input.ndim
             and input.shape[-1] == D and (input.is_cuda or (_INTERPRETED and input.is_cpu))
-            and type(eps) is float and eps >= 0.0):
+            and type(eps) is float):
         return False
     device = None
     for p in (weight, bias):
@@ -246,6 +319,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     Returns:
         Tensor of input's shape and dtype (also when weight is fp32 and input bf16).
     """
+    eps = eps if type(eps) is float else _validate.as_eps(eps)
     x, _, w, b = _prepare(input, normalized_shape, eps, weight, bias)
     y = _route()(x, None, w, b, float(eps), False)[0]
     return y if input.dim() == 2 else y.view(input.shape)
@@ -265,8 +339,8 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     Returns:
         Tensor of input's shape and dtype.
     """
-    if eps is None:
-        eps = _validate.default_eps(input, eps)
+    if type(eps) is not float:
+        eps = _validate.as_eps(_validate.default_eps(input, eps))
     x, _, w, _ = _prepare(input, normalized_shape, eps, weight, _NO_BIAS)
     y = _route()(x, None, w, None, float(eps), True)[0]
     return y if input.dim() == 2 else y.view(input.shape)
@@ -287,6 +361,7 @@ def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5):
     Returns:
         (y, s), both of x's shape and dtype.
     """
+    eps = eps if type(eps) is float else _validate.as_eps(eps)
     D = x.shape[-1] if isinstance(x, Tensor) and x.dim() > 0 else 0
     xs, r, w, b = _prepare(x, D, eps, weight, bias, residual=residual, name="x")
     y, s, _ = _route()(xs, r, w, b, float(eps), False)
@@ -308,8 +383,8 @@ def add_rms_norm(x, residual, weight=None, eps=None):
     Returns:
         (y, s), both of x's shape and dtype.
     """
-    if eps is None:
-        eps = _validate.default_eps(x, eps)
+    if type(eps) is not float:
+        eps = _validate.as_eps(_validate.default_eps(x, eps))
     D = x.shape[-1] if isinstance(x, Tensor) and x.dim() > 0 else 0
     xs, r, w, _ = _prepare(x, D, eps, weight, _NO_BIAS, residual=residual, name="x")
     y, s, _ = _route()(xs, r, w, None, float(eps), True)

@@ -1,0 +1,357 @@
+"""Drop-in means every transform, dtype default and edge a torch user relies on.
+
+Three parts:
+- torch's own OpInfo sample inputs of ``nn.functional.layer_norm`` and ``nn.functional.rms_norm``
+  (``op_db``; torch lists no skips for either) through normbook's CPU path: forward in every
+  CPU dtype torch supports, gradients, gradgradcheck, forward AD with batched gradients, and
+  vmap; and through the kernel path (Triton's interpreter) in fp32: forward, gradients, double
+  backward, jvp and vmap, each against torch's own answer.
+- torch.func (vmap, grad, jacrev, jacfwd, jvp, hessian) on both paths, and the gradient
+  penalty that used to be silently wrong.
+- one test per row of issue 10's table: the RMSNorm eps default, fp32 accuracy at large D,
+  overflowing rows, D = 0, eps as a tensor or negative, the fused adds without parameters,
+  TorchScript, nested jagged tensors, float8.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.autograd import gradcheck, gradgradcheck
+
+import normbook
+from normbook import reference
+
+pytest.importorskip("expecttest")   # torch.testing._internal imports it
+from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
+
+OPS = {o.name: o for o in op_db if o.name in ("nn.functional.layer_norm", "nn.functional.rms_norm")}
+OURS = {"nn.functional.layer_norm": normbook.layer_norm, "nn.functional.rms_norm": normbook.rms_norm}
+TORCH = {"nn.functional.layer_norm": F.layer_norm, "nn.functional.rms_norm": F.rms_norm}
+
+
+def samples(name, dtype, requires_grad=False):
+    op = OPS[name]
+    out = list(op.sample_inputs("cpu", dtype, requires_grad=requires_grad))
+    if op.reference_inputs_func is not None:
+        out += list(op.reference_inputs("cpu", dtype, requires_grad=requires_grad))
+    return out
+
+
+def call(fn, s, *override):
+    """fn(sample.input, *sample.args, **sample.kwargs), with the tensors replaced by override."""
+    args = [s.input, *s.args]
+    if override:
+        it = iter(override)
+        args = [next(it) if isinstance(a, torch.Tensor) else a for a in args]
+    return fn(*args, **s.kwargs)
+
+
+def tensors(s):
+    return [a for a in (s.input, *s.args) if isinstance(a, torch.Tensor)]
+
+
+def test_opinfo_has_the_two_ops_and_no_skips():
+    assert set(OPS) == set(OURS)
+    for op in OPS.values():
+        assert not op.skips, f"{op.name}: torch skips {op.skips}; mirror them here"
+
+
+# ---------------------------------------------------------------- the CPU path, torch's samples
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_opinfo_forward_every_cpu_dtype(name):
+    """Every real floating dtype torch supports. torch's rms_norm also takes complex inputs;
+    normbook, a book about real-valued norms, refuses them with a clear error (checked)."""
+    dtypes = sorted(OPS[name].supported_dtypes("cpu"), key=str)
+    assert torch.float64 in dtypes and torch.bfloat16 in dtypes
+    for dtype in [d for d in dtypes if d.is_complex]:
+        with pytest.raises(TypeError, match=f"input: .*got {dtype}"):
+            call(OURS[name], samples(name, dtype)[0])
+    for dtype in [d for d in dtypes if not d.is_complex]:
+        for s in samples(name, dtype):
+            torch.testing.assert_close(call(OURS[name], s), call(TORCH[name], s), equal_nan=True,
+                                       msg=lambda m: f"{dtype} {s}: {m}")
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_opinfo_grads_gradgrad_forward_ad(name):
+    for s in samples(name, torch.float64, requires_grad=True):
+        ins = tensors(s)
+        y, y_t = call(OURS[name], s), call(TORCH[name], s)
+        if not torch.isfinite(y_t).all():   # a negative eps can make var + eps < 0: NaN in both
+            assert torch.equal(y.isnan(), y_t.isnan())
+            continue
+        dy = torch.randn_like(y)
+        g = torch.autograd.grad(y, ins, dy, allow_unused=True)
+        g_t = torch.autograd.grad(y_t, ins, dy, allow_unused=True)
+        for a, e in zip(g, g_t):
+            torch.testing.assert_close(a, e)
+        fn = lambda *t: call(OURS[name], s, *t)  # noqa: E731
+        assert gradcheck(fn, ins, check_forward_ad=True, check_batched_grad=True,
+                         check_batched_forward_grad=True)
+        assert gradgradcheck(fn, ins, check_fwd_over_rev=True, check_batched_grad=True)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_opinfo_vmap(name):
+    for s in samples(name, torch.float64):
+        x = torch.stack([s.input, 2 * s.input + 1])                  # a batch of two inputs
+        ours = torch.func.vmap(lambda t: call(OURS[name], s, t, *tensors(s)[1:]))(x)
+        theirs = torch.func.vmap(lambda t: call(TORCH[name], s, t, *tensors(s)[1:]))(x)
+        torch.testing.assert_close(ours, theirs, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_opinfo_samples_through_the_kernels(name):
+    """The same samples through normbook.kernels (the interpreter here, compiled on a GPU) in
+    fp32: forward, gradients, and double backward (a gradient penalty) against torch's."""
+    K = pytest.importorskip("normbook.kernels")
+    if not (K.ops.interpreted() or torch.cuda.is_available()):
+        pytest.skip("the kernels need a GPU or TRITON_INTERPRET=1")
+    fn = K.layer_norm if name.endswith("layer_norm") else K.rms_norm
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    tol = dict(rtol=1e-4, atol=1e-4)    # fp32, other summation orders: a few ulps
+    for s in samples(name, torch.float32, requires_grad=True):
+        s = s.transform(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t)
+        ins = tensors(s)
+        for t in ins:
+            t.requires_grad_(True)
+        y, y_t = call(fn, s), call(TORCH[name], s)
+        torch.testing.assert_close(y, y_t, equal_nan=True, **tol)
+        if not torch.isfinite(y_t).all() or y.numel() == 0:
+            continue
+        dy = torch.randn_like(y)
+        gs = torch.autograd.grad(y, ins, dy, create_graph=True)
+        gs_t = torch.autograd.grad(y_t, ins, dy, create_graph=True)
+        for a, e in zip(gs, gs_t):
+            torch.testing.assert_close(a, e, **tol)
+        gg = torch.autograd.grad(sum(g.square().sum() for g in gs), ins, materialize_grads=True)
+        gg_t = torch.autograd.grad(sum(g.square().sum() for g in gs_t), ins, materialize_grads=True)
+        for a, e in zip(gg, gg_t):
+            torch.testing.assert_close(a, e, rtol=1e-3, atol=1e-3)
+
+
+# ---------------------------------------------------------------- torch.func on both paths
+
+def _paths():
+    paths = [("cpu", normbook.layer_norm, normbook.rms_norm)]
+    try:
+        import normbook.kernels as K
+
+        if K.ops.interpreted() or torch.cuda.is_available():
+            paths.append(("kernels", K.layer_norm, K.rms_norm))
+    except ImportError:
+        pass
+    return paths
+
+
+@pytest.mark.parametrize("path", [p[0] for p in _paths()])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_torch_func_transforms(path, norm):
+    _, ln, rms = dict((p[0], p) for p in _paths())[path]
+    dev = "cuda" if path == "kernels" and torch.cuda.is_available() else "cpu"
+    dt = torch.float64 if path == "cpu" else torch.float32
+    tol = {} if dt == torch.float64 else dict(rtol=1e-4, atol=1e-4)   # fp32: a few ulps
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=g, dtype=dt).to(dev) for s in ((3, 8), (8,), (8,)))
+    if norm == "layer":
+        f, ft, args = (lambda x, w, b: ln(x, (8,), w, b)), (lambda x, w, b: F.layer_norm(x, (8,), w, b)), (x, w, b)
+    else:
+        f, ft, args = (lambda x, w: rms(x, (8,), w, 1e-5)), (lambda x, w: F.rms_norm(x, (8,), w, 1e-5)), (x, w)
+
+    def scalar(fn):
+        return lambda *a: fn(*a).sin().sum()
+
+    for tr in (torch.func.jacrev, torch.func.jacfwd):
+        torch.testing.assert_close(tr(f, argnums=tuple(range(len(args))))(*args),
+                                   tr(ft, argnums=tuple(range(len(args))))(*args), **tol)
+    for tr in (torch.func.grad, torch.func.hessian):
+        torch.testing.assert_close(tr(scalar(f))(*args), tr(scalar(ft))(*args), **tol)
+    tangents = tuple(torch.randn_like(a) for a in args)
+    torch.testing.assert_close(torch.func.jvp(f, args, tangents), torch.func.jvp(ft, args, tangents), **tol)
+    xs = torch.stack([x, x.flip(0)])                              # vmap over inputs ...
+    torch.testing.assert_close(torch.func.vmap(f, in_dims=(0,) + (None,) * (len(args) - 1))(xs, *args[1:]),
+                               torch.func.vmap(ft, in_dims=(0,) + (None,) * (len(args) - 1))(xs, *args[1:]), **tol)
+    ws = torch.stack([w, 2 * w])                                  # ... and over per-sample weights
+    torch.testing.assert_close(torch.func.vmap(lambda w: f(x, w, *args[2:]))(ws),
+                               torch.func.vmap(lambda w: ft(x, w, *args[2:]))(ws), **tol)
+
+
+@pytest.mark.parametrize("path", [p[0] for p in _paths()])
+def test_gradient_penalty_matches_torch(path):
+    """Linear -> LayerNorm -> weighted sum, with a penalty on the input gradient: needs the
+    backward to be differentiable (it once gave a wrong Linear gradient and no bias gradient)."""
+    ln = dict((p[0], p) for p in _paths())[path][1]
+    dev = "cuda" if path == "kernels" and torch.cuda.is_available() else "cpu"
+    dt = torch.float64 if path == "cpu" else torch.float32
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 8).to(dev, dt)
+    w, b = torch.randn(8, dtype=dt, device=dev, requires_grad=True), torch.randn(8, dtype=dt, device=dev, requires_grad=True)
+    c = torch.randn(8, dtype=dt, device=dev)
+    x = torch.randn(5, 6, dtype=dt, device=dev, requires_grad=True)
+
+    def penalized(norm):
+        out = (norm(lin(x), (8,), w, b) * c).sum()
+        (gx,) = torch.autograd.grad(out, x, create_graph=True)
+        return torch.autograd.grad(out + gx.square().sum(), [lin.weight, lin.bias, w, b, x])
+
+    for a, e in zip(penalized(ln), penalized(F.layer_norm)):
+        torch.testing.assert_close(a, e, **({} if dt == torch.float64 else dict(rtol=1e-4, atol=1e-4)))
+
+
+# ---------------------------------------------------------------- the table's rows
+
+@settings(max_examples=25, deadline=None)
+@given(dtype=st.sampled_from([torch.bfloat16, torch.float16]), scale=st.floats(1e-4, 1e2),
+       D=st.integers(1, 300))
+def test_rms_norm_default_eps_is_fp32s_like_torch(dtype, scale, D):
+    """eps=None: torch uses fp32's machine epsilon for half inputs (its op-math type), not the
+    input dtype's; normbook matches it bitwise."""
+    g = torch.Generator().manual_seed(D)
+    x = (scale * torch.randn(4, D, generator=g)).to(dtype)
+    w = torch.randn(D, generator=g).to(dtype)
+    assert torch.equal(normbook.rms_norm(x, D, w), F.rms_norm(x, (D,), w))
+    assert normbook.RMSNorm(D, dtype=dtype)(x).dtype == dtype
+
+
+@pytest.mark.parametrize("D", [4096, 65536, 262144])
+def test_fp32_accuracy_does_not_grow_with_D(D):
+    """Within twice torch's error plus 2 ulp of the output, forward and dx, at any D."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, D, generator=g) * 3 + 1
+    w, b, dy = torch.randn(D, generator=g), torch.randn(D, generator=g), torch.randn(2, D, generator=g)
+    y64, mean, rstd = reference.layer_norm_forward(x.double(), w.double(), b.double(), 1e-5)
+    dx64 = reference.layer_norm_backward(dy.double(), x.double(), w.double(), mean, rstd)[0]
+    results = {}
+    for name, fn in (("ours", normbook.layer_norm), ("torch", F.layer_norm)):
+        xl = x.clone().requires_grad_(True)
+        y = fn(xl, (D,), w, b, 1e-5)
+        (dx,) = torch.autograd.grad(y, xl, dy)
+        results[name] = ((y.double() - y64).abs().max().item(), (dx.double() - dx64).abs().max().item())
+    ulp = torch.finfo(torch.float32).eps
+    for k, ref in enumerate((y64, dx64)):
+        allow = 2 * results["torch"][k] + 2 * ulp * ref.abs().max().item()
+        assert results["ours"][k] <= allow, (D, k, results)
+
+
+@settings(max_examples=20, deadline=None)
+@given(exponent=st.integers(19, 36), D=st.integers(2, 200), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_overflowing_rows_give_the_exact_finite_answer(exponent, D, dtype):
+    """|x| around 10^exponent: x^2 overflows fp32, torch returns NaN; normbook the right answer
+    (never the silent zeros it once gave), and finite gradients. "Right": within twice the error
+    that torch makes on the same rows scaled down by an exact power of two (where nothing
+    overflows and eps, here negligible, is set to 0), plus 2 ulp, against float64."""
+    g = torch.Generator().manual_seed(exponent * 1000 + D)
+    x = (torch.randn(3, D, generator=g) * 10.0 ** exponent).to(dtype).clamp(-3e38, 3e38)
+    down = torch.ldexp(x, torch.tensor(-100))                    # exact: a power of two
+    for ours, theirs, ref in (
+            (lambda t: normbook.layer_norm(t, D), lambda t: F.layer_norm(t, (D,), eps=0.0),
+             lambda t: reference.layer_norm_forward(t, None, None, 0.0)[0]),
+            (lambda t: normbook.rms_norm(t, D, eps=1e-5), lambda t: F.rms_norm(t, (D,), eps=0.0),
+             lambda t: reference.rms_norm_forward(t, None, 0.0)[0])):
+        y64 = ref(x.double())
+        xl = x.clone().requires_grad_(True)
+        y = ours(xl)
+        err = (y.double() - y64).abs().max().item()
+        err_torch = (theirs(down).double() - y64).abs().max().item()
+        assert err <= 2 * err_torch + 2 * torch.finfo(dtype).eps * y64.abs().max().item(), (err, err_torch)
+        (dx,) = torch.autograd.grad(y, xl, torch.ones_like(y))
+        assert torch.isfinite(dx).all()
+
+
+def test_empty_normalized_shape_gives_empty_result():
+    x = torch.randn(3, 0, requires_grad=True)
+    for fn, ft in ((normbook.layer_norm, F.layer_norm), (normbook.rms_norm, F.rms_norm)):
+        y = fn(x, (0,))
+        assert y.shape == ft(x, (0,)).shape == (3, 0)
+        y.sum().backward()
+        assert x.grad.shape == (3, 0)
+
+
+@pytest.mark.parametrize("eps", [torch.tensor(1e-3), torch.tensor(1e-3, dtype=torch.float64), -1e-3, 0.25])
+def test_eps_as_tensor_or_negative_like_torch(eps):
+    x = torch.randn(4, 16, dtype=torch.float64) * 3
+    torch.testing.assert_close(normbook.layer_norm(x, 16, eps=eps), F.layer_norm(x, (16,), eps=eps))
+    torch.testing.assert_close(normbook.rms_norm(x, 16, eps=eps), F.rms_norm(x, (16,), eps=eps))
+
+
+def test_torch_jit_script_of_the_modules():
+    for m in (normbook.LayerNorm(8), normbook.RMSNorm(8)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            scripted = torch.jit.script(m)
+        x = torch.randn(2, 8)
+        torch.testing.assert_close(scripted(x), m(x))
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_nested_jagged_tensors(norm):
+    parts = [torch.randn(3, 8), torch.randn(5, 8)]
+    x = torch.nested.nested_tensor(parts, layout=torch.jagged, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    if norm == "layer":
+        y, e = normbook.layer_norm(x, (8,), w), F.layer_norm(x, (8,), w)
+    else:
+        y, e = normbook.rms_norm(x, (8,), w), F.rms_norm(x, (8,), w)
+    assert y.is_nested and y.shape[0] == 2
+    torch.testing.assert_close(y.values(), e.values())
+    y.values().square().sum().backward()
+    assert x.grad is not None and w.grad.shape == (8,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_is_refused_clearly(dtype):
+    x = torch.randn(2, 4).to(dtype)
+    with pytest.raises(NotImplementedError, match=r"input: float8 .*float8_e"):
+        normbook.layer_norm(x, 4)
+    with pytest.raises(NotImplementedError, match="input: float8"):
+        normbook.RMSNorm(4)(x)
+
+
+def test_fused_adds_take_no_parameters():
+    """kernels.add_layer_norm(x, r) and add_rms_norm(x, r): weight and bias default to None."""
+    K = pytest.importorskip("normbook.kernels")
+    if not (K.ops.interpreted() or torch.cuda.is_available()):
+        pytest.skip("the kernels need a GPU or TRITON_INTERPRET=1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x, r = torch.randn(3, 16, device=dev), torch.randn(3, 16, device=dev)
+    y, s = K.add_layer_norm(x, r)
+    torch.testing.assert_close(s, x + r)
+    torch.testing.assert_close(y, F.layer_norm(x + r, (16,)), rtol=1e-5, atol=1e-5)
+    y, s = K.add_rms_norm(x, r)
+    torch.testing.assert_close(y, F.rms_norm(x + r, (16,)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("D", [64, 20000])      # 20000: the chunked forward, one more pass
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_kernel_overflowing_rows_are_finite_and_right(norm, D):
+    """The kernels' rescue of overflowing rows, in registers and in the chunked path, with and
+    without the fused residual add; a normal row in the same launch stays right."""
+    K = pytest.importorskip("normbook.kernels")
+    if not (K.ops.interpreted() or torch.cuda.is_available()):
+        pytest.skip("the kernels need a GPU or TRITON_INTERPRET=1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(D)
+    x = torch.randn(3, D, generator=g) * 1e20
+    x[1] /= 1e20                                                    # a normal row beside them
+    r = torch.randn(3, D, generator=g) * 1e20
+    w = torch.randn(D, generator=g)
+    x, r, w = x.to(dev), r.to(dev), w.to(dev)
+    if norm == "layer":
+        run, ref = (lambda t: K.layer_norm(t, D, w)), (lambda t: reference.layer_norm_forward(t, w.double(), None, 1e-5)[0])
+        y_add, s = K.add_layer_norm(x, r, w)
+    else:
+        run, ref = (lambda t: K.rms_norm(t, D, w, 1e-5)), (lambda t: reference.rms_norm_forward(t, w.double(), 1e-5)[0])
+        y_add, s = K.add_rms_norm(x, r, w, 1e-5)
+    y = run(x)
+    # fp32 statistics over D values: a few ulps of the output, growing like sqrt(D) at worst
+    tol = 8 * torch.finfo(torch.float32).eps * w.abs().max().item() * D ** 0.5
+    assert (y.double() - ref(x.double())).abs().max().item() < tol
+    assert (y_add.double() - ref(s.double())).abs().max().item() < tol
+    assert torch.isfinite(y).all() and torch.isfinite(y_add).all()
