@@ -16,6 +16,7 @@ import math
 
 import torch
 from normbook import _math, _validate
+from normbook._function import Function
 
 __all__ = ["layer_norm", "rms_norm"]
 
@@ -34,7 +35,7 @@ def _use_kernels(input: torch.Tensor) -> bool:
             and importlib.util.find_spec("triton") is not None)
 
 
-class _NormFunction(torch.autograd.Function):
+class _NormFunction(Function):
     """The CPU (and float64) path of both norms: forward, backward, jvp and vmap, in torch ops.
 
     ``apply(x, weight, bias, eps, is_rms) -> (y, stats)`` with x (..., D) and stats

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normbook.kernels._config import Config, backward_config, maxnreg_for, norm_flags, persistent_programs
+from normbook.kernels._config import Config, backward_plan, maxnreg_for, norm_flags
 
 
 @triton.jit
@@ -269,8 +269,7 @@ def norm_backward(dy, ds, x, weight, stats, bias_dtype, is_rms: bool):
             dbias = x.new_empty((D,), dtype=bias_dtype)
     if M == 0:  # no rows: the sums over rows are zero
         return dx, dweight if not has_w else dweight.zero_(), dbias if not has_b else dbias.zero_()
-    cfg = backward_config(M, D)
-    programs = persistent_programs(x, -(-M // cfg.ROWS))
+    cfg, programs = backward_plan(M, D, x.get_device())
     if programs == 1 or not (has_w or has_b):
         pw, pb = dweight, dbias             # one program writes the sums over rows itself
     else:                                   # fp32 partial sums, one (D,) row per program

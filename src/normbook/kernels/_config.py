@@ -93,6 +93,21 @@ def forward_config(M: int, D: int) -> Config:
 
 
 @functools.lru_cache(maxsize=4096)
+def forward_plan(M: int, D: int) -> tuple[Config, tuple]:
+    """(config, grid) of the forward, cached: the launcher computes nothing per call."""
+    cfg = forward_config(M, D)
+    return cfg, ((M,) if cfg.chunked else (-(-M // cfg.ROWS),))
+
+
+@functools.lru_cache(maxsize=4096)
+def backward_plan(M: int, D: int, device_index: int) -> tuple[Config, int]:
+    """(config, persistent programs) of the backward on a device (Tensor.get_device(): -1 for
+    the CPU), cached: the launcher computes nothing per call."""
+    cfg = backward_config(M, D)
+    return cfg, _programs(-(-M // cfg.ROWS), device_index)
+
+
+@functools.lru_cache(maxsize=4096)
 def backward_config(M: int, D: int) -> Config:
     """Block shape of the backward for M rows of length D (cached: called on every launch)."""
     return _config(M, D, MAX_FUSED_D_BWD, ELEMS_BWD)

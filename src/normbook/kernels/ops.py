@@ -26,6 +26,7 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from normbook import _math, _validate
+from normbook._function import Function
 from normbook.kernels import _backward, _forward
 
 __all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "NormFunction"]
@@ -140,7 +141,7 @@ def _op_grad(ctx, dy, ds, dstats):
 norm_forward.register_autograd(_op_grad, setup_context=_setup_context)
 
 
-class NormFunction(torch.autograd.Function):
+class NormFunction(Function):
     """The eager route: the same forward and backward as the custom ops, without the dispatcher.
 
     ``apply(x, residual, weight, bias, eps, is_rms) -> (y, s, stats)`` on (M, D) rows; s is
@@ -196,15 +197,6 @@ class NormFunction(torch.autograd.Function):
         stats = rstd[..., 0][None] if is_rms else torch.stack([mean[..., 0], rstd[..., 0]])
         return ((y.to(x.dtype), None if residual is None else s, stats),
                 (0, None if residual is None else 0, 1))
-
-    @classmethod
-    def apply(cls, *args):
-        # Function.apply binds default arguments with inspect.signature on every call when
-        # setup_context is defined (about 12 us); ours are all positional and complete, so
-        # outside functorch transforms go straight to the C++ apply.
-        if torch._C._are_functorch_transforms_active():
-            return super().apply(*args)
-        return super(torch.autograd.Function, cls).apply(*args)
 
 
 def _batch_first(t, dim, B):
