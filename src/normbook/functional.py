@@ -178,6 +178,10 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
 
     Returns:
         Tensor of input's shape and dtype.
+
+    Differs from torch on purpose: complex inputs are refused (torch accepts them); the weight
+    may have another floating dtype than the input; rows whose mean square overflows give the
+    finite, correct answer where torch gives NaN.
     """
     if isinstance(input, torch.Tensor) and input.is_nested:
         return _nested(rms_norm, input, normalized_shape, weight, eps)
