@@ -355,3 +355,21 @@ def test_kernel_overflowing_rows_are_finite_and_right(norm, D):
     assert (y.double() - ref(x.double())).abs().max().item() < tol
     assert (y_add.double() - ref(s.double())).abs().max().item() < tol
     assert torch.isfinite(y).all() and torch.isfinite(y_add).all()
+
+
+def test_kernel_path_edges_like_torch():
+    """D = 0, eps as a 0-d tensor and a negative eps through normbook.kernels as well."""
+    K = pytest.importorskip("normbook.kernels")
+    if not (K.ops.interpreted() or torch.cuda.is_available()):
+        pytest.skip("the kernels need a GPU or TRITON_INTERPRET=1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x0 = torch.randn(3, 0, device=dev, requires_grad=True)
+    y0 = K.layer_norm(x0, (0,))
+    y0.sum().backward()
+    assert y0.shape == x0.grad.shape == (3, 0) and K.rms_norm(x0, 0).shape == (3, 0)
+    x = 3 * torch.randn(4, 16, device=dev)
+    for eps in (torch.tensor(1e-3), -1e-3):
+        torch.testing.assert_close(K.layer_norm(x, 16, eps=eps), F.layer_norm(x, (16,), eps=eps),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(K.rms_norm(x, 16, eps=eps), F.rms_norm(x, (16,), eps=eps),
+                                   rtol=1e-5, atol=1e-5)
