@@ -32,3 +32,39 @@ def test_quick_report_compiles_without_spills(tmp_path):
         assert r["load_bits"] == 128, r                 # 16-byte-aligned rows: 128-bit loads
     assert {r["norm"] for r in rows} == {"layer", "rms"} and any(r["residual"] for r in rows)
     assert "kernel" in out.stdout and "regs" in out.stdout      # the printed table
+    assert all(r["triton"] and isinstance(r["pipelined"], bool) for r in rows)
+    paths = json.loads(path.read_text())["paths"]
+    # one forward and one backward per (D, norm, residual) compiled: 2 D x 2 norms, + residual at 4096
+    assert len(paths) == 2 * (2 * 2 + 2)
+    for p in paths:
+        assert set(p) >= {"arch", "dtype", "norm", "residual", "direction", "D", "hbm_bytes_per_row",
+                          "min_bytes_per_row", "programs_per_sm", "inflight_bytes_per_sm",
+                          "predicted_fraction"}, p
+        assert p["hbm_bytes_per_row"] >= p["min_bytes_per_row"] > 0
+        assert 0 < p["predicted_fraction"] <= 1 and p["programs_per_sm"] >= 1
+    # the chunked backward reads x and dy twice: about 5/3 of the minimum (2 of 3 row-sized passes again)
+    wide = next(p for p in paths if p["D"] == 65536 and p["direction"] == "bwd" and p["norm"] == "rms")
+    assert 1.6 < wide["hbm_bytes_per_row"] / wide["min_bytes_per_row"] < 1.8
+    assert "performance model:" in out.stdout
+
+
+def test_model_by_hand():
+    """The model's arithmetic on numbers worked out by hand (no compile)."""
+    from normbook.bench import model
+
+    # 64 registers x 32 threads x 8 warps = 16K registers: 4 programs fill the 64K file
+    assert model.programs_per_sm(64, 8, 0) == 4
+    assert model.programs_per_sm(61, 8, 0) == 4               # allocated in units of 8 per thread
+    assert model.programs_per_sm(80, 16, 0) == 1              # 40K registers: one program
+    assert model.programs_per_sm(32, 2, 100 * 1024) == 2      # shared memory limits: 228 KB / 100 KB
+    assert model.programs_per_sm(16, 1, 0) == 32              # at most 32 programs per SM
+    assert 32_000 < model.LITTLE_BYTES < 33_000               # 4.3 TB/s x 1 us / 132 SMs
+    k = dict(registers=64, num_warps=8, shared_bytes=0, grid=10_000, tile_bytes=16384,
+             pipelined=False, num_stages=3, bytes_per_row=4096)
+    p = model.predict([k], 4096, 32768)
+    # 4 programs x 16 KB x 0.5 (not pipelined) = 32 KB in flight: just enough
+    assert p["programs_per_sm"] == 4 and p["inflight_bytes_per_sm"] == 32768
+    assert p["predicted_fraction"] == 1.0
+    k2 = dict(k, pipelined=True, registers=128, bytes_per_row=8192)   # 2 programs, 2 tiles ahead
+    p2 = model.predict([k2], 4096, 32768)
+    assert p2["inflight_bytes_per_sm"] == 2 * 16384 * 2 and p2["predicted_fraction"] == 0.5   # twice the bytes

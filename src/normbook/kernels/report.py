@@ -33,14 +33,16 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from normbook.bench import bytemodel, model  # noqa: E402
 from normbook.kernels import _backward, _forward  # noqa: E402
 from normbook.kernels._config import MAX_FUSED_D_FWD, backward_config, forward_config  # noqa: E402
 
 M_REPORT = 32768                                   # the batch of the performance goal
 ARCHS = (80, 90)
 DTYPES = ("bf16", "fp32")
-DS = (1024, 4096, 8192, 16384, 65536)   # 8192: widest fused backward; 65536: chunked
-QUICK = dict(archs=(90,), dtypes=("bf16",), ds=(4096, 65536))
+# every power of two of the goal, and odd widths (760, 3000: D % 16 != 0; 12288: 3 x 4096)
+DS = (760, 1024, 2048, 3000, 4096, 8192, 12288, 16384, 32768, 65536, 131072)
+QUICK = dict(archs=(90,), dtypes=("bf16",), ds=(4096, 65536), residual_d=4096)
 ROW_TENSORS = {"X", "R", "S", "Y", "W", "B", "DY", "DS", "DX"}   # input dtype (weight too, here)
 FP32_TENSORS = {"Stats", "DW", "DB", "PW", "PB", "C1", "C2"}           # statistics and partials
 
@@ -58,25 +60,82 @@ def launches(D: int, is_rms: bool, residual: bool):
     fwd, bwd = forward_config(M_REPORT, D), backward_config(M_REPORT, D)
     out = []
     if fwd.chunked:
-        out.append((_forward.norm_fwd_chunked_kernel, dict(fwd_flags, BLOCK_D=fwd.BLOCK_D), fwd))
+        out.append((_forward.norm_fwd_chunked_kernel, dict(fwd_flags, BLOCK_D=fwd.BLOCK_D), fwd, "fwd"))
     else:
         rows = dict(ROWS=fwd.ROWS, BLOCK_D=fwd.BLOCK_D)
-        out.append((_forward.norm_fwd_rows_kernel, dict(fwd_flags, **rows), fwd))
+        out.append((_forward.norm_fwd_rows_kernel, dict(fwd_flags, **rows), fwd, "fwd"))
     if bwd.chunked:
-        out.append((_backward.norm_bwd_stats_kernel, dict(flags, BLOCK_D=bwd.BLOCK_D), bwd))
-        out.append((_backward.norm_bwd_chunked_kernel, dict(bwd_flags, BLOCK_D=bwd.BLOCK_D), bwd))
+        out.append((_backward.norm_bwd_stats_kernel, dict(flags, BLOCK_D=bwd.BLOCK_D), bwd, "bwd"))
+        out.append((_backward.norm_bwd_chunked_kernel, dict(bwd_flags, BLOCK_D=bwd.BLOCK_D), bwd, "bwd"))
     else:
         rows = dict(ROWS=bwd.ROWS, BLOCK_D=bwd.BLOCK_D)
-        out.append((_backward.norm_bwd_rows_kernel, dict(bwd_flags, **rows), bwd))
+        out.append((_backward.norm_bwd_rows_kernel, dict(bwd_flags, **rows), bwd, "bwd"))
     finish = _backward.FINISH_CONFIG
     out.append((_backward.norm_bwd_finish_kernel,
                 dict(HAS_WEIGHT=True, HAS_BIAS=not is_rms, BLOCK_P=finish.ROWS, BLOCK_D=finish.BLOCK_D),
-                finish))
+                finish, "bwd"))
     return out
 
 
-def signature(fn, dtype: str, constexprs: dict):
-    """Triton signature and divisibility attrs, from the argument names of a kernel."""
+def traffic(kernel: str, D: int, dtype: str, is_rms: bool, residual: bool, cfg, M: int = M_REPORT,
+            sms: int = model.H200["sms"]) -> dict:
+    """What one kernel moves, counted from its code: HBM bytes per row of the problem, the bytes
+    of loads one program issues per step of its loop (its tile), and its grid."""
+    e = bytemodel.itemsize(dtype)
+    n_par = 1 if is_rms else 2                          # weight, and bias for LayerNorm
+    n_stats = 4 * (1 if is_rms else 2)                  # fp32 (mean,) rstd per row
+    res = int(residual)
+    row = D * e
+    rows_bwd = backward_config(M, D)
+    programs = min(2 * sms, -(-M // rows_bwd.ROWS))    # the persistent backward's grid
+    partials = 4 * D * n_par * programs / M             # fp32 partials per row, written once
+    params = row * n_par / M                            # weights: from HBM once, then L2
+    if kernel == "norm_fwd_rows_kernel":                # x (and r) in; y (and s) out
+        return dict(bytes_per_row=row * (1 + res) * 2 + n_stats + params,
+                    tile_bytes=cfg.ROWS * row * (1 + res), grid=-(-M // cfg.ROWS))
+    if kernel == "norm_fwd_chunked_kernel":             # pass 1 reads x (r), writes s; pass 2 again
+        return dict(bytes_per_row=row * (1 + res) * 2 + row * res + row + n_stats + 2 * params,
+                    tile_bytes=cfg.BLOCK_D * e * (1 + res), grid=M)
+    if kernel == "norm_bwd_rows_kernel":                # x, dy (ds) in; dx out; partials
+        return dict(bytes_per_row=row * (2 + res) + row + n_stats + partials + params / n_par,
+                    tile_bytes=cfg.ROWS * row * (2 + res), grid=programs)
+    if kernel == "norm_bwd_stats_kernel":               # x, dy in; c1, c2 out
+        return dict(bytes_per_row=2 * row + n_stats + 8, tile_bytes=cfg.BLOCK_D * e * 2, grid=M)
+    if kernel == "norm_bwd_chunked_kernel":             # x, dy (ds) again; dx out; partials
+        return dict(bytes_per_row=row * (2 + res) + row + n_stats + 8 + partials + params / n_par,
+                    tile_bytes=cfg.BLOCK_D * e * (2 + res), grid=programs * -(-D // cfg.BLOCK_D))
+    if kernel == "norm_bwd_finish_kernel":              # partials in; dweight, dbias out
+        return dict(bytes_per_row=partials + params, tile_bytes=cfg.ROWS * cfg.BLOCK_D * 4 * n_par,
+                    grid=-(-D // cfg.BLOCK_D))
+    raise ValueError(f"kernel: no traffic count for {kernel!r}")
+
+
+def paths(rows: list[dict]) -> list[dict]:
+    """The performance model per path (arch, dtype, norm, residual, direction, D): the kernels'
+    rows of one forward or one backward, combined by :func:`normbook.bench.model.predict`."""
+    groups: dict = {}
+    for r in rows:
+        key = (r["arch"], r["dtype"], r["norm"], r["residual"], r["direction"], r["D"])
+        groups.setdefault(key, []).append(r)
+    out = []
+    for (arch, dtype, norm, residual, direction, D), ks in groups.items():
+        p = dict(arch=arch, dtype=dtype, norm=norm, residual=residual, direction=direction, D=D,
+                 kernels=[k["kernel"] for k in ks])
+        if any("error" in k for k in ks):
+            p["error"] = "a kernel of this path did not compile"
+            out.append(p)
+            continue
+        op = ("add_" if residual else "") + ("rms_norm" if norm == "rms" else "layer_norm")
+        minimum = bytemodel.bytes_moved(op, direction, M_REPORT, D, dtype) / M_REPORT
+        p.update(model.predict([dict(k) for k in ks], minimum, M_REPORT))
+        out.append(p)
+    return out
+
+
+def signature(fn, dtype: str, constexprs: dict, D: int = 1024):
+    """Triton signature and divisibility attrs, from the argument names of a kernel. D, and the
+    row strides (D for contiguous rows), carry the divisibility-by-16 hint only when D has it,
+    as Triton's JIT would specialize them."""
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -90,7 +149,7 @@ def signature(fn, dtype: str, constexprs: dict):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"                                # M, D, stride_*
-        if sig[name].startswith("*") or name == "D" or name.startswith("stride"):
+        if sig[name].startswith("*") or (D % 16 == 0 and (name == "D" or name.startswith("stride"))):
             attrs[(i,)] = [["tt.divisibility", 16]]       # 16-byte aligned rows
     return sig, attrs
 
@@ -119,32 +178,39 @@ def ptxas_info(ptx: str, arch: int) -> tuple[int, int]:
     return registers, spills
 
 
-def compile_one(kernel, constexprs, options: dict, dtype, arch) -> dict:
+def compile_one(kernel, constexprs, options: dict, dtype, arch, D: int = 1024) -> dict:
     fn = _jit(kernel)
-    sig, attrs = signature(fn, dtype, constexprs)
+    sig, attrs = signature(fn, dtype, constexprs, D)
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     registers, spills = ptxas_info(compiled.asm["ptx"], arch)
+    # a loop is software-pipelined when the compiler turned its loads into async copies
+    pipelined = "async_copy" in compiled.asm["ttgir"]
     return dict(registers=registers, spill_bytes=spills, load_bits=load_bits(compiled.asm["ptx"]),
-                shared_bytes=compiled.metadata.shared)
+                shared_bytes=compiled.metadata.shared, pipelined=pipelined,
+                num_stages=compiled.metadata.num_stages)
 
 
-def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=4096) -> list[dict]:
-    """Compile every configuration; one row per (kernel, arch, dtype, D, norm, residual)."""
+def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None) -> list[dict]:
+    """Compile every configuration; one row per (kernel, arch, dtype, D, norm, residual), with
+    what the kernel moves (:func:`traffic`). ``residual_d``: only that D with the fused add
+    (None: every D with and without it)."""
     rows = []
     for arch in archs:
         for dtype in dtypes:
             for D in ds:
                 for is_rms in (False, True):
-                    for residual in (False, True) if D == residual_d else (False,):
-                        for kernel, constexprs, cfg in launches(D, is_rms, residual):
-                            row = dict(kernel=kernel.fn.__name__,
+                    for residual in (False, True) if residual_d in (None, D) else (False,):
+                        for kernel, constexprs, cfg, direction in launches(D, is_rms, residual):
+                            name = kernel.fn.__name__
+                            row = dict(kernel=name, direction=direction,
                                        arch=f"sm_{arch}", dtype=dtype, D=D,
                                        norm="rms" if is_rms else "layer", residual=residual,
                                        num_warps=cfg.num_warps, ROWS=constexprs.get("ROWS", 1),
-                                       BLOCK_D=constexprs["BLOCK_D"])
+                                       BLOCK_D=constexprs["BLOCK_D"], triton=triton.__version__,
+                                       **traffic(name, D, dtype, is_rms, residual, cfg))
                             try:
-                                row.update(compile_one(kernel, constexprs, cfg.launch(), dtype, arch))
+                                row.update(compile_one(kernel, constexprs, cfg.launch(), dtype, arch, D))
                             except Exception as e:  # noqa: BLE001 - reported, and the exit code says so
                                 row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
                             rows.append(row)
@@ -158,9 +224,38 @@ def problems(row: dict) -> list[str]:
     out = []
     if row["D"] <= MAX_FUSED_D_FWD and row["spill_bytes"] > 0:
         out.append(f"spills {row['spill_bytes']} bytes")
-    if row["D"] >= 1024 and row["load_bits"] < 128:
+    if row["D"] >= 1024 and row["D"] % 16 == 0 and row["load_bits"] < 128:
         out.append(f"widest load {row['load_bits']} bits, expected 128")
     return out
+
+
+def goal_need(p: dict) -> float | None:
+    """The goal's fraction of copy bandwidth for a path (sm_90, bf16 only), or None."""
+    if p["arch"] != "sm_90" or p["dtype"] != "bf16" or p["D"] < 1024 or p["D"] & (p["D"] - 1):
+        return None
+    if p["D"] <= 32768:
+        return 0.90 if p["direction"] == "fwd" else 0.80
+    return 0.70
+
+
+def path_table(predicted: list[dict]) -> str:
+    """The model's prediction per path, one line each."""
+    head = ("arch", "dtype", "D", "norm", "res", "dir", "bytes/row", "min", "prog/SM", "inflight KB",
+            "predicted", "goal")
+    lines = [head]
+    for p in predicted:
+        need = goal_need(p)
+        if "error" in p:
+            lines.append((p["arch"], p["dtype"], str(p["D"]), p["norm"], "y" if p["residual"] else "",
+                          p["direction"], "-", "-", "-", "-", "-", p["error"]))
+            continue
+        lines.append((p["arch"], p["dtype"], str(p["D"]), p["norm"], "y" if p["residual"] else "",
+                       p["direction"], f"{p['hbm_bytes_per_row']:.0f}", f"{p['min_bytes_per_row']:.0f}",
+                       str(p["programs_per_sm"]), f"{p['inflight_bytes_per_sm'] / 1024:.1f}",
+                       f"{p['predicted_fraction']:.2f}",
+                       "" if need is None else ("met" if p["predicted_fraction"] >= need else f"< {need:.2f}")))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -192,12 +287,19 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - start
     print(table(rows))
     failed = [r for r in rows if problems(r)]
+    predicted = paths(rows)
+    print("\n" + path_table(predicted))
+    judged = [p for p in predicted if goal_need(p) is not None and "error" not in p]
+    met = [p for p in judged if p["predicted_fraction"] >= goal_need(p)]
+    print(f"\nperformance model: {len(met)} of {len(judged)} sm_90 bf16 paths predicted at the goal "
+          "(fwd >= 0.90, bwd >= 0.80 for D in 1024..32768; >= 0.70 beyond)")
     print(f"\n{len(rows)} kernel configurations compiled in {seconds:.1f} s with Triton "
           f"{triton.__version__}; {len(failed)} failed")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(triton=triton.__version__, m=M_REPORT, seconds=round(seconds, 1),
-                           rows=rows), f, indent=1)
+                           model=model.__doc__.strip().split("\n\n")[0], little_bytes=round(model.LITTLE_BYTES),
+                           rows=rows, paths=predicted), f, indent=1)
     return 1 if failed else 0
 
 
