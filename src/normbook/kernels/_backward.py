@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normbook.kernels._config import Config, backward_plan, maxnreg_for, norm_flags
+from normbook.kernels._config import BWD_STAGES, Config, backward_plan, maxnreg_for, norm_flags
 
 
 @triton.jit
@@ -54,6 +54,7 @@ def norm_bwd_rows_kernel(
     HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr,      # rows per step of the loop
     BLOCK_D: tl.constexpr,   # next_power_of_2(D): the whole row in registers
+    NUM_STAGES: tl.constexpr,  # tiles in the software pipeline of the row loop
 ):
     """(ln-dx) and (ln-dparams), or (rms-dx); with HAS_DS the (fork-rule). Persistent grid."""
     pid = tl.program_id(0)
@@ -64,7 +65,9 @@ def norm_bwd_rows_kernel(
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     dw = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)              # partial sum_n dy * xhat
     db = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)              # partial sum_n dy
-    for first in range(pid * ROWS, M, programs * ROWS):
+    # a software-pipelined loop: the loads of the next NUM_STAGES - 1 tiles are issued (as async
+    # copies into shared memory) while this one is reduced, so HBM always has work in flight
+    for first in tl.range(pid * ROWS, M, programs * ROWS, num_stages=NUM_STAGES):
         rows = first + tl.arange(0, ROWS)                         # (ROWS,)
         row_mask = rows < M
         mask = row_mask[:, None] & col_mask[None, :]              # (ROWS, BLOCK_D)
@@ -283,7 +286,7 @@ def norm_backward(dy, ds, x, weight, stats, bias_dtype, is_rms: bool):
     if not cfg.chunked:
         norm_bwd_rows_kernel[(programs,)](
             x, dy, dsp, dx, w, stats, pw, pb, x.stride(0), dy.stride(0), dsp.stride(0),
-            M, D, **flags)
+            M, D, **flags, NUM_STAGES=BWD_STAGES)
     else:
         c1 = x.new_empty((M,), dtype=torch.float32) if not is_rms else stats
         c2 = x.new_empty((M,), dtype=torch.float32)

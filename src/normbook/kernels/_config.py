@@ -26,9 +26,11 @@ from typing import NamedTuple
 import torch
 
 MAX_FUSED_D_FWD = 16384   # widest row the forward holds in registers: 16 values per thread
-MAX_FUSED_D_BWD = 8192    # backward holds x, dy, dweight and dbias partials: 8 per thread
+MAX_FUSED_D_BWD = 8192    # backward holds x, dy, dweight and dbias partials: 32 per thread
 ELEMS_FWD = 16            # values per thread: two 128-bit loads of bf16, four of fp32
-ELEMS_BWD = 8             # values per thread in the backward, four tensors of them live
+ELEMS_BWD = 32            # values per thread in the backward: 4 warps (8 at D = 8192), so two
+                          # programs (one) share an SM and each pipelines its loads
+BWD_STAGES = 3            # the backward's row loop keeps the next two tiles' loads in flight
 MAX_WARPS = 32            # 1024 threads, the most a program can have
 CHUNK_D = 4096            # chunk width of the wide-row path
 CHUNK_WARPS = 8
@@ -104,30 +106,39 @@ def backward_plan(M: int, D: int, device_index: int) -> tuple[Config, int]:
     """(config, persistent programs) of the backward on a device (Tensor.get_device(): -1 for
     the CPU), cached: the launcher computes nothing per call."""
     cfg = backward_config(M, D)
-    return cfg, _programs(-(-M // cfg.ROWS), device_index)
+    return cfg, _programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg))
+
+
+def resident_per_sm(cfg: Config) -> int:
+    """Backward programs resident on one SM: at most 255 registers per thread (the launch's
+    maxnreg) means a 4-warp program takes at most 32K of the 64K registers, so two fit; an
+    8-warp program at most all of them, so one. The compile report checks it."""
+    return max(1, 8 // cfg.num_warps)
 
 
 @functools.lru_cache(maxsize=4096)
 def backward_config(M: int, D: int) -> Config:
-    """Block shape of the backward for M rows of length D (cached: called on every launch)."""
-    return _config(M, D, MAX_FUSED_D_BWD, ELEMS_BWD)
+    """Block shape of the backward for M rows of length D (cached: called on every launch).
+    A D that is not a multiple of 16 loads element by element, which takes more registers per
+    value: half as many values per thread, twice the warps, then."""
+    return _config(M, D, MAX_FUSED_D_BWD, ELEMS_BWD if D % 16 == 0 else ELEMS_BWD // 2)
 
 
-def persistent_programs(x: torch.Tensor, tiles: int) -> int:
-    """Grid size of the persistent backward on x's device: a fixed count per device, never
-    more than the tiles.
+def persistent_programs(x: torch.Tensor, tiles: int, per_sm: int = 2) -> int:
+    """Grid size of the persistent backward on x's device: as many programs as the GPU holds at
+    once (``per_sm`` on each SM), never more than the tiles.
 
-    The count depends only on the device and the number of row tiles, so two runs with the same
-    shapes split the rows the same way and sum the partials in the same order: bitwise equal.
+    The count depends only on the device and the shapes, so two runs with the same shapes split
+    the rows the same way and sum the partials in the same order: bitwise equal.
     """
-    return _programs(tiles, x.get_device())
+    return _programs(tiles, x.get_device(), per_sm)
 
 
 @functools.lru_cache(maxsize=4096)
-def _programs(tiles: int, device_index: int) -> int:
+def _programs(tiles: int, device_index: int, per_sm: int) -> int:
     """device_index: -1 for the CPU (Tensor.get_device), else the CUDA device."""
     if device_index >= 0:
-        programs = 2 * torch.cuda.get_device_properties(device_index).multi_processor_count
+        programs = per_sm * torch.cuda.get_device_properties(device_index).multi_processor_count
     else:
         programs = CPU_PROGRAMS   # the interpreter: any fixed number is deterministic
     return max(1, min(programs, tiles))

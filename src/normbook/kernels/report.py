@@ -35,7 +35,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from normbook.bench import bytemodel, model  # noqa: E402
 from normbook.kernels import _backward, _forward  # noqa: E402
-from normbook.kernels._config import MAX_FUSED_D_FWD, backward_config, forward_config  # noqa: E402
+from normbook.kernels._config import (  # noqa: E402
+    BWD_STAGES, MAX_FUSED_D_FWD, backward_config, forward_config, resident_per_sm)
 
 M_REPORT = 32768                                   # the batch of the performance goal
 ARCHS = (80, 90)
@@ -68,7 +69,7 @@ def launches(D: int, is_rms: bool, residual: bool):
         out.append((_backward.norm_bwd_stats_kernel, dict(flags, BLOCK_D=bwd.BLOCK_D), bwd, "bwd"))
         out.append((_backward.norm_bwd_chunked_kernel, dict(bwd_flags, BLOCK_D=bwd.BLOCK_D), bwd, "bwd"))
     else:
-        rows = dict(ROWS=bwd.ROWS, BLOCK_D=bwd.BLOCK_D)
+        rows = dict(ROWS=bwd.ROWS, BLOCK_D=bwd.BLOCK_D, NUM_STAGES=BWD_STAGES)
         out.append((_backward.norm_bwd_rows_kernel, dict(bwd_flags, **rows), bwd, "bwd"))
     finish = _backward.FINISH_CONFIG
     out.append((_backward.norm_bwd_finish_kernel,
@@ -87,7 +88,7 @@ def traffic(kernel: str, D: int, dtype: str, is_rms: bool, residual: bool, cfg, 
     res = int(residual)
     row = D * e
     rows_bwd = backward_config(M, D)
-    programs = min(2 * sms, -(-M // rows_bwd.ROWS))    # the persistent backward's grid
+    programs = min(resident_per_sm(rows_bwd) * sms, -(-M // rows_bwd.ROWS))   # persistent grid
     partials = 4 * D * n_par * programs / M             # fp32 partials per row, written once
     params = row * n_par / M                            # weights: from HBM once, then L2
     if kernel == "norm_fwd_rows_kernel":                # x (and r) in; y (and s) out
@@ -188,7 +189,7 @@ def compile_one(kernel, constexprs, options: dict, dtype, arch, D: int = 1024) -
     pipelined = "async_copy" in compiled.asm["ttgir"]
     return dict(registers=registers, spill_bytes=spills, load_bits=load_bits(compiled.asm["ptx"]),
                 shared_bytes=compiled.metadata.shared, pipelined=pipelined,
-                num_stages=compiled.metadata.num_stages)
+                num_stages=constexprs.get("NUM_STAGES", compiled.metadata.num_stages))
 
 
 def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None) -> list[dict]:
@@ -218,7 +219,8 @@ def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None) -> list[dict]:
 
 
 def problems(row: dict) -> list[str]:
-    """Why a row fails the report: a compile error, spills at D <= MAX_FUSED_D, narrow loads."""
+    """Why a row fails the report: a compile error, spills at D <= MAX_FUSED_D, narrow loads
+    where D allows 128-bit ones, a persistent backward less resident than its grid assumes."""
     if "error" in row:
         return [row["error"]]
     out = []
@@ -226,6 +228,11 @@ def problems(row: dict) -> list[str]:
         out.append(f"spills {row['spill_bytes']} bytes")
     if row["D"] >= 1024 and row["D"] % 16 == 0 and row["load_bits"] < 128:
         out.append(f"widest load {row['load_bits']} bits, expected 128")
+    if row["kernel"] == "norm_bwd_rows_kernel":         # the persistent grid assumes this residency
+        need = max(1, 8 // row["num_warps"])
+        have = model.programs_per_sm(row["registers"], row["num_warps"], row["shared_bytes"])
+        if have < need:
+            out.append(f"{have} programs per SM, the persistent grid assumes {need}")
     return out
 
 
