@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normbook.kernels._config import BWD_STAGES, Config, backward_plan, maxnreg_for, norm_flags
+from normbook.kernels._config import Config, backward_plan, maxnreg_for, norm_flags, num_stages
 
 
 @triton.jit
@@ -286,7 +286,7 @@ def norm_backward(dy, ds, x, weight, stats, bias_dtype, is_rms: bool):
     if not cfg.chunked:
         norm_bwd_rows_kernel[(programs,)](
             x, dy, dsp, dx, w, stats, pw, pb, x.stride(0), dy.stride(0), dsp.stride(0),
-            M, D, **flags, NUM_STAGES=BWD_STAGES)
+            M, D, **flags, NUM_STAGES=num_stages(cfg, x.element_size(), 3 if ds is not None else 2))
     else:
         c1 = x.new_empty((M,), dtype=torch.float32) if not is_rms else stats
         c2 = x.new_empty((M,), dtype=torch.float32)

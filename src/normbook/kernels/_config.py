@@ -27,15 +27,18 @@ import torch
 
 MAX_FUSED_D_FWD = 16384   # widest row the forward holds in registers: 16 values per thread
 MAX_FUSED_D_BWD = 8192    # backward holds x, dy, dweight and dbias partials: 32 per thread
-ELEMS_FWD = 16            # values per thread: two 128-bit loads of bf16, four of fp32
+ELEMS_FWD = 32            # values per thread: four 128-bit loads of bf16; 4 warps up to a
+                          # 4096-value tile, so three programs share an SM
+SMEM_PER_PROGRAM = 64 * 1024   # shared memory for pipelined tiles: two programs fit on sm_80 too
+PIPELINE_MAX = 8192       # widest tile (values per tensor) that is software-pipelined
 ELEMS_BWD = 32            # values per thread in the backward: 4 warps (8 at D = 8192), so two
                           # programs (one) share an SM and each pipelines its loads
-BWD_STAGES = 3            # the backward's row loop keeps the next two tiles' loads in flight
+
 MAX_WARPS = 32            # 1024 threads, the most a program can have
 CHUNK_D = 4096            # chunk width of the wide-row path
 CHUNK_WARPS = 8
-TILE_ELEMS = 4096         # target elements per program when several small rows share one
-MAX_ROWS = 32             # at most this many rows per program
+TILE_ELEMS = 4096         # target elements per tile when several small rows share one
+MAX_ROWS = 32             # at most this many rows per tile
 MIN_BLOCK_D = 16          # narrower blocks only waste the 128-bit loads
 CPU_PROGRAMS = 4          # persistent grid size in the interpreter (any fixed number is deterministic)
 
@@ -51,7 +54,7 @@ class Config(NamedTuple):
 
     chunked: bool   # D too wide for registers: loop over chunks instead of holding the row
     BLOCK_D: int    # columns per block: next_power_of_2(D), or CHUNK_D when chunked
-    ROWS: int       # rows per program (1 when chunked)
+    ROWS: int       # rows per tile, one step of a program's row loop (1 when chunked)
     num_warps: int
     maxnreg: int    # register cap: the whole register file for one program (see below)
 
@@ -90,15 +93,21 @@ def maxnreg_for(num_warps: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def forward_config(M: int, D: int) -> Config:
-    """Block shape of the forward for M rows of length D (cached: called on every launch)."""
-    return _config(M, D, MAX_FUSED_D_FWD, ELEMS_FWD)
+    """Block shape of the forward for M rows of length D (cached: called on every launch).
+    Tiles past PIPELINE_MAX values (the widest fused rows) take half as many values per
+    thread, all 32 warps, and are not pipelined: registers are short there."""
+    return _config(M, D, MAX_FUSED_D_FWD, ELEMS_FWD if D <= PIPELINE_MAX else ELEMS_FWD // 2)
 
 
 @functools.lru_cache(maxsize=4096)
-def forward_plan(M: int, D: int) -> tuple[Config, tuple]:
-    """(config, grid) of the forward, cached: the launcher computes nothing per call."""
+def forward_plan(M: int, D: int, device_index: int, itemsize: int, inputs: int) -> tuple[Config, tuple, int]:
+    """(config, grid, pipeline stages) of the forward on a device, cached: the launcher
+    computes nothing per call. Rows in registers: a persistent grid of what the GPU holds."""
     cfg = forward_config(M, D)
-    return cfg, ((M,) if cfg.chunked else (-(-M // cfg.ROWS),))
+    if cfg.chunked:
+        return cfg, (M,), 1
+    grid = (_programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg, "fwd")),)
+    return cfg, grid, num_stages(cfg, itemsize, inputs)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -106,14 +115,31 @@ def backward_plan(M: int, D: int, device_index: int) -> tuple[Config, int]:
     """(config, persistent programs) of the backward on a device (Tensor.get_device(): -1 for
     the CPU), cached: the launcher computes nothing per call."""
     cfg = backward_config(M, D)
-    return cfg, _programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg))
+    return cfg, _programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg, "bwd"))
 
 
-def resident_per_sm(cfg: Config) -> int:
-    """Backward programs resident on one SM: at most 255 registers per thread (the launch's
-    maxnreg) means a 4-warp program takes at most 32K of the 64K registers, so two fit; an
-    8-warp program at most all of them, so one. The compile report checks it."""
+def resident_per_sm(cfg: Config, direction: str) -> int:
+    """Programs of a persistent rows kernel that one SM holds, which sizes its grid.
+
+    At most 255 registers per thread (the launch's maxnreg) means a 4-warp program takes at
+    most 32K of the 64K registers, so two fit; an 8-warp program or wider, one. Pipelined
+    tiles take at most SMEM_PER_PROGRAM of shared memory each. The compile report checks it
+    against the registers and shared memory each kernel really needs. (``direction`` is kept
+    for the report: forward and backward follow the same rule today.)
+    """
     return max(1, 8 // cfg.num_warps)
+
+
+@functools.lru_cache(maxsize=4096)
+def num_stages(cfg: Config, itemsize: int, inputs: int) -> int:
+    """Stages of a rows kernel's software pipeline: 3 (two tiles' loads in flight ahead of the
+    arithmetic) when two tiles fit in SMEM_PER_PROGRAM, else 2 when one does, else 1 (no
+    pipelining, also for tiles past PIPELINE_MAX values, whose registers are short). A tile
+    is ROWS rows of each of the ``inputs`` row-sized tensors loaded."""
+    if cfg.ROWS * cfg.BLOCK_D > PIPELINE_MAX:
+        return 1
+    tile = cfg.ROWS * cfg.BLOCK_D * itemsize * inputs
+    return 3 if 2 * tile <= SMEM_PER_PROGRAM else 2 if tile <= SMEM_PER_PROGRAM else 1
 
 
 @functools.lru_cache(maxsize=4096)

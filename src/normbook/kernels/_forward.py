@@ -5,7 +5,8 @@ difference between LayerNorm and RMSNorm. ``HAS_RESIDUAL`` fuses s = x + residua
 the norm, so x and the residual are each read once and s is written once.
 
 Two kernels, chosen by row length (see ``_config``):
-- ``norm_fwd_rows_kernel``: ROWS whole rows per program, each row held in registers.
+- ``norm_fwd_rows_kernel``: rows held in registers, ROWS at a time, on a persistent grid whose
+  row loop is software-pipelined (the next tiles' loads in flight while one is normalized).
 - ``norm_fwd_chunked_kernel``: one row per program, in CHUNK_D-wide chunks, for rows too wide
   for the registers; chunk statistics are merged with Chan's formula, equation (kern-chan) of
   "Kernels" (never the cancelling E[x^2] - E[x]^2 of (kern-naive-var)).
@@ -58,60 +59,77 @@ def norm_fwd_rows_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    ROWS: tl.constexpr,      # rows per program
+    ROWS: tl.constexpr,      # rows per step of the loop
     BLOCK_D: tl.constexpr,   # next_power_of_2(D): the whole row in registers
+    NUM_STAGES: tl.constexpr,  # tiles in the software pipeline of the row loop
 ):
-    """(ln-mean), (ln-var), (ln-rstd), (ln-xhat), (ln-y); with IS_RMS, (rms-ms) and (rms-y)."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)          # (ROWS,)
+    """(ln-mean), (ln-var), (ln-rstd), (ln-xhat), (ln-y); with IS_RMS, (rms-ms) and (rms-y).
+    Persistent: program pid takes the tiles of ROWS rows numbered pid, pid + programs, ..."""
     cols = tl.arange(0, BLOCK_D)                                  # (BLOCK_D,)
-    row_mask = rows < M
-    mask = row_mask[:, None] & (cols[None, :] < D)                # (ROWS, BLOCK_D)
-    rows64 = rows.to(tl.int64)[:, None]                           # M * D may pass 2^31
-    x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        s = (x + r).to(S.dtype.element_ty)                        # s in the input dtype ...
-        tl.store(S + rows64 * D + cols[None, :], s, mask=mask)
-        x = s.to(tl.float32)                                      # ... and the norm sees that s
+    # weight and bias: loaded once per program and held in registers, except for the widest
+    # tiles (not pipelined: registers are short there), where each step reloads them from L2
+    HOLD: tl.constexpr = NUM_STAGES > 1
+    if HAS_WEIGHT and HOLD:
+        w_held = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS and HOLD:
+        b_held = tl.load(B + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+    # a software-pipelined loop: the next NUM_STAGES - 1 tiles' loads are in flight (async
+    # copies into shared memory) while this one is normalized and stored
+    for first in tl.range(tl.program_id(0) * ROWS, M, tl.num_programs(0) * ROWS,
+                          num_stages=NUM_STAGES):
+        rows = first + tl.arange(0, ROWS)                             # (ROWS,)
+        row_mask = rows < M
+        mask = row_mask[:, None] & (cols[None, :] < D)                # (ROWS, BLOCK_D)
+        rows64 = rows.to(tl.int64)[:, None]                           # M * D may pass 2^31
+        x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            s = (x + r).to(S.dtype.element_ty)                        # s in the input dtype ...
+            tl.store(S + rows64 * D + cols[None, :], s, mask=mask)
+            x = s.to(tl.float32)                                      # ... and the norm sees that s
 
-    # mean = (1/D) sum_d x_d (ln-mean); RMSNorm does not centre.
-    # var = (1/D) sum_d (x_d - mean)^2 (ln-var): a second pass over registers, so no
-    # E[x^2] - E[x]^2 cancellation. RMSNorm's ms (rms-ms) is the same sum without the mean.
-    if IS_RMS:
-        xc = x
-    else:
-        mean = tl.sum(x, axis=1) / D                              # (ROWS,)
-        xc = tl.where(mask, x - mean[:, None], 0.0)               # padding must not count
-    var = tl.sum(xc * xc, axis=1) / D                             # (ROWS,)
-    # (ln-rstd). On a GPU rsqrt flushes a subnormal argument (eps = 0, a near-constant row)
-    # to zero and returns inf; the smallest normal float keeps rstd finite. (A negative
-    # var + eps, possible with a negative eps, stays negative: NaN, as in torch.)
-    rstd = tl.math.rsqrt(_clamp_tiny(var + eps))
-    # fp32 values past about 1e19 square to inf: var = inf, rstd = 0 and an output of zeros.
-    # Such rows take the sum again on xc / amax, which cannot overflow, and amax comes back out
-    # of the root. One more reduction over registers, only when a row overflowed.
-    big = var > FP32_MAX                                          # (ROWS,)
-    if tl.max(big.to(tl.int32), axis=0) > 0:
-        amax = tl.where(big, tl.max(tl.abs(xc), axis=1), 1.0)     # (ROWS,)
-        u = xc / amax[:, None]
-        rstd = tl.where(big, tl.math.rsqrt(tl.sum(u * u, axis=1) / D) / amax, rstd)
-    xhat = xc * rstd[:, None]                                     # (ln-xhat)
+        # mean = (1/D) sum_d x_d (ln-mean); RMSNorm does not centre.
+        # var = (1/D) sum_d (x_d - mean)^2 (ln-var): a second pass over registers, so no
+        # E[x^2] - E[x]^2 cancellation. RMSNorm's ms (rms-ms) is the same sum without the mean.
+        if IS_RMS:
+            xc = x
+        else:
+            mean = tl.sum(x, axis=1) / D                              # (ROWS,)
+            xc = tl.where(mask, x - mean[:, None], 0.0)               # padding must not count
+        var = tl.sum(xc * xc, axis=1) / D                             # (ROWS,)
+        # (ln-rstd). On a GPU rsqrt flushes a subnormal argument (eps = 0, a near-constant row)
+        # to zero and returns inf; the smallest normal float keeps rstd finite. (A negative
+        # var + eps, possible with a negative eps, stays negative: NaN, as in torch.)
+        rstd = tl.math.rsqrt(_clamp_tiny(var + eps))
+        # fp32 values past about 1e19 square to inf: var = inf, rstd = 0 and an output of zeros.
+        # Such rows take the sum again on xc / amax, which cannot overflow, and amax comes back out
+        # of the root. One more reduction over registers, only when a row overflowed.
+        big = var > FP32_MAX                                          # (ROWS,)
+        if tl.max(big.to(tl.int32), axis=0) > 0:
+            amax = tl.where(big, tl.max(tl.abs(xc), axis=1), 1.0)     # (ROWS,)
+            u = xc / amax[:, None]
+            rstd = tl.where(big, tl.math.rsqrt(tl.sum(u * u, axis=1) / D) / amax, rstd)
+        xhat = xc * rstd[:, None]                                     # (ln-xhat)
 
-    # y = weight * xhat + bias (ln-y)
-    y = xhat
-    if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
-        y = y * w[None, :]
-    if HAS_BIAS:
-        b = tl.load(B + cols, mask=cols < D, other=0.0).to(tl.float32)
-        y = y + b[None, :]
-    tl.store(Y + rows64 * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    # two fp32 scalars per row for backward instead of D values of xhat
-    if IS_RMS:
-        tl.store(Stats + rows, rstd, mask=row_mask)
-    else:
-        tl.store(Stats + rows, mean, mask=row_mask)
-        tl.store(Stats + M + rows, rstd, mask=row_mask)
+        # y = weight * xhat + bias (ln-y)
+        y = xhat
+        if HAS_WEIGHT:
+            if HOLD:
+                y = y * w_held
+            else:
+                y = y * tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            if HOLD:
+                y = y + b_held
+            else:
+                y = y + tl.load(B + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + rows64 * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        # two fp32 scalars per row for backward instead of D values of xhat
+        if IS_RMS:
+            tl.store(Stats + rows, rstd, mask=row_mask)
+        else:
+            tl.store(Stats + rows, mean, mask=row_mask)
+            tl.store(Stats + M + rows, rstd, mask=row_mask)
 
 
 @triton.jit
@@ -221,7 +239,8 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     stats = x.new_empty((1 if is_rms else 2, M), dtype=torch.float32)
     if M == 0:
         return y, s, stats
-    cfg, grid = forward_plan(M, D)
+    cfg, grid, stages = forward_plan(M, D, x.get_device(), x.element_size(),
+                                     2 if residual is not None else 1)
     r = residual if residual is not None else x      # placeholders: never touched when absent
     args = (x, r, s if s is not None else y, y, weight if weight is not None else x,
             bias if bias is not None else x, stats, x.stride(0), r.stride(0), M, D, eps)
@@ -230,5 +249,5 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     if cfg.chunked:
         norm_fwd_chunked_kernel[grid](*args, **flags)
     else:
-        norm_fwd_rows_kernel[grid](*args, **flags)
+        norm_fwd_rows_kernel[grid](*args, **flags, NUM_STAGES=stages)
     return y, s, stats

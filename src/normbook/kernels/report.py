@@ -36,7 +36,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from normbook.bench import bytemodel, model  # noqa: E402
 from normbook.kernels import _backward, _forward  # noqa: E402
 from normbook.kernels._config import (  # noqa: E402
-    BWD_STAGES, MAX_FUSED_D_FWD, backward_config, forward_config, resident_per_sm)
+    MAX_FUSED_D_FWD, Config, backward_config, forward_config, num_stages, resident_per_sm)
 
 M_REPORT = 32768                                   # the batch of the performance goal
 ARCHS = (80, 90)
@@ -53,23 +53,25 @@ def _jit(kernel):
     return kernel if isinstance(kernel, triton.runtime.JITFunction) else triton.JITFunction(kernel.fn)
 
 
-def launches(D: int, is_rms: bool, residual: bool):
+def launches(D: int, is_rms: bool, residual: bool, dtype: str = "bf16"):
     """(kernel, constexprs, launch options) of every kernel that one forward and one backward run."""
     flags = dict(IS_RMS=is_rms, HAS_WEIGHT=True)
     fwd_flags = dict(flags, HAS_RESIDUAL=residual, HAS_BIAS=not is_rms)
     bwd_flags = dict(flags, HAS_DS=residual, HAS_BIAS=not is_rms)
+    e = bytemodel.itemsize(dtype)
     fwd, bwd = forward_config(M_REPORT, D), backward_config(M_REPORT, D)
     out = []
     if fwd.chunked:
         out.append((_forward.norm_fwd_chunked_kernel, dict(fwd_flags, BLOCK_D=fwd.BLOCK_D), fwd, "fwd"))
     else:
-        rows = dict(ROWS=fwd.ROWS, BLOCK_D=fwd.BLOCK_D)
+        rows = dict(ROWS=fwd.ROWS, BLOCK_D=fwd.BLOCK_D, NUM_STAGES=num_stages(fwd, e, 1 + residual))
         out.append((_forward.norm_fwd_rows_kernel, dict(fwd_flags, **rows), fwd, "fwd"))
     if bwd.chunked:
         out.append((_backward.norm_bwd_stats_kernel, dict(flags, BLOCK_D=bwd.BLOCK_D), bwd, "bwd"))
         out.append((_backward.norm_bwd_chunked_kernel, dict(bwd_flags, BLOCK_D=bwd.BLOCK_D), bwd, "bwd"))
     else:
-        rows = dict(ROWS=bwd.ROWS, BLOCK_D=bwd.BLOCK_D, NUM_STAGES=BWD_STAGES)
+        rows = dict(ROWS=bwd.ROWS, BLOCK_D=bwd.BLOCK_D,
+                    NUM_STAGES=num_stages(bwd, bytemodel.itemsize(dtype), 2 + residual))
         out.append((_backward.norm_bwd_rows_kernel, dict(bwd_flags, **rows), bwd, "bwd"))
     finish = _backward.FINISH_CONFIG
     out.append((_backward.norm_bwd_finish_kernel,
@@ -88,12 +90,13 @@ def traffic(kernel: str, D: int, dtype: str, is_rms: bool, residual: bool, cfg, 
     res = int(residual)
     row = D * e
     rows_bwd = backward_config(M, D)
-    programs = min(resident_per_sm(rows_bwd) * sms, -(-M // rows_bwd.ROWS))   # persistent grid
+    programs = min(resident_per_sm(rows_bwd, "bwd") * sms, -(-M // rows_bwd.ROWS))   # persistent grid
     partials = 4 * D * n_par * programs / M             # fp32 partials per row, written once
     params = row * n_par / M                            # weights: from HBM once, then L2
     if kernel == "norm_fwd_rows_kernel":                # x (and r) in; y (and s) out
+        grid = min(resident_per_sm(cfg, "fwd") * sms, -(-M // cfg.ROWS))   # persistent
         return dict(bytes_per_row=row * (1 + res) * 2 + n_stats + params,
-                    tile_bytes=cfg.ROWS * row * (1 + res), grid=-(-M // cfg.ROWS))
+                    tile_bytes=cfg.ROWS * row * (1 + res), grid=grid)
     if kernel == "norm_fwd_chunked_kernel":             # pass 1 reads x (r), writes s; pass 2 again
         return dict(bytes_per_row=row * (1 + res) * 2 + row * res + row + n_stats + 2 * params,
                     tile_bytes=cfg.BLOCK_D * e * (1 + res), grid=M)
@@ -202,7 +205,7 @@ def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None) -> list[dict]:
             for D in ds:
                 for is_rms in (False, True):
                     for residual in (False, True) if residual_d in (None, D) else (False,):
-                        for kernel, constexprs, cfg, direction in launches(D, is_rms, residual):
+                        for kernel, constexprs, cfg, direction in launches(D, is_rms, residual, dtype):
                             name = kernel.fn.__name__
                             row = dict(kernel=name, direction=direction,
                                        arch=f"sm_{arch}", dtype=dtype, D=D,
@@ -228,8 +231,9 @@ def problems(row: dict) -> list[str]:
         out.append(f"spills {row['spill_bytes']} bytes")
     if row["D"] >= 1024 and row["D"] % 16 == 0 and row["load_bits"] < 128:
         out.append(f"widest load {row['load_bits']} bits, expected 128")
-    if row["kernel"] == "norm_bwd_rows_kernel":         # the persistent grid assumes this residency
-        need = max(1, 8 // row["num_warps"])
+    if row["kernel"] in ("norm_fwd_rows_kernel", "norm_bwd_rows_kernel"):  # sizes the persistent grid
+        cfg = Config(False, row["BLOCK_D"], row["ROWS"], row["num_warps"], 255)
+        need = resident_per_sm(cfg, row["direction"])
         have = model.programs_per_sm(row["registers"], row["num_warps"], row["shared_bytes"])
         if have < need:
             out.append(f"{have} programs per SM, the persistent grid assumes {need}")
