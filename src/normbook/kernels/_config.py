@@ -72,10 +72,14 @@ class Config(NamedTuple):
 
 
 @functools.lru_cache(maxsize=4096)
-def norm_flags(cfg: Config, is_rms: bool, a: bool, b: bool, c: bool, names: tuple) -> dict:
-    """``cfg.flags`` of IS_RMS and three more boolean flags named by ``names``, cached: a
-    launch on the hot path builds no dict of its own."""
-    return cfg.flags(IS_RMS=is_rms, **dict(zip(names, (a, b, c))))
+def norm_flags(cfg: Config, is_rms: bool, a: bool, b: bool, c: bool, names: tuple,
+               stages: int = 1) -> dict:
+    """``cfg.flags`` of IS_RMS and three more boolean flags named by ``names`` (and the rows
+    kernels' NUM_STAGES), cached: a launch on the hot path builds no dict of its own."""
+    out = cfg.flags(IS_RMS=is_rms, **dict(zip(names, (a, b, c))))
+    if not cfg.chunked:
+        out["NUM_STAGES"] = stages
+    return out
 
 
 def _config(M: int, D: int, max_fused: int, elems: int) -> Config:
@@ -111,11 +115,12 @@ def forward_plan(M: int, D: int, device_index: int, itemsize: int, inputs: int) 
 
 
 @functools.lru_cache(maxsize=4096)
-def backward_plan(M: int, D: int, device_index: int) -> tuple[Config, int]:
-    """(config, persistent programs) of the backward on a device (Tensor.get_device(): -1 for
-    the CPU), cached: the launcher computes nothing per call."""
+def backward_plan(M: int, D: int, device_index: int, itemsize: int, inputs: int) -> tuple[Config, int, int]:
+    """(config, persistent programs, pipeline stages) of the backward on a device
+    (Tensor.get_device(): -1 for the CPU), cached: the launcher computes nothing per call."""
     cfg = backward_config(M, D)
-    return cfg, _programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg, "bwd"))
+    programs = _programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg, "bwd"))
+    return cfg, programs, num_stages(cfg, itemsize, inputs)
 
 
 def resident_per_sm(cfg: Config, direction: str) -> int:

@@ -245,9 +245,9 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     args = (x, r, s if s is not None else y, y, weight if weight is not None else x,
             bias if bias is not None else x, stats, x.stride(0), r.stride(0), M, D, eps)
     flags = norm_flags(cfg, is_rms, residual is not None, weight is not None, bias is not None,
-                       ("HAS_RESIDUAL", "HAS_WEIGHT", "HAS_BIAS"))
+                       ("HAS_RESIDUAL", "HAS_WEIGHT", "HAS_BIAS"), stages)
     if cfg.chunked:
         norm_fwd_chunked_kernel[grid](*args, **flags)
     else:
-        norm_fwd_rows_kernel[grid](*args, **flags, NUM_STAGES=stages)
+        norm_fwd_rows_kernel[grid](*args, **flags)
     return y, s, stats
