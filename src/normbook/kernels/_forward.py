@@ -83,10 +83,10 @@ def norm_fwd_rows_kernel(
         rows64 = rows.to(tl.int64)[:, None]                           # M * D may pass 2^31
         x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            r = tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            s = (x + r).to(S.dtype.element_ty)                        # s in the input dtype ...
+            r = tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0)
+            s = (x + r.to(tl.float32)).to(S.dtype.element_ty)         # s in the input dtype ...
             tl.store(S + rows64 * D + cols[None, :], s, mask=mask)
-            x = s.to(tl.float32)                                      # ... and the norm sees that s
+            x = s.to(tl.float32)                                      # ... the norm sees that s
 
         # mean = (1/D) sum_d x_d (ln-mean); RMSNorm does not centre.
         # var = (1/D) sum_d (x_d - mean)^2 (ln-var): a second pass over registers, so no
