@@ -30,7 +30,6 @@ MAX_FUSED_D_BWD = 8192    # backward holds x, dy, dweight and dbias partials: 32
 ELEMS_FWD = 32            # values per thread: four 128-bit loads of bf16; 4 warps up to a
                           # 4096-value tile, so three programs share an SM
 SMEM_PER_PROGRAM = 64 * 1024   # shared memory for pipelined tiles: two programs fit on sm_80 too
-PIPELINE_MAX = 8192       # widest tile (values per tensor) that is software-pipelined
 ELEMS_BWD = 32            # values per thread in the backward: 4 warps (8 at D = 8192), so two
                           # programs (one) share an SM and each pipelines its loads
 
@@ -97,10 +96,8 @@ def maxnreg_for(num_warps: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def forward_config(M: int, D: int) -> Config:
-    """Block shape of the forward for M rows of length D (cached: called on every launch).
-    Tiles past PIPELINE_MAX values (the widest fused rows) take half as many values per
-    thread, all 32 warps, and are not pipelined: registers are short there."""
-    return _config(M, D, MAX_FUSED_D_FWD, ELEMS_FWD if D <= PIPELINE_MAX else ELEMS_FWD // 2)
+    """Block shape of the forward for M rows of length D (cached: called on every launch)."""
+    return _config(M, D, MAX_FUSED_D_FWD, ELEMS_FWD)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -139,10 +136,7 @@ def resident_per_sm(cfg: Config, direction: str) -> int:
 def num_stages(cfg: Config, itemsize: int, inputs: int) -> int:
     """Stages of a rows kernel's software pipeline: 3 (two tiles' loads in flight ahead of the
     arithmetic) when two tiles fit in SMEM_PER_PROGRAM, else 2 when one does, else 1 (no
-    pipelining, also for tiles past PIPELINE_MAX values, whose registers are short). A tile
-    is ROWS rows of each of the ``inputs`` row-sized tensors loaded."""
-    if cfg.ROWS * cfg.BLOCK_D > PIPELINE_MAX:
-        return 1
+    pipelining). A tile is ROWS rows of each of the ``inputs`` row-sized tensors loaded."""
     tile = cfg.ROWS * cfg.BLOCK_D * itemsize * inputs
     return 3 if 2 * tile <= SMEM_PER_PROGRAM else 2 if tile <= SMEM_PER_PROGRAM else 1
 
