@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normbook.kernels._config import Config, backward_plan, maxnreg_for, norm_flags
+from normbook.kernels._config import Config, backward_plan, maxnreg_for
 
 
 @triton.jit
@@ -272,8 +272,8 @@ def norm_backward(dy, ds, x, weight, stats, bias_dtype, is_rms: bool):
             dbias = x.new_empty((D,), dtype=bias_dtype)
     if M == 0:  # no rows: the sums over rows are zero
         return dx, dweight if not has_w else dweight.zero_(), dbias if not has_b else dbias.zero_()
-    cfg, programs, stages = backward_plan(M, D, x.get_device(), x.element_size(),
-                                          3 if ds is not None else 2)
+    cfg, programs, flags = backward_plan(M, D, x.get_device(), x.element_size(), is_rms,
+                                         ds is not None, has_w, has_b)
     if programs == 1 or not (has_w or has_b):
         pw, pb = dweight, dbias             # one program writes the sums over rows itself
     else:                                   # fp32 partial sums, one (D,) row per program
@@ -283,8 +283,6 @@ def norm_backward(dy, ds, x, weight, stats, bias_dtype, is_rms: bool):
     pw = pw if has_w else stats
     pb = pb if has_b else stats
     dsp = ds if ds is not None else dy
-    flags = norm_flags(cfg, is_rms, ds is not None, has_w, has_b, ("HAS_DS", "HAS_WEIGHT", "HAS_BIAS"),
-                       stages)
     if not cfg.chunked:
         norm_bwd_rows_kernel[(programs,)](
             x, dy, dsp, dx, w, stats, pw, pb, x.stride(0), dy.stride(0), dsp.stride(0),

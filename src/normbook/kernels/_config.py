@@ -70,11 +70,10 @@ class Config(NamedTuple):
         return out
 
 
-@functools.lru_cache(maxsize=4096)
 def norm_flags(cfg: Config, is_rms: bool, a: bool, b: bool, c: bool, names: tuple,
                stages: int = 1) -> dict:
     """``cfg.flags`` of IS_RMS and three more boolean flags named by ``names`` (and the rows
-    kernels' NUM_STAGES), cached: a launch on the hot path builds no dict of its own."""
+    kernels' NUM_STAGES)."""
     out = cfg.flags(IS_RMS=is_rms, **dict(zip(names, (a, b, c))))
     if not cfg.chunked:
         out["NUM_STAGES"] = stages
@@ -101,23 +100,32 @@ def forward_config(M: int, D: int) -> Config:
 
 
 @functools.lru_cache(maxsize=4096)
-def forward_plan(M: int, D: int, device_index: int, itemsize: int, inputs: int) -> tuple[Config, tuple, int]:
-    """(config, grid, pipeline stages) of the forward on a device, cached: the launcher
-    computes nothing per call. Rows in registers: a persistent grid of what the GPU holds."""
+def forward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool,
+                 has_residual: bool, has_weight: bool, has_bias: bool) -> tuple[Config, tuple, dict]:
+    """(config, grid, launch keywords) of the forward on a device (Tensor.get_device(): -1 for
+    the CPU), cached: a launch computes and builds nothing. Rows in registers: a persistent
+    grid of what the GPU holds, with the row loop's pipeline stages."""
     cfg = forward_config(M, D)
     if cfg.chunked:
-        return cfg, (M,), 1
-    grid = (_programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg, "fwd")),)
-    return cfg, grid, num_stages(cfg, itemsize, inputs)
+        grid = (M,)
+        stages = 1
+    else:
+        grid = (_programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg, "fwd")),)
+        stages = num_stages(cfg, itemsize, 2 if has_residual else 1)
+    return cfg, grid, norm_flags(cfg, is_rms, has_residual, has_weight, has_bias,
+                                 ("HAS_RESIDUAL", "HAS_WEIGHT", "HAS_BIAS"), stages)
 
 
 @functools.lru_cache(maxsize=4096)
-def backward_plan(M: int, D: int, device_index: int, itemsize: int, inputs: int) -> tuple[Config, int, int]:
-    """(config, persistent programs, pipeline stages) of the backward on a device
-    (Tensor.get_device(): -1 for the CPU), cached: the launcher computes nothing per call."""
+def backward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool, has_ds: bool,
+                  has_weight: bool, has_bias: bool) -> tuple[Config, int, dict]:
+    """(config, persistent programs, launch keywords) of the backward on a device, cached as
+    :func:`forward_plan`."""
     cfg = backward_config(M, D)
     programs = _programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg, "bwd"))
-    return cfg, programs, num_stages(cfg, itemsize, inputs)
+    stages = num_stages(cfg, itemsize, 3 if has_ds else 2)
+    return cfg, programs, norm_flags(cfg, is_rms, has_ds, has_weight, has_bias,
+                                     ("HAS_DS", "HAS_WEIGHT", "HAS_BIAS"), stages)
 
 
 def resident_per_sm(cfg: Config, direction: str) -> int:

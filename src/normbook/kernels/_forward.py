@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normbook.kernels._config import forward_plan, norm_flags
+from normbook.kernels._config import forward_plan
 
 FP32_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)   # torch.finfo(torch.float32).tiny
 FP32_MAX = tl.constexpr(3.4028234663852886e38)           # torch.finfo(torch.float32).max
@@ -239,13 +239,11 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     stats = x.new_empty((1 if is_rms else 2, M), dtype=torch.float32)
     if M == 0:
         return y, s, stats
-    cfg, grid, stages = forward_plan(M, D, x.get_device(), x.element_size(),
-                                     2 if residual is not None else 1)
+    cfg, grid, flags = forward_plan(M, D, x.get_device(), x.element_size(), is_rms,
+                                    residual is not None, weight is not None, bias is not None)
     r = residual if residual is not None else x      # placeholders: never touched when absent
     args = (x, r, s if s is not None else y, y, weight if weight is not None else x,
             bias if bias is not None else x, stats, x.stride(0), r.stride(0), M, D, eps)
-    flags = norm_flags(cfg, is_rms, residual is not None, weight is not None, bias is not None,
-                       ("HAS_RESIDUAL", "HAS_WEIGHT", "HAS_BIAS"), stages)
     if cfg.chunked:
         norm_fwd_chunked_kernel[grid](*args, **flags)
     else:

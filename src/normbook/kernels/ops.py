@@ -231,32 +231,26 @@ def _check_kernel_input(t, name: str) -> None:
     _check_device(t, name)
 
 
-def _fast_ok(input, D, weight, bias, eps) -> bool:
-    """The common case in a few attribute reads: a kernel-dtype tensor on a kernel device whose
-    last dim is D, parameters None or (D,) on its device, eps a float. Anything
-    else goes through the full checks, which raise with a message or accept the rare case."""
-    if not (isinstance(input, Tensor) and input.dtype in SUPPORTED_DTYPES and input.ndim
-            and input.shape[-1] == D and (input.is_cuda or (_INTERPRETED and input.is_cpu))
-            and type(eps) is float):
-        return False
-    device = None
-    for p in (weight, bias):
-        if p is None or p is _NO_BIAS:
-            continue
-        if device is None:
-            device = input.device
-        if not (isinstance(p, Tensor) and p.ndim == 1 and p.shape[0] == D
-                and p.dtype in SUPPORTED_DTYPES and p.device == device):
-            return False
-    return True
-
-
 def _prepare(input, normalized_shape, eps, weight, bias, residual=None, name="input"):
-    """Validate; return (x, residual, weight, bias) as (M, D) rows and contiguous (D,) vectors."""
+    """Validate; return (x, residual, weight, bias) as (M, D) rows and contiguous (D,) vectors.
+
+    The common case is recognised in a few attribute reads: a kernel-dtype tensor on a kernel
+    device whose last dim is D, parameters None or (D,) on its device, eps a float. Anything
+    else goes through the full checks, which raise with a message or accept the rare case.
+    """
     t = type(normalized_shape)
     D = normalized_shape if t is int else (
         normalized_shape[0] if t in (tuple, list, torch.Size) and len(normalized_shape) == 1 else None)
-    if D is None or not _fast_ok(input, D, weight, bias, eps):
+    fast = (D is not None and isinstance(input, Tensor) and input.dtype in SUPPORTED_DTYPES
+            and input.ndim and input.shape[-1] == D and type(eps) is float
+            and (input.is_cuda or (_INTERPRETED and input.is_cpu)))
+    if fast:
+        for p in (weight, bias):
+            if p is not None and p is not _NO_BIAS and not (
+                    isinstance(p, Tensor) and p.ndim == 1 and p.shape[0] == D
+                    and p.dtype in SUPPORTED_DTYPES and p.device == input.device):
+                fast = False
+    if not fast:
         _check_kernel_input(input, name)
         params = {"weight": weight} if bias is _NO_BIAS else {"weight": weight, "bias": bias}
         shape = _validate.check_norm_args(input, normalized_shape, params, eps, name, SUPPORTED_DTYPES)
@@ -269,7 +263,8 @@ def _prepare(input, normalized_shape, eps, weight, bias, residual=None, name="in
                 and residual.dtype == input.dtype and residual.device == input.device):
             _check_residual(residual, input)
         residual = _rows(residual)
-    return (_rows(input), residual, None if weight is None else weight.contiguous(),
+    x = input if input.ndim == 2 and input.stride(1) == 1 else _rows(input)
+    return (x, residual, None if weight is None else weight.contiguous(),
             None if bias is None or bias is _NO_BIAS else bias.contiguous())
 
 
