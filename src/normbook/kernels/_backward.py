@@ -29,7 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
+from normbook.kernels import _config
 from normbook.kernels._config import Config, backward_plan, maxnreg_for
+
+CHUNK_STAGES = tl.constexpr(_config.CHUNK_STAGES)   # chunk and row loops of wide rows
 
 
 @triton.jit
@@ -128,7 +131,7 @@ def norm_bwd_stats_kernel(
         mean = tl.load(Stats + row)
     sum_ghat = tl.zeros((BLOCK_D,), dtype=tl.float32)
     sum_ghat_xhat = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for start in range(0, D, BLOCK_D):
+    for start in tl.range(0, D, BLOCK_D, num_stages=CHUNK_STAGES):
         c = start + cols
         mask = c < D
         x = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
@@ -181,7 +184,7 @@ def norm_bwd_chunked_kernel(
         w = tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
     db = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for row in range(pid.to(tl.int64), M, programs):             # int64: M * D may pass 2^31
+    for row in tl.range(pid.to(tl.int64), M, programs, num_stages=CHUNK_STAGES):  # int64 rows
         x = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + row * stride_dy + c, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(Stats + (0 if IS_RMS else M) + row)

@@ -29,6 +29,7 @@ MAX_FUSED_D_FWD = 16384   # widest row the forward holds in registers: 16 values
 MAX_FUSED_D_BWD = 8192    # backward holds x, dy, dweight and dbias partials: 32 per thread
 ELEMS_FWD = 32            # values per thread: four 128-bit loads of bf16; 4 warps up to a
                           # 4096-value tile, so three programs share an SM
+CHUNK_STAGES = 3          # chunk loops of wide rows: two chunks' loads in flight ahead
 SMEM_PER_PROGRAM = 64 * 1024   # shared memory for pipelined tiles: two programs fit on sm_80 too
 ELEMS_BWD = 32            # values per thread in the backward: 4 warps (8 at D = 8192), so two
                           # programs (one) share an SM and each pipelines its loads

@@ -18,10 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
+from normbook.kernels import _config
 from normbook.kernels._config import forward_plan
 
 FP32_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)   # torch.finfo(torch.float32).tiny
 FP32_MAX = tl.constexpr(3.4028234663852886e38)           # torch.finfo(torch.float32).max
+CHUNK_STAGES = tl.constexpr(_config.CHUNK_STAGES)
 
 
 @triton.jit
@@ -164,7 +166,7 @@ def norm_fwd_chunked_kernel(
     mean = 0.0
     m2 = 0.0
     amax = 0.0                                                   # max |x|, for an overflow
-    for start in range(0, D, BLOCK_D):
+    for start in tl.range(0, D, BLOCK_D, num_stages=CHUNK_STAGES):
         c = start + cols
         mask = c < D
         x = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
@@ -207,7 +209,7 @@ def norm_fwd_chunked_kernel(
         tl.store(Stats + M + row, rstd)
 
     # Pass 2, normalize. The row is read again (from L2 for rows that fit there).
-    for start in range(0, D, BLOCK_D):
+    for start in tl.range(0, D, BLOCK_D, num_stages=CHUNK_STAGES):
         c = start + cols
         mask = c < D
         x = _load_input(X, R, S, row, stride_x, stride_r, c, mask, HAS_RESIDUAL)

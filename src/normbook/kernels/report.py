@@ -159,10 +159,14 @@ def signature(fn, dtype: str, constexprs: dict, D: int = 1024):
 
 
 def load_bits(ptx: str) -> int:
-    """Width in bits of the widest global load in the PTX (ld.global.v4.b32 -> 128)."""
+    """Width in bits of the widest global load in the PTX: ld.global.v4.b32 is 128, and so is
+    an asynchronous copy of 16 bytes into shared memory (cp.async ... 0x10), how a pipelined
+    loop loads."""
     widest = 0
     for vec, bits in re.findall(r"ld\.global(?:\.[a-z]\w*)*?(?:\.v(\d))?\.[bfsu](\d+)", ptx):
         widest = max(widest, int(vec or 1) * int(bits))
+    for size in re.findall(r"cp\.async\.c[ag]\.shared\.global[^,]*,[^,]*,\s*(0x[0-9a-fA-F]+|\d+)", ptx):
+        widest = max(widest, 8 * int(size, 0))
     return widest
 
 
