@@ -65,7 +65,6 @@ def test_torch_compile_fullgraph_matches_eager():
 def test_eager_route_is_the_function_and_compile_the_op():
     x, w, b, _ = make(3, 16, torch.float32)
     x.requires_grad_(True)
-    assert type(K.layer_norm(x, 16, w, b)).__name__ == "Tensor"
     assert K.layer_norm(x, 16, w, b).grad_fn.name() == "NormFunctionBackward"
     seen = []
 

@@ -63,22 +63,13 @@ class Config(NamedTuple):
         34 registers into 32 for occupancy by spilling: it takes what it needs up to the cap."""
         return dict(num_warps=self.num_warps, maxnreg=self.maxnreg)
 
-    def flags(self, **constexprs) -> dict:
-        """Keyword arguments of one launch: the flags given, the block shape, the options."""
+    def flags(self, stages: int = 1, **constexprs) -> dict:
+        """Keyword arguments of one launch: the flags given, the block shape, the options, and
+        for the rows kernels ROWS and their loop's pipeline stages."""
         out = dict(constexprs, BLOCK_D=self.BLOCK_D, **self.launch())
         if not self.chunked:
-            out["ROWS"] = self.ROWS
+            out.update(ROWS=self.ROWS, NUM_STAGES=stages)
         return out
-
-
-def norm_flags(cfg: Config, is_rms: bool, a: bool, b: bool, c: bool, names: tuple,
-               stages: int = 1) -> dict:
-    """``cfg.flags`` of IS_RMS and three more boolean flags named by ``names`` (and the rows
-    kernels' NUM_STAGES)."""
-    out = cfg.flags(IS_RMS=is_rms, **dict(zip(names, (a, b, c))))
-    if not cfg.chunked:
-        out["NUM_STAGES"] = stages
-    return out
 
 
 def _config(M: int, D: int, max_fused: int, elems: int) -> Config:
@@ -109,12 +100,10 @@ def forward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool,
     cfg = forward_config(M, D)
     if cfg.chunked:
         grid = (M,)
-        stages = 1
     else:
-        grid = (_programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg, "fwd")),)
-        stages = num_stages(cfg, itemsize, 2 if has_residual else 1)
-    return cfg, grid, norm_flags(cfg, is_rms, has_residual, has_weight, has_bias,
-                                 ("HAS_RESIDUAL", "HAS_WEIGHT", "HAS_BIAS"), stages)
+        grid = (persistent_programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg)),)
+    return cfg, grid, cfg.flags(num_stages(cfg, itemsize, 2 if has_residual else 1), IS_RMS=is_rms,
+                                HAS_RESIDUAL=has_residual, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -123,20 +112,18 @@ def backward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool
     """(config, persistent programs, launch keywords) of the backward on a device, cached as
     :func:`forward_plan`."""
     cfg = backward_config(M, D)
-    programs = _programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg, "bwd"))
-    stages = num_stages(cfg, itemsize, 3 if has_ds else 2)
-    return cfg, programs, norm_flags(cfg, is_rms, has_ds, has_weight, has_bias,
-                                     ("HAS_DS", "HAS_WEIGHT", "HAS_BIAS"), stages)
+    programs = persistent_programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg))
+    return cfg, programs, cfg.flags(num_stages(cfg, itemsize, 3 if has_ds else 2), IS_RMS=is_rms,
+                                    HAS_DS=has_ds, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias)
 
 
-def resident_per_sm(cfg: Config, direction: str) -> int:
+def resident_per_sm(cfg: Config) -> int:
     """Programs of a persistent rows kernel that one SM holds, which sizes its grid.
 
     At most 255 registers per thread (the launch's maxnreg) means a 4-warp program takes at
     most 32K of the 64K registers, so two fit; an 8-warp program or wider, one. Pipelined
     tiles take at most SMEM_PER_PROGRAM of shared memory each. The compile report checks it
-    against the registers and shared memory each kernel really needs. (``direction`` is kept
-    for the report: forward and backward follow the same rule today.)
+    against the registers and shared memory each kernel really needs.
     """
     return max(1, 8 // cfg.num_warps)
 
@@ -158,19 +145,15 @@ def backward_config(M: int, D: int) -> Config:
     return _config(M, D, MAX_FUSED_D_BWD, ELEMS_BWD if D % 16 == 0 else ELEMS_BWD // 2)
 
 
-def persistent_programs(x: torch.Tensor, tiles: int, per_sm: int = 2) -> int:
-    """Grid size of the persistent backward on x's device: as many programs as the GPU holds at
-    once (``per_sm`` on each SM), never more than the tiles.
+@functools.lru_cache(maxsize=4096)
+def persistent_programs(tiles: int, device_index: int, per_sm: int) -> int:
+    """Grid size of a persistent kernel: as many programs as the GPU holds at once (``per_sm``
+    on each SM of CUDA device ``device_index``; -1, Tensor.get_device() of a CPU tensor, means
+    the interpreter), never more than the tiles.
 
     The count depends only on the device and the shapes, so two runs with the same shapes split
-    the rows the same way and sum the partials in the same order: bitwise equal.
+    the rows the same way and sum the backward's partials in the same order: bitwise equal.
     """
-    return _programs(tiles, x.get_device(), per_sm)
-
-
-@functools.lru_cache(maxsize=4096)
-def _programs(tiles: int, device_index: int, per_sm: int) -> int:
-    """device_index: -1 for the CPU (Tensor.get_device), else the CUDA device."""
     if device_index >= 0:
         programs = per_sm * torch.cuda.get_device_properties(device_index).multi_processor_count
     else:

@@ -308,7 +308,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     """
     eps = eps if type(eps) is float else _validate.as_eps(eps)
     x, _, w, b = _prepare(input, normalized_shape, eps, weight, bias)
-    y = _route()(x, None, w, b, float(eps), False)[0]
+    y = _route()(x, None, w, b, eps, False)[0]
     return y if input.dim() == 2 else y.view(input.shape)
 
 
@@ -329,7 +329,7 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     if type(eps) is not float:
         eps = _validate.as_eps(_validate.default_eps(input, eps))
     x, _, w, _ = _prepare(input, normalized_shape, eps, weight, _NO_BIAS)
-    y = _route()(x, None, w, None, float(eps), True)[0]
+    y = _route()(x, None, w, None, eps, True)[0]
     return y if input.dim() == 2 else y.view(input.shape)
 
 
@@ -351,7 +351,7 @@ def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5):
     eps = eps if type(eps) is float else _validate.as_eps(eps)
     D = x.shape[-1] if isinstance(x, Tensor) and x.dim() > 0 else 0
     xs, r, w, b = _prepare(x, D, eps, weight, bias, residual=residual, name="x")
-    y, s, _ = _route()(xs, r, w, b, float(eps), False)
+    y, s, _ = _route()(xs, r, w, b, eps, False)
     return _restore(y, x), _restore(s, x)
 
 
@@ -374,5 +374,5 @@ def add_rms_norm(x, residual, weight=None, eps=None):
         eps = _validate.as_eps(_validate.default_eps(x, eps))
     D = x.shape[-1] if isinstance(x, Tensor) and x.dim() > 0 else 0
     xs, r, w, _ = _prepare(x, D, eps, weight, _NO_BIAS, residual=residual, name="x")
-    y, s, _ = _route()(xs, r, w, None, float(eps), True)
+    y, s, _ = _route()(xs, r, w, None, eps, True)
     return _restore(y, x), _restore(s, x)

@@ -90,11 +90,11 @@ def traffic(kernel: str, D: int, dtype: str, is_rms: bool, residual: bool, cfg, 
     res = int(residual)
     row = D * e
     rows_bwd = backward_config(M, D)
-    programs = min(resident_per_sm(rows_bwd, "bwd") * sms, -(-M // rows_bwd.ROWS))   # persistent grid
+    programs = min(resident_per_sm(rows_bwd) * sms, -(-M // rows_bwd.ROWS))   # persistent grid
     partials = 4 * D * n_par * programs / M             # fp32 partials per row, written once
     params = row * n_par / M                            # weights: from HBM once, then L2
     if kernel == "norm_fwd_rows_kernel":                # x (and r) in; y (and s) out
-        grid = min(resident_per_sm(cfg, "fwd") * sms, -(-M // cfg.ROWS))   # persistent
+        grid = min(resident_per_sm(cfg) * sms, -(-M // cfg.ROWS))   # persistent
         return dict(bytes_per_row=row * (1 + res) * 2 + n_stats + params,
                     tile_bytes=cfg.ROWS * row * (1 + res), grid=grid)
     if kernel == "norm_fwd_chunked_kernel":             # pass 1 reads x (r), writes s; pass 2 again
@@ -237,7 +237,7 @@ def problems(row: dict) -> list[str]:
         out.append(f"widest load {row['load_bits']} bits, expected 128")
     if row["kernel"] in ("norm_fwd_rows_kernel", "norm_bwd_rows_kernel"):  # sizes the persistent grid
         cfg = Config(False, row["BLOCK_D"], row["ROWS"], row["num_warps"], 255)
-        need = resident_per_sm(cfg, row["direction"])
+        need = resident_per_sm(cfg)
         have = model.programs_per_sm(row["registers"], row["num_warps"], row["shared_bytes"])
         if have < need:
             out.append(f"{have} programs per SM, the persistent grid assumes {need}")
