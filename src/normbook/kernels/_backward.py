@@ -285,11 +285,11 @@ def norm_backward(dy, ds, x, weight, stats, bias_dtype, is_rms: bool):
     w = weight if has_w else x                          # placeholders: never read when absent
     pw = pw if has_w else stats
     pb = pb if has_b else stats
-    dsp = ds if ds is not None else dy
+    stride_dy = dy.stride(0)
+    dsp, stride_ds = (dy, stride_dy) if ds is None else (ds, ds.stride(0))
     if not cfg.chunked:
         norm_bwd_rows_kernel[(programs,)](
-            x, dy, dsp, dx, w, stats, pw, pb, x.stride(0), dy.stride(0), dsp.stride(0),
-            M, D, **flags)
+            x, dy, dsp, dx, w, stats, pw, pb, x.stride(0), stride_dy, stride_ds, M, D, **flags)
     else:
         c1 = x.new_empty((M,), dtype=torch.float32) if not is_rms else stats
         c2 = x.new_empty((M,), dtype=torch.float32)
@@ -297,8 +297,8 @@ def norm_backward(dy, ds, x, weight, stats, bias_dtype, is_rms: bool):
             x, dy, w, stats, c1, c2, x.stride(0), dy.stride(0), M, D,
             **cfg.flags(IS_RMS=is_rms, HAS_WEIGHT=has_w))
         norm_bwd_chunked_kernel[(programs, -(-D // cfg.BLOCK_D))](
-            x, dy, dsp, dx, w, stats, c1, c2, pw, pb, x.stride(0), dy.stride(0),
-            dsp.stride(0), M, D, **flags)
+            x, dy, dsp, dx, w, stats, c1, c2, pw, pb, x.stride(0), stride_dy, stride_ds, M, D,
+            **flags)
     if programs > 1 and (has_w or has_b):
         # the one small reduction, (programs, D) -> (D,), in a fixed order: deterministic
         norm_bwd_finish_kernel[(-(-D // FINISH_CONFIG.BLOCK_D),)](

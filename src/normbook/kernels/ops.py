@@ -29,7 +29,7 @@ from normbook import _math, _validate
 from normbook._function import Function
 from normbook.kernels import _backward, _forward
 
-__all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "NormFunction"]
+__all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "NormFunction", "EagerNormFunction"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -85,18 +85,24 @@ def _(dy, ds, x, weight, stats, bias_dtype, is_rms):
             x.new_empty((0,)) if bias_dtype is None else x.new_empty((D,), dtype=bias_dtype))
 
 
+def _save(ctx, x, residual, weight, bias, eps, is_rms, s, stats):
+    """What backward needs: the normalized input (s when the add is fused) and two fp32 scalars
+    per row (one for RMSNorm) instead of the D values of xhat."""
+    ctx.save_for_backward(s if residual is not None else x, weight, stats)
+    if residual is not None:   # an unused s gets None, not a tensor of zeros to read
+        ctx.set_materialize_grads(False)
+    ctx.meta = (residual is not None, None if bias is None else bias.dtype, is_rms, eps)
+
+
 def _setup_context(ctx, inputs, output):
     x, residual, weight, bias, eps, is_rms = inputs
     _, s, stats = output
-    # backward needs the normalized input (s when the add is fused) and two fp32 scalars per row
-    # (one for RMSNorm) instead of the D values of xhat
-    saved = (s if residual is not None else x, weight, stats)
-    ctx.save_for_backward(*saved)
+    _save(ctx, x, residual, weight, bias, eps, is_rms, s, stats)
     if _fwAD._current_level >= 0 or torch._C._are_functorch_transforms_active():
-        ctx.save_for_forward(*saved)   # forward-mode AD (jvp) reads them too
+        # forward-mode AD (jvp) reads them too
+        ctx.save_for_forward(s if residual is not None else x, weight, stats)
     ctx.mark_non_differentiable(stats)
-    ctx.set_materialize_grads(False)   # no zero tensors for stats (or an unused s): None is enough
-    ctx.meta = (residual is not None, None if bias is None else bias.dtype, is_rms, eps)
+    ctx.set_materialize_grads(False)   # nor zeros for the statistics' gradient
 
 
 def _math_grad(dy, ds, x, weight, stats, bias_dtype, is_rms, eps):
@@ -199,15 +205,47 @@ class NormFunction(Function):
                 (0, None if residual is None else 0, 1))
 
 
+class EagerNormFunction(torch.autograd.Function):
+    """:class:`NormFunction` in torch's original form, for plain eager calls.
+
+    ``apply(x, residual, weight, bias, eps, is_rms) -> (y, s)``. The forward takes ``ctx`` and
+    saves what backward needs itself, and the statistics are not an output: one Python call and
+    one output fewer, about 1 us of the 3 us a norm costs beyond torch's own
+    (``python -m normbook.bench host``). torch.func transforms and forward-mode AD need the
+    modern form (setup_context, jvp, vmap), so :func:`_route` sends those calls to
+    :class:`NormFunction`; the backward is the same function.
+    """
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, is_rms):
+        y, s, stats = _forward.norm_forward(x, residual, weight, bias, eps, is_rms)
+        _save(ctx, x, residual, weight, bias, eps, is_rms, s, stats)
+        return y, s
+
+    @staticmethod
+    def backward(ctx, dy, ds):
+        return _grad(ctx, dy, ds, _backward.norm_backward)
+
+
+# torch's Function.apply binds arguments with inspect.signature only for the modern form, and
+# unwraps dead torch.func wrappers only for a transform's leftovers: the C++ apply is enough here
+_eager_apply = super(torch.autograd.Function, EagerNormFunction).apply
+
+
 def _batch_first(t, dim, B):
     """t with its vmapped dim first, or expanded to B copies when it is not batched."""
     return t.expand(B, *t.shape) if dim is None else t.movedim(dim, 0)
 
 
 def _route():
-    """The custom op under torch.compile, the Function otherwise; either maps
-    (x, residual, weight, bias, eps, is_rms) on (M, D) rows to (y, s, stats)."""
-    return norm_forward if torch.compiler.is_compiling() else NormFunction.apply
+    """What runs a norm on (M, D) rows, ``(x, residual, weight, bias, eps, is_rms) -> (y, s, ...)``:
+    the custom op under torch.compile, :class:`NormFunction` under torch.func transforms and
+    forward-mode AD, :class:`EagerNormFunction` otherwise (the usual, host-time-bound case)."""
+    if torch.compiler.is_compiling():
+        return norm_forward
+    if _fwAD._current_level >= 0 or torch._C._are_functorch_transforms_active():
+        return NormFunction.apply
+    return _eager_apply
 
 
 # ----------------------------------------------------------------------------- argument checks
@@ -351,8 +389,8 @@ def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5):
     eps = eps if type(eps) is float else _validate.as_eps(eps)
     D = x.shape[-1] if isinstance(x, Tensor) and x.dim() > 0 else 0
     xs, r, w, b = _prepare(x, D, eps, weight, bias, residual=residual, name="x")
-    y, s, _ = _route()(xs, r, w, b, eps, False)
-    return _restore(y, x), _restore(s, x)
+    out = _route()(xs, r, w, b, eps, False)
+    return _restore(out[0], x), _restore(out[1], x)
 
 
 def add_rms_norm(x, residual, weight=None, eps=None):
@@ -374,5 +412,5 @@ def add_rms_norm(x, residual, weight=None, eps=None):
         eps = _validate.as_eps(_validate.default_eps(x, eps))
     D = x.shape[-1] if isinstance(x, Tensor) and x.dim() > 0 else 0
     xs, r, w, _ = _prepare(x, D, eps, weight, _NO_BIAS, residual=residual, name="x")
-    y, s, _ = _route()(xs, r, w, None, eps, True)
-    return _restore(y, x), _restore(s, x)
+    out = _route()(xs, r, w, None, eps, True)
+    return _restore(out[0], x), _restore(out[1], x)
