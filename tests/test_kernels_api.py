@@ -66,6 +66,8 @@ def test_eager_route_is_the_function_and_compile_the_op():
     x, w, b, _ = make(3, 16, torch.float32)
     x.requires_grad_(True)
     assert K.layer_norm(x, 16, w, b).grad_fn.name() == "EagerNormFunctionBackward"
+    with torch.autograd.forward_ad.dual_level():   # forward-mode AD needs the modern form
+        assert K.layer_norm(x, 16, w, b).grad_fn.name() == "NormFunctionBackward"
     seen = []
 
     def backend(gm, example_inputs):
