@@ -11,7 +11,7 @@ on 16-byte-aligned pointers and strides: that is what lets the loads be 128 bits
 - wider rows: processed in CHUNK_D-wide chunks (a loop), never refused. The price is a second
   read of the row: the forward re-reads it to normalize (mostly from L2), the backward reads x
   and dy once for c1, c2 and again for dx and the partials.
-- The backward's cap is half the forward's because it keeps four row-sized fp32 tensors live
+- The backward's cap is a quarter of the forward's because it keeps four row-sized fp32 tensors live
   (x, dy and the dweight, dbias partials): at D = 16384 that is about 160 registers per thread
   at 16 warps, over the 128 available, and ptxas spills (see ``python -m normbook.kernels.report``).
 - Backward: a persistent grid of a fixed number of programs, each looping over its rows with
@@ -25,7 +25,8 @@ from typing import NamedTuple
 
 import torch
 
-MAX_FUSED_D_FWD = 16384   # widest row the forward holds in registers: 16 values per thread
+MAX_FUSED_D_FWD = 32768   # widest row the forward holds in registers: 32 values per thread, 32 warps
+MAX_FUSED_D_ADD = 16384   # with the residual add: x and r both loaded, 64 values would not fit
 MAX_FUSED_D_BWD = 8192    # backward holds x, dy, dweight and dbias partials: 32 per thread
 ELEMS_FWD = 32            # values per thread: four 128-bit loads of bf16; 4 warps up to a
                           # 4096-value tile, so three programs share an SM
@@ -86,9 +87,11 @@ def maxnreg_for(num_warps: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def forward_config(M: int, D: int) -> Config:
-    """Block shape of the forward for M rows of length D (cached: called on every launch)."""
-    return _config(M, D, MAX_FUSED_D_FWD, ELEMS_FWD)
+def forward_config(M: int, D: int, has_residual: bool = False) -> Config:
+    """Block shape of the forward for M rows of length D (cached: called on every launch).
+    With the fused residual add a thread loads two values per element of its share, so the
+    widest row held in registers is MAX_FUSED_D_ADD (32 warps would spill, fp32 or on sm_80)."""
+    return _config(M, D, MAX_FUSED_D_ADD if has_residual else MAX_FUSED_D_FWD, ELEMS_FWD)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -97,7 +100,7 @@ def forward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool,
     """(config, grid, launch keywords) of the forward on a device (Tensor.get_device(): -1 for
     the CPU), cached: a launch computes and builds nothing. Rows in registers: a persistent
     grid of what the GPU holds, with the row loop's pipeline stages."""
-    cfg = forward_config(M, D)
+    cfg = forward_config(M, D, has_residual)
     if cfg.chunked:
         grid = (M,)
     else:
@@ -132,7 +135,15 @@ def resident_per_sm(cfg: Config) -> int:
 def num_stages(cfg: Config, itemsize: int, inputs: int) -> int:
     """Stages of a rows kernel's software pipeline: 3 (two tiles' loads in flight ahead of the
     arithmetic) when two tiles fit in SMEM_PER_PROGRAM, else 2 when one does, else 1 (no
-    pipelining). A tile is ROWS rows of each of the ``inputs`` row-sized tensors loaded."""
+    pipelining). A tile is ROWS rows of each of the ``inputs`` row-sized tensors loaded.
+
+    A 32-warp program is never pipelined: its threads have 64 registers each, room for their
+    32 values of the row but not for the weight and bias that a pipelined loop holds (ptxas
+    would spill), and reloaded inside the loop those would be pipelined into shared memory too.
+    Its whole row is in flight at once instead (half the time, NON_PIPELINED_DUTY in the model).
+    """
+    if cfg.num_warps >= MAX_WARPS:
+        return 1
     tile = cfg.ROWS * cfg.BLOCK_D * itemsize * inputs
     return 3 if 2 * tile <= SMEM_PER_PROGRAM else 2 if tile <= SMEM_PER_PROGRAM else 1
 

@@ -59,7 +59,7 @@ def launches(D: int, is_rms: bool, residual: bool, dtype: str = "bf16"):
     fwd_flags = dict(flags, HAS_RESIDUAL=residual, HAS_BIAS=not is_rms)
     bwd_flags = dict(flags, HAS_DS=residual, HAS_BIAS=not is_rms)
     e = bytemodel.itemsize(dtype)
-    fwd, bwd = forward_config(M_REPORT, D), backward_config(M_REPORT, D)
+    fwd, bwd = forward_config(M_REPORT, D, residual), backward_config(M_REPORT, D)
     out = []
     if fwd.chunked:
         out.append((_forward.norm_fwd_chunked_kernel, dict(fwd_flags, BLOCK_D=fwd.BLOCK_D), fwd, "fwd"))
