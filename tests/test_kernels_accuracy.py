@@ -17,6 +17,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 import normbook.kernels as K  # noqa: E402
+from normbook.kernels import _config  # noqa: E402
 from normbook import checks, reference  # noqa: E402
 from helpers import grads  # noqa: E402
 
@@ -203,16 +204,20 @@ def test_parameter_gradients_are_deterministic(M, D, norm):
         assert torch.equal(a, c)
 
 
+# row stride 800: VEC 8 (16-byte loads), 764: VEC 4, 763: VEC 1
+@pytest.mark.parametrize("pad,vec", [(40, 8), (4, 4), (3, 1)])
 @pytest.mark.parametrize("norm", ["layer", "rms"])
-def test_strided_rows_are_read_in_place(norm):
+def test_strided_rows_are_read_in_place(norm, pad, vec):
     """A slice of a wider tensor is read through its row stride (no copy). In the interpreter the
     results are bitwise those of the contiguous copy; compiled, the two inputs may specialize
     differently (alignment, vector width, so the reduction tree), so a GPU promises equality to
-    rounding, and bitwise equality only run to run."""
+    rounding, and bitwise equality only run to run. D = 760 is a multiple of 8, not of 16: the
+    launcher's VEC follows the stride (a VEC the stride does not have would read wrong rows)."""
     M, D = 37, 760
-    wide, w, b, dy = make(M, D + 40, torch.bfloat16)
-    x = wide[:, 8:D + 8]                                    # row stride D + 40
-    assert x.stride() == (D + 40, 1)
+    wide, w, b, dy = make(M, D + pad, torch.bfloat16)
+    x = wide[:, 0:D]                                        # row stride D + pad
+    assert x.stride() == (D + pad, 1)
+    assert _config.vec(D, 2, x.stride(0)) == vec
     assert K.ops._rows(x).data_ptr() == x.data_ptr()        # no copy
     w, b, dy = w[:D], b[:D], dy[:, :D]
     fn = ((lambda x: K.layer_norm(x, (D,), w, b, EPS)) if norm == "layer"

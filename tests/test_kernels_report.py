@@ -29,12 +29,13 @@ def test_quick_report_compiles_without_spills(tmp_path):
     for r in rows:
         assert "error" not in r, r
         assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 255, r
-        assert r["load_bits"] == 128, r                 # 16-byte-aligned rows: 128-bit loads
+        assert r["load_bits"] == 128, r                 # 16-byte-aligned rows: 128-bit loads,
+                                                        # also at D = 3000 (VEC = 8, not 16)
     assert {r["norm"] for r in rows} == {"layer", "rms"} and any(r["residual"] for r in rows)
     assert "kernel" in out.stdout and "regs" in out.stdout      # the printed table
     assert all(r["triton"] and isinstance(r["pipelined"], bool) for r in rows)
     paths = json.loads(path.read_text())["paths"]
-    # one forward and one backward per (D, norm, residual) compiled: 2 D x 2 norms, + residual at 4096
+    # one forward and one backward per (D, norm, residual) compiled: 2 D x 2 norms, + residual at 3000
     assert len(paths) == 2 * (2 * 2 + 2)
     for p in paths:
         assert set(p) >= {"arch", "dtype", "norm", "residual", "direction", "D", "hbm_bytes_per_row",
@@ -46,6 +47,17 @@ def test_quick_report_compiles_without_spills(tmp_path):
     wide = next(p for p in paths if p["D"] == 65536 and p["direction"] == "bwd" and p["norm"] == "rms")
     assert 1.6 < wide["hbm_bytes_per_row"] / wide["min_bytes_per_row"] < 1.8
     assert "performance model:" in out.stdout
+
+
+def test_vec_is_what_d_and_the_strides_share():
+    from normbook.kernels._config import narrow_loads, vec
+
+    assert vec(4096, 2) == vec(4096, 4) == 1               # Triton's own specialization sees it
+    assert vec(3000, 2) == vec(760, 2) == 8 and vec(3000, 4) == 4    # 16 bytes of values
+    assert vec(760, 2, 763) == 1 and vec(760, 2, 764) == 4 and vec(1024, 2, 1000) == 8
+    assert vec(1002, 2) == 2 and vec(3, 4) == 1
+    assert not narrow_loads(3000, 2) and not narrow_loads(4096, 4)
+    assert narrow_loads(1002, 2) and narrow_loads(760, 2, 764) and narrow_loads(6, 4)
 
 
 def test_model_by_hand():

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from normbook.kernels import _config
 from normbook.kernels._config import Config, backward_plan, maxnreg_for
+from normbook.kernels._forward import multiple
 
 CHUNK_STAGES = tl.constexpr(_config.CHUNK_STAGES)   # chunk and row loops of wide rows
 
@@ -58,8 +59,13 @@ def norm_bwd_rows_kernel(
     ROWS: tl.constexpr,      # rows per step of the loop
     BLOCK_D: tl.constexpr,   # next_power_of_2(D): the whole row in registers
     NUM_STAGES: tl.constexpr,  # tiles in the software pipeline of the row loop
+    VEC: tl.constexpr,       # D and the strides are multiples of VEC (see _config.vec)
 ):
     """(ln-dx) and (ln-dparams), or (rms-dx); with HAS_DS the (fork-rule). Persistent grid."""
+    D = multiple(D, VEC)
+    stride_x = multiple(stride_x, VEC)
+    stride_dy = multiple(stride_dy, VEC)
+    stride_ds = multiple(stride_ds, VEC)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)                                  # (BLOCK_D,)
@@ -122,8 +128,12 @@ def norm_bwd_stats_kernel(
     IS_RMS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     BLOCK_D: tl.constexpr,   # chunk width
+    VEC: tl.constexpr,       # D and the strides are multiples of VEC (see _config.vec)
 ):
     """(ln-c) for rows wider than the registers: c1 and c2 of one row per program, chunk by chunk."""
+    D = multiple(D, VEC)
+    stride_x = multiple(stride_x, VEC)
+    stride_dy = multiple(stride_dy, VEC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     rstd = tl.load(Stats + (0 if IS_RMS else M) + row)
@@ -174,8 +184,13 @@ def norm_bwd_chunked_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_D: tl.constexpr,   # chunk width
+    VEC: tl.constexpr,       # D and the strides are multiples of VEC (see _config.vec)
 ):
     """(ln-dx), (rms-dx), (ln-dparams) and (fork-rule) for wide rows: grid (programs, chunks)."""
+    D = multiple(D, VEC)
+    stride_x = multiple(stride_x, VEC)
+    stride_dy = multiple(stride_dy, VEC)
+    stride_ds = multiple(stride_ds, VEC)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)        # this program's columns
@@ -221,8 +236,10 @@ def norm_bwd_finish_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_P: tl.constexpr,   # partials summed per step
     BLOCK_D: tl.constexpr,   # columns per program
+    VEC: tl.constexpr,       # D is a multiple of VEC (see _config.vec; the partials are fp32)
 ):
     """(ln-dparams), the last step: sum the per-program partials in a fixed order, cast once."""
+    D = multiple(D, VEC)
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)    # (BLOCK_D,)
     col_mask = cols < D
     dw = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
@@ -275,8 +292,11 @@ def norm_backward(dy, ds, x, weight, stats, bias_dtype, is_rms: bool):
             dbias = x.new_empty((D,), dtype=bias_dtype)
     if M == 0:  # no rows: the sums over rows are zero
         return dx, dweight if not has_w else dweight.zero_(), dbias if not has_b else dbias.zero_()
+    stride_x, stride_dy = x.stride(0), dy.stride(0)
+    dsp, stride_ds = (dy, stride_dy) if ds is None else (ds, ds.stride(0))
     cfg, programs, flags = backward_plan(M, D, x.get_device(), x.element_size(), is_rms,
-                                         ds is not None, has_w, has_b)
+                                         ds is not None, has_w, has_b,
+                                         (stride_x | stride_dy | stride_ds) & 15)
     if programs == 1 or not (has_w or has_b):
         pw, pb = dweight, dbias             # one program writes the sums over rows itself
     else:                                   # fp32 partial sums, one (D,) row per program
@@ -285,29 +305,28 @@ def norm_backward(dy, ds, x, weight, stats, bias_dtype, is_rms: bool):
     w = weight if has_w else x                          # placeholders: never read when absent
     pw = pw if has_w else stats
     pb = pb if has_b else stats
-    stride_dy = dy.stride(0)
-    dsp, stride_ds = (dy, stride_dy) if ds is None else (ds, ds.stride(0))
     if not cfg.chunked:
         norm_bwd_rows_kernel[(programs,)](
-            x, dy, dsp, dx, w, stats, pw, pb, x.stride(0), stride_dy, stride_ds, M, D, **flags)
+            x, dy, dsp, dx, w, stats, pw, pb, stride_x, stride_dy, stride_ds, M, D, **flags)
     else:
         c1 = x.new_empty((M,), dtype=torch.float32) if not is_rms else stats
         c2 = x.new_empty((M,), dtype=torch.float32)
         norm_bwd_stats_kernel[(M,)](
-            x, dy, w, stats, c1, c2, x.stride(0), dy.stride(0), M, D,
-            **cfg.flags(IS_RMS=is_rms, HAS_WEIGHT=has_w))
+            x, dy, w, stats, c1, c2, stride_x, stride_dy, M, D,
+            **cfg.flags(IS_RMS=is_rms, HAS_WEIGHT=has_w, VEC=flags["VEC"]))
         norm_bwd_chunked_kernel[(programs, -(-D // cfg.BLOCK_D))](
-            x, dy, dsp, dx, w, stats, c1, c2, pw, pb, x.stride(0), stride_dy, stride_ds, M, D,
+            x, dy, dsp, dx, w, stats, c1, c2, pw, pb, stride_x, stride_dy, stride_ds, M, D,
             **flags)
     if programs > 1 and (has_w or has_b):
         # the one small reduction, (programs, D) -> (D,), in a fixed order: deterministic
         norm_bwd_finish_kernel[(-(-D // FINISH_CONFIG.BLOCK_D),)](
             pw, pb, dweight if has_w else stats, dbias if has_b else stats, programs, D,
-            **_finish_flags(has_w, has_b))
+            **_finish_flags(has_w, has_b, D))
     return dx, dweight, dbias
 
 
-@functools.lru_cache(maxsize=None)
-def _finish_flags(has_w: bool, has_b: bool) -> dict:
+@functools.lru_cache(maxsize=4096)
+def _finish_flags(has_w: bool, has_b: bool, D: int) -> dict:
     cfg = FINISH_CONFIG
-    return dict(HAS_WEIGHT=has_w, HAS_BIAS=has_b, BLOCK_P=cfg.ROWS, BLOCK_D=cfg.BLOCK_D, **cfg.launch())
+    return dict(HAS_WEIGHT=has_w, HAS_BIAS=has_b, BLOCK_P=cfg.ROWS, BLOCK_D=cfg.BLOCK_D,
+                VEC=_config.vec(D, 4), **cfg.launch())

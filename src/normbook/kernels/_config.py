@@ -30,6 +30,7 @@ MAX_FUSED_D_ADD = 16384   # with the residual add: x and r both loaded, 64 value
 MAX_FUSED_D_BWD = 8192    # backward holds x, dy, dweight and dbias partials: 32 per thread
 ELEMS_FWD = 32            # values per thread: four 128-bit loads of bf16; 4 warps up to a
                           # 4096-value tile, so three programs share an SM
+MAX_STAGES = 4            # rows kernels: up to three tiles' loads in flight ahead
 CHUNK_STAGES = 3          # chunk loops of wide rows: two chunks' loads in flight ahead
 SMEM_PER_PROGRAM = 64 * 1024   # shared memory for pipelined tiles: two programs fit on sm_80 too
 ELEMS_BWD = 32            # values per thread in the backward: 4 warps (8 at D = 8192), so two
@@ -94,30 +95,54 @@ def forward_config(M: int, D: int, has_residual: bool = False) -> Config:
     return _config(M, D, MAX_FUSED_D_ADD if has_residual else MAX_FUSED_D_FWD, ELEMS_FWD)
 
 
+def vec(D: int, itemsize: int, strides: int = 0) -> int:
+    """The kernels' VEC: D and every row stride are multiples of it, and the kernels round them
+    down to multiples of VEC (a no-op the compiler can see), so that VEC values, up to 16
+    bytes, load as one instruction. ``strides``: the row strides ORed together (any bits past
+    the lowest four do not matter).
+
+    1 when D and the strides are multiples of 16: Triton's JIT specializes its integer
+    arguments on that and knows it already (no second compiled variant). Otherwise the largest
+    power of two dividing them all, at most 16 bytes of values: D = 760 or 3000 in bf16 (both
+    multiples of 8) loads 128 bits at a time instead of 16.
+    """
+    common = (D | strides) & 15
+    return 1 if common == 0 else min(common & -common, 16 // itemsize)
+
+
+def narrow_loads(D: int, itemsize: int, strides: int = 0) -> bool:
+    """Loads narrower than 16 bytes: D or a stride is not a multiple of 16 bytes of values."""
+    return (D | strides) & 15 != 0 and vec(D, itemsize, strides) * itemsize < 16
+
+
 @functools.lru_cache(maxsize=4096)
 def forward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool,
-                 has_residual: bool, has_weight: bool, has_bias: bool) -> tuple[Config, tuple, dict]:
+                 has_residual: bool, has_weight: bool, has_bias: bool,
+                 strides: int = 0) -> tuple[Config, tuple, dict]:
     """(config, grid, launch keywords) of the forward on a device (Tensor.get_device(): -1 for
     the CPU), cached: a launch computes and builds nothing. Rows in registers: a persistent
-    grid of what the GPU holds, with the row loop's pipeline stages."""
+    grid of what the GPU holds, with the row loop's pipeline stages. ``strides``: the low four
+    bits of the row strides ORed (see :func:`vec`)."""
     cfg = forward_config(M, D, has_residual)
     if cfg.chunked:
         grid = (M,)
     else:
         grid = (persistent_programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg)),)
     return cfg, grid, cfg.flags(num_stages(cfg, itemsize, 2 if has_residual else 1), IS_RMS=is_rms,
-                                HAS_RESIDUAL=has_residual, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias)
+                                HAS_RESIDUAL=has_residual, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias,
+                                VEC=vec(D, itemsize, strides))
 
 
 @functools.lru_cache(maxsize=4096)
 def backward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool, has_ds: bool,
-                  has_weight: bool, has_bias: bool) -> tuple[Config, int, dict]:
+                  has_weight: bool, has_bias: bool, strides: int = 0) -> tuple[Config, int, dict]:
     """(config, persistent programs, launch keywords) of the backward on a device, cached as
     :func:`forward_plan`."""
-    cfg = backward_config(M, D)
+    cfg = backward_config(M, D, narrow_loads(D, itemsize, strides))
     programs = persistent_programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg))
     return cfg, programs, cfg.flags(num_stages(cfg, itemsize, 3 if has_ds else 2), IS_RMS=is_rms,
-                                    HAS_DS=has_ds, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias)
+                                    HAS_DS=has_ds, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias,
+                                    VEC=vec(D, itemsize, strides))
 
 
 def resident_per_sm(cfg: Config) -> int:
@@ -133,9 +158,10 @@ def resident_per_sm(cfg: Config) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def num_stages(cfg: Config, itemsize: int, inputs: int) -> int:
-    """Stages of a rows kernel's software pipeline: 3 (two tiles' loads in flight ahead of the
-    arithmetic) when two tiles fit in SMEM_PER_PROGRAM, else 2 when one does, else 1 (no
-    pipelining). A tile is ROWS rows of each of the ``inputs`` row-sized tensors loaded.
+    """Stages of a rows kernel's software pipeline: one more than the tiles that fit in
+    SMEM_PER_PROGRAM (their loads are in flight ahead of the arithmetic), at most MAX_STAGES;
+    1 (no pipelining) when not even one does. A tile is ROWS rows of each of the ``inputs``
+    row-sized tensors loaded.
 
     A 32-warp program is never pipelined: its threads have 64 registers each, room for their
     32 values of the row but not for the weight and bias that a pipelined loop holds (ptxas
@@ -145,15 +171,15 @@ def num_stages(cfg: Config, itemsize: int, inputs: int) -> int:
     if cfg.num_warps >= MAX_WARPS:
         return 1
     tile = cfg.ROWS * cfg.BLOCK_D * itemsize * inputs
-    return 3 if 2 * tile <= SMEM_PER_PROGRAM else 2 if tile <= SMEM_PER_PROGRAM else 1
+    return min(MAX_STAGES, 1 + SMEM_PER_PROGRAM // tile)
 
 
 @functools.lru_cache(maxsize=4096)
-def backward_config(M: int, D: int) -> Config:
+def backward_config(M: int, D: int, narrow: bool = False) -> Config:
     """Block shape of the backward for M rows of length D (cached: called on every launch).
-    A D that is not a multiple of 16 loads element by element, which takes more registers per
-    value: half as many values per thread, twice the warps, then."""
-    return _config(M, D, MAX_FUSED_D_BWD, ELEMS_BWD if D % 16 == 0 else ELEMS_BWD // 2)
+    ``narrow``: loads narrower than 16 bytes (:func:`narrow_loads`), which take more registers
+    per value: half as many values per thread, twice the warps, then."""
+    return _config(M, D, MAX_FUSED_D_BWD, ELEMS_BWD // 2 if narrow else ELEMS_BWD)
 
 
 @functools.lru_cache(maxsize=4096)

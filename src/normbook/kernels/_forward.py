@@ -33,6 +33,16 @@ def _clamp_tiny(v):
 
 
 @triton.jit
+def multiple(n, VEC: tl.constexpr):
+    """n, which the launcher guarantees is a multiple of VEC, written so that the compiler knows
+    it too (n // VEC * VEC): offsets built from it stay VEC-aligned and VEC values load as one
+    instruction. A hint on an argument (tl.multiple_of) has no operation to attach to."""
+    if VEC > 1:
+        n = n // VEC * VEC
+    return n
+
+
+@triton.jit
 def _load_input(X, R, S, row, stride_x, stride_r, c, mask, HAS_RESIDUAL: tl.constexpr):
     """Columns c of one row of the norm's input, fp32: x, or s = x + residual recomputed
     (rounded to the dtype of S, as stored), so no thread depends on another's store."""
@@ -64,9 +74,13 @@ def norm_fwd_rows_kernel(
     ROWS: tl.constexpr,      # rows per step of the loop
     BLOCK_D: tl.constexpr,   # next_power_of_2(D): the whole row in registers
     NUM_STAGES: tl.constexpr,  # tiles in the software pipeline of the row loop
+    VEC: tl.constexpr,       # D and the strides are multiples of VEC (see _config.vec)
 ):
     """(ln-mean), (ln-var), (ln-rstd), (ln-xhat), (ln-y); with IS_RMS, (rms-ms) and (rms-y).
     Persistent: program pid takes the tiles of ROWS rows numbered pid, pid + programs, ..."""
+    D = multiple(D, VEC)
+    stride_x = multiple(stride_x, VEC)
+    stride_r = multiple(stride_r, VEC)
     cols = tl.arange(0, BLOCK_D)                                  # (BLOCK_D,)
     # weight and bias: loaded once per program and held in registers, except for the widest
     # tiles (not pipelined: registers are short there), where each step reloads them from L2
@@ -153,8 +167,12 @@ def norm_fwd_chunked_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_D: tl.constexpr,   # chunk width
+    VEC: tl.constexpr,       # D and the strides are multiples of VEC (see _config.vec)
 ):
     """(ln-mean) to (ln-y), (rms-ms), (rms-y) for rows too wide for the registers; statistics by (kern-chan)."""
+    D = multiple(D, VEC)
+    stride_x = multiple(stride_x, VEC)
+    stride_r = multiple(stride_r, VEC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
 
@@ -241,11 +259,13 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     stats = x.new_empty((1 if is_rms else 2, M), dtype=torch.float32)
     if M == 0:
         return y, s, stats
-    cfg, grid, flags = forward_plan(M, D, x.get_device(), x.element_size(), is_rms,
-                                    residual is not None, weight is not None, bias is not None)
     r = residual if residual is not None else x      # placeholders: never touched when absent
+    stride_x, stride_r = x.stride(0), r.stride(0)
+    cfg, grid, flags = forward_plan(M, D, x.get_device(), x.element_size(), is_rms,
+                                    residual is not None, weight is not None, bias is not None,
+                                    (stride_x | stride_r) & 15)
     args = (x, r, s if s is not None else y, y, weight if weight is not None else x,
-            bias if bias is not None else x, stats, x.stride(0), r.stride(0), M, D, eps)
+            bias if bias is not None else x, stats, stride_x, stride_r, M, D, eps)
     if cfg.chunked:
         norm_fwd_chunked_kernel[grid](*args, **flags)
     else:
