@@ -328,7 +328,7 @@ def test_fused_adds_take_no_parameters():
     torch.testing.assert_close(y, F.rms_norm(x + r, (16,)), rtol=1e-5, atol=1e-5)
 
 
-# 20000: rows in registers at 32 warps, the add in the chunked forward; 40000: chunked both ways
+# 20000: rows in registers at 32 warps (fp32 with the add: chunked); 40000: chunked both ways
 @pytest.mark.parametrize("D", [64, 20000, 40000])
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_kernel_overflowing_rows_are_finite_and_right(norm, D):

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 MAX_FUSED_D_FWD = 32768   # widest row the forward holds in registers: 32 values per thread, 32 warps
-MAX_FUSED_D_ADD = 16384   # with the residual add: x and r both loaded, 64 values would not fit
+MAX_FUSED_D_ADD_FP32 = 16384   # fp32 with the residual add: x and r, 64 fp32 values, would spill
 MAX_FUSED_D_BWD = 8192    # backward holds x, dy, dweight and dbias partials: 32 per thread
 ELEMS_FWD = 32            # values per thread: four 128-bit loads of bf16; 4 warps up to a
                           # 4096-value tile, so three programs share an SM
@@ -88,11 +88,13 @@ def maxnreg_for(num_warps: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def forward_config(M: int, D: int, has_residual: bool = False) -> Config:
+def forward_config(M: int, D: int, has_residual: bool = False, itemsize: int = 2) -> Config:
     """Block shape of the forward for M rows of length D (cached: called on every launch).
-    With the fused residual add a thread loads two values per element of its share, so the
-    widest row held in registers is MAX_FUSED_D_ADD (32 warps would spill, fp32 or on sm_80)."""
-    return _config(M, D, MAX_FUSED_D_ADD if has_residual else MAX_FUSED_D_FWD, ELEMS_FWD)
+    With the fused residual add a thread loads two values per element of its share; in fp32
+    those are 64 registers, all a 32-warp thread has, so fp32 rows with the add are held in
+    registers only up to MAX_FUSED_D_ADD_FP32."""
+    wide_add = has_residual and itemsize > 2
+    return _config(M, D, MAX_FUSED_D_ADD_FP32 if wide_add else MAX_FUSED_D_FWD, ELEMS_FWD)
 
 
 def vec(D: int, itemsize: int, strides: int = 0) -> int:
@@ -123,7 +125,7 @@ def forward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool,
     the CPU), cached: a launch computes and builds nothing. Rows in registers: a persistent
     grid of what the GPU holds, with the row loop's pipeline stages. ``strides``: the low four
     bits of the row strides ORed (see :func:`vec`)."""
-    cfg = forward_config(M, D, has_residual)
+    cfg = forward_config(M, D, has_residual, itemsize)
     if cfg.chunked:
         grid = (M,)
     else:

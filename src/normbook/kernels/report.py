@@ -61,7 +61,7 @@ def launches(D: int, is_rms: bool, residual: bool, dtype: str = "bf16"):
     fwd_flags = dict(flags, HAS_RESIDUAL=residual, HAS_BIAS=not is_rms)
     bwd_flags = dict(flags, HAS_DS=residual, HAS_BIAS=not is_rms)
     e = bytemodel.itemsize(dtype)
-    fwd = forward_config(M_REPORT, D, residual)
+    fwd = forward_config(M_REPORT, D, residual, e)
     bwd = backward_config(M_REPORT, D, narrow_loads(D, e))
     flags["VEC"] = fwd_flags["VEC"] = bwd_flags["VEC"] = vec(D, e)     # contiguous rows
     out = []
