@@ -10,7 +10,8 @@ book fetched from a CDN would fail here as it fails for a reader offline. A page
 - a script throws or logs an error, or a resource fails to load (the console log);
 - it has math that MathJax did not typeset: a math element without ``mjx-container``, a MathJax
   error or an undefined macro (drawn in red), or a source with ``$$`` and no typeset math;
-- an image does not load (``naturalWidth == 0``);
+- an image does not load (``naturalWidth == 0``), or a figure a chapter draws has no alt text
+  that describes it (a few words, not a file hash);
 - an internal link points to a missing file, or to a ``#fragment`` with no such id in the target;
 - it is a chapter (a MyST notebook) without its ``.ipynb`` download.
 
@@ -159,11 +160,20 @@ const done = arguments[arguments.length - 1];
         .map(item => item.math.slice(0, 80)),
     brokenImages: imgs.filter(i => !i.complete || i.naturalWidth === 0)
                       .map(i => i.getAttribute("src")),
+    // figures the chapters draw (cell outputs): their alt text, for a screen reader
+    figureAlts: [...document.querySelectorAll(".cell_output img")]
+        .map(i => [i.getAttribute("src"), i.getAttribute("alt") || ""]),
     links: [...document.querySelectorAll("a[href]")].map(a => a.href),
     ipynb: [...document.querySelectorAll("a[href$='.ipynb']")].map(a => a.href),
   });
 })().catch(e => done({error: String(e)}));
 """
+
+
+def _describes(alt: str) -> bool:
+    """An alt text that says something: a few words, not empty, not a file name or a hash."""
+    alt = alt.strip()
+    return len(alt.split()) >= 4 and not re.fullmatch(r"[0-9a-f]{16,}(\.\w+)?", alt)
 
 
 class _Ids(html.parser.HTMLParser):
@@ -249,6 +259,8 @@ def test_page(page, browser, base_url):
     problems += [f"math not typeset: {t!r}" for t in report["untypeset"]]
     problems += [f"MathJax error or undefined macro: {t!r}" for t in report["mathErrors"]]
     problems += [f"image did not load: {src}" for src in report["brokenImages"]]
+    problems += [f"figure without a description (alt {alt!r}): {src}"
+                 for src, alt in report["figureAlts"] if not _describes(alt)]
     problems += [f"broken link: {b}" for b in _broken_links(url, report["links"], base_url)]
     if _is_notebook(source) and not report["ipynb"]:
         problems.append("a notebook page without its .ipynb download")

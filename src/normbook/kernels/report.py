@@ -11,7 +11,7 @@ Pointers, row strides and D carry a divisibility-by-16 hint, as Triton's JIT giv
 time for 16-byte-aligned rows; that hint is what lets the loads be 128 bits wide.
 
 Exits non-zero if a compile fails, a configuration that holds rows in registers spills (beyond
-:data:`SPILL_ALLOWANCE_32_WARPS` bytes in a 32-warp configuration outside the goal's sm_90
+``SPILL_ALLOWANCE_32_WARPS`` bytes in a 32-warp configuration outside the goal's sm_90
 bf16), or a kernel at D >= 256 has no 128-bit global load where D is a multiple of 16 bytes.
 """
 
