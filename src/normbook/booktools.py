@@ -7,7 +7,9 @@ the cell asserts the claim next to it.
 
 from __future__ import annotations
 
+import numbers
 import os
+import re
 
 
 class _Text(str):
@@ -17,12 +19,34 @@ class _Text(str):
         return str(self)
 
 
+_SUPERSCRIPT = str.maketrans("-0123456789", "\u207b\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079")
+_SCIENTIFIC = re.compile(r"(-?)(\d+(?:\.\d+)?)e([+-]\d+)")
+
+
+def prose(value, fmt: str = "") -> str:
+    """``format(value, fmt)`` as a book prints a number in running text: scientific notation as
+    ``1.7 × 10⁻¹⁶`` (never ``1.7e-16``), a real minus sign (U+2212), and an exact zero as ``0``
+    (not ``0.0e+00``). Anything that is not a real number is formatted as given."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return format(value, fmt)
+    if value == 0 and fmt[-1:] in ("e", "E"):
+        return "0"
+    text = format(value, fmt)
+    match = _SCIENTIFIC.fullmatch(text)
+    if match:
+        sign, mantissa, exponent = match.groups()
+        power = int(exponent)
+        text = sign + (mantissa if power == 0 else
+                       f"{mantissa} \u00d7 10{str(power).translate(_SUPERSCRIPT)}")
+    return "\u2212" + text[1:] if text.startswith("-") else text
+
+
 def claim(name: str, value, fmt: str = ""):
-    """Glue ``format(value, fmt)`` under ``name`` for ``{glue}`name``` in the prose; return ``value``.
+    """Glue ``prose(value, fmt)`` under ``name`` for ``{glue}`name``` in the prose; return ``value``.
 
     Outside a notebook kernel (plain python, pytest) it only returns the value.
     """
-    text = _Text(format(value, fmt))
+    text = _Text(prose(value, fmt))
     try:
         from myst_nb import glue
     except ImportError:  # pragma: no cover - myst-nb is a book dependency only
