@@ -12,6 +12,8 @@ book fetched from a CDN would fail here as it fails for a reader offline. A page
   error or an undefined macro (drawn in red), or a source with ``$$`` and no typeset math;
 - an image does not load (``naturalWidth == 0``), or a figure a chapter draws has no alt text
   that describes it (a few words, not a file hash);
+- a code cell, folded or not, is wider than its column at 1280 px (a reader would have to
+  scroll sideways to see it);
 - an internal link points to a missing file, or to a ``#fragment`` with no such id in the target;
 - it is a chapter (a MyST notebook) without its ``.ipynb`` download.
 
@@ -160,6 +162,23 @@ const done = arguments[arguments.length - 1];
         .map(item => item.math.slice(0, 80)),
     brokenImages: imgs.filter(i => !i.complete || i.naturalWidth === 0)
                       .map(i => i.getAttribute("src")),
+    // code a reader cannot see whole: a code cell wider than its column scrolls sideways
+    // (folded cells are measured too: a reader unfolds them)
+    wideCode: [...document.querySelectorAll(".cell_input pre")]
+        .filter(p => {
+          const det = p.closest("details");
+          const open = det ? det.open : true;
+          if (det) det.open = true;
+          // the pre, or a box around it inside the cell, scrolls sideways
+          let wide = false;
+          for (let el = p; el && !el.classList.contains("cell"); el = el.parentElement) {
+            if (el.scrollWidth > el.clientWidth) { wide = true; break; }
+          }
+          if (det) det.open = open;
+          return wide;
+        })
+        .map(p => p.textContent.split("\n").reduce((a, b) => b.length > a.length ? b : a)
+                   .slice(0, 100)),
     // figures the chapters draw (cell outputs): their alt text, for a screen reader
     figureAlts: [...document.querySelectorAll(".cell_output img")]
         .map(i => [i.getAttribute("src"), i.getAttribute("alt") || ""]),
@@ -259,6 +278,7 @@ def test_page(page, browser, base_url):
     problems += [f"math not typeset: {t!r}" for t in report["untypeset"]]
     problems += [f"MathJax error or undefined macro: {t!r}" for t in report["mathErrors"]]
     problems += [f"image did not load: {src}" for src in report["brokenImages"]]
+    problems += [f"code cell wider than its column: {line!r}" for line in report["wideCode"]]
     problems += [f"figure without a description (alt {alt!r}): {src}"
                  for src, alt in report["figureAlts"] if not _describes(alt)]
     problems += [f"broken link: {b}" for b in _broken_links(url, report["links"], base_url)]
