@@ -24,11 +24,11 @@ writes and then reduces. Their size depends on the implementation (grid size), n
 op; leaving them out makes the model a lower bound on traffic, so the GB/s of a backward
 that uses them is, if anything, understated.
 
-Fused add (``add_layer_norm``, ``add_rms_norm``): s = x + residual, y = norm(s), both returned.
-Forward reads x and residual, writes y and s. Backward reads dy, ds (the gradient that
-flows into s from the rest of the network, as in a pre-norm residual stream) and s (saved
+Fused add (``add_layer_norm``, ``add_rms_norm``): h = x + residual, y = norm(h), both returned.
+Forward reads x and residual, writes y and h. Backward reads dy, dh (the gradient that
+flows into h from the rest of the network, as in a pre-norm residual stream) and h (saved
 for the norm's backward), and writes dx once: the gradient of x and of residual is the
-same tensor, ds + d(norm)/ds, so it is counted once.
+same tensor, dh + d(norm)/dh, so it is counted once.
 
 ``fwd_bwd`` is the sum of ``fwd`` and ``bwd``.
 """
@@ -99,11 +99,11 @@ for _op, _k in (("layer_norm", "ln"), ("rms_norm", "rms")):
     # backward: read x and dy, write dx (+ weight, stats, final dweight/dbias)
     TRAFFIC[_op, "bwd"] = [_R("x"), _R("dy"), _R("weight", rows="1"), *_STATS_READ[_k],
                            _W("dx"), *_DPARAMS[_k]]
-    # fused add: s = x + residual; y = norm(s); both returned
+    # fused add: h = x + residual; y = norm(h); both returned
     TRAFFIC["add_" + _op, "fwd"] = [_R("x"), _R("residual"), *_PARAMS[_k],
-                                    _W("y"), _W("s"), *_STATS[_k]]
+                                    _W("y"), _W("h"), *_STATS[_k]]
     # dx is also dresidual (the same tensor): written once
-    TRAFFIC["add_" + _op, "bwd"] = [_R("s"), _R("dy"), _R("ds"), _R("weight", rows="1"),
+    TRAFFIC["add_" + _op, "bwd"] = [_R("h"), _R("dy"), _R("dh"), _R("weight", rows="1"),
                                     *_STATS_READ[_k], _W("dx"), *_DPARAMS[_k]]
 for _op in OPS:
     TRAFFIC[_op, "fwd_bwd"] = TRAFFIC[_op, "fwd"] + TRAFFIC[_op, "bwd"]

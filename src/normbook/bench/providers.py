@@ -2,7 +2,7 @@
 
 A provider is a small function ``provider(op, mode, device) -> fn`` where ``fn(inp)`` runs
 the op's forward on an :class:`Inputs` and returns its outputs as a tuple: ``(y,)`` for
-``layer_norm``/``rms_norm`` and ``(y, s)`` for the fused adds (s = x + residual). The mode
+``layer_norm``/``rms_norm`` and ``(y, h)`` for the fused adds (h = x + residual). The mode
 (fwd, bwd, fwd_bwd) is turned into a timed callable by :func:`normbook.bench.timing.closure`;
 a provider only says whether it supports it. Unsupported combinations raise
 :class:`Unsupported` with a reason, which the runner records as a skipped row.
@@ -50,8 +50,8 @@ class Unsupported(Exception):
 class Inputs:
     """The tensors of one problem, shared by all providers and modes.
 
-    x, residual, dy, ds: (M, D) in the activation dtype; weight, bias: (D,) in the same dtype.
-    residual and ds exist only for the fused adds, bias only for LayerNorm.
+    x, residual, dy, dh: (M, D) in the activation dtype; weight, bias: (D,) in the same dtype.
+    residual and dh exist only for the fused adds, bias only for LayerNorm.
     """
 
     op: str
@@ -60,7 +60,7 @@ class Inputs:
     bias: torch.Tensor | None             # (D,), requires grad; LayerNorm only
     residual: torch.Tensor | None         # (M, D), requires grad; add_* only
     dy: torch.Tensor                      # (M, D) gradient of y
-    ds: torch.Tensor | None               # (M, D) gradient of s; add_* only
+    dh: torch.Tensor | None               # (M, D) gradient of h; add_* only
     eps: float = EPS
 
     def wrt(self) -> list[torch.Tensor]:
@@ -68,8 +68,8 @@ class Inputs:
         return [t for t in (self.x, self.residual, self.weight, self.bias) if t is not None]
 
     def grad_outputs(self) -> list[torch.Tensor]:
-        """The incoming gradients, matched to the outputs (y,) or (y, s)."""
-        return [t for t in (self.dy, self.ds) if t is not None]
+        """The incoming gradients, matched to the outputs (y,) or (y, h)."""
+        return [t for t in (self.dy, self.dh) if t is not None]
 
 
 def make_inputs(op: str, M: int, D: int, dtype: str, device) -> Inputs:
@@ -89,7 +89,7 @@ def make_inputs(op: str, M: int, D: int, dtype: str, device) -> Inputs:
         bias=randn(D, scale=0.1) if is_ln else None,
         residual=randn(M, D) if is_add else None,
         dy=torch.randn(M, D, generator=g, device=device, dtype=dt),
-        ds=torch.randn(M, D, generator=g, device=device, dtype=dt) if is_add else None,
+        dh=torch.randn(M, D, generator=g, device=device, dtype=dt) if is_add else None,
     )
 
 
@@ -109,8 +109,8 @@ def _norm_then_add(norm) -> dict[str, Fn]:
 
 
 def _add(norm, i: Inputs):
-    s = i.x + i.residual  # (M, D)
-    return norm(s, i), s
+    h = i.x + i.residual  # (M, D)
+    return norm(h, i), h
 
 
 # ---- torch eager ---------------------------------------------------------------------------
@@ -159,13 +159,13 @@ def _plain_rms_norm(x, weight, eps):
 
 
 def _plain_add_layer_norm(x, residual, weight, bias, eps):
-    s = x + residual
-    return _plain_layer_norm(s, weight, bias, eps), s
+    h = x + residual
+    return _plain_layer_norm(h, weight, bias, eps), h
 
 
 def _plain_add_rms_norm(x, residual, weight, eps):
-    s = x + residual
-    return _plain_rms_norm(s, weight, eps), s
+    h = x + residual
+    return _plain_rms_norm(h, weight, eps), h
 
 
 def compiled(op: str, mode: str, device) -> Fn:

@@ -5,7 +5,7 @@ compiled on CUDA, interpreted on the CPU when TRITON_INTERPRET=1 was set before 
 imported, a clear error otherwise):
 
 - :func:`layer_norm`, :func:`rms_norm`;
-- :func:`add_layer_norm`, :func:`add_rms_norm`: the residual add fused in front, -> (y, s).
+- :func:`add_layer_norm`, :func:`add_rms_norm`: the residual add fused in front, -> (y, h).
 
 All are autograd-capable. In eager mode they call an ``autograd.Function`` directly (host cost
 near torch's own, see ``python -m normbook.bench host``); under ``torch.compile`` they are the

@@ -38,9 +38,9 @@ CHUNK_STAGES = tl.constexpr(_config.CHUNK_STAGES)   # chunk and row loops of wid
 
 @triton.jit
 def norm_bwd_rows_kernel(
-    X,                       # (M, D) forward input (s when the residual add was fused)
+    X,                       # (M, D) forward input (h when the residual add was fused)
     DY,                      # (M, D) gradient arriving at y, rows stride_dy apart
-    DS,                      # (M, D) gradient arriving at s, rows stride_ds apart (if HAS_DS)
+    DH,                      # (M, D) gradient arriving at h, rows stride_dh apart (if HAS_DH)
     DX,                      # (M, D) output dx, contiguous
     W,                       # (D,) weight gamma (if HAS_WEIGHT)
     Stats,                   # (2, M) fp32 mean [0], rstd [1] saved by the forward; RMSNorm (1, M)
@@ -49,11 +49,11 @@ def norm_bwd_rows_kernel(
     DB,                      # (programs, D) fp32 partial dbias, or the (D,) dbias (as DW)
     stride_x,                # row stride of X, in elements
     stride_dy,               # row stride of DY, in elements
-    stride_ds,               # row stride of DS, in elements
+    stride_dh,               # row stride of DS, in elements
     M,                       # number of rows
     D,                       # row length
     IS_RMS: tl.constexpr,    # RMSNorm: no c1, no dbias
-    HAS_DS: tl.constexpr,    # fused residual: add the gradient arriving at s (fork rule)
+    HAS_DH: tl.constexpr,    # fused residual: add the gradient arriving at h (fork rule)
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr,      # rows per step of the loop
@@ -61,11 +61,11 @@ def norm_bwd_rows_kernel(
     NUM_STAGES: tl.constexpr,  # tiles in the software pipeline of the row loop
     VEC: tl.constexpr,       # D and the strides are multiples of VEC (see _config.vec)
 ):
-    """(ln-dx) and (ln-dparams), or (rms-dx); with HAS_DS the (fork-rule). Persistent grid."""
+    """(ln-dx) and (ln-dparams), or (rms-dx); with HAS_DH the (fork-rule). Persistent grid."""
     D = multiple(D, VEC)
     stride_x = multiple(stride_x, VEC)
     stride_dy = multiple(stride_dy, VEC)
-    stride_ds = multiple(stride_ds, VEC)
+    stride_dh = multiple(stride_dh, VEC)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)                                  # (BLOCK_D,)
@@ -98,9 +98,9 @@ def norm_bwd_rows_kernel(
         else:
             c1 = tl.sum(ghat, axis=1)[:, None] / D                # (ROWS, 1)
             dx = (ghat - c1 - c2 * xhat) * rstd                   # (ln-dx)
-        if HAS_DS:
-            # fork rule: s feeds the norm and the next residual; the gradients add
-            dx += tl.load(DS + rows64 * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_DH:
+            # fork rule: h feeds the norm and the next residual; the gradients add
+            dx += tl.load(DH + rows64 * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + rows64 * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         # (ln-dparams), kept per program in fp32; one weight serves every row
         if HAS_WEIGHT:
@@ -115,7 +115,7 @@ def norm_bwd_rows_kernel(
 
 @triton.jit
 def norm_bwd_stats_kernel(
-    X,                       # (M, D) forward input (s when the residual add was fused)
+    X,                       # (M, D) forward input (h when the residual add was fused)
     DY,                      # (M, D) gradient arriving at y, rows stride_dy apart
     W,                       # (D,) weight gamma (if HAS_WEIGHT)
     Stats,                   # (2, M) fp32 mean [0], rstd [1] saved by the forward; RMSNorm (1, M)
@@ -163,9 +163,9 @@ def norm_bwd_stats_kernel(
 
 @triton.jit
 def norm_bwd_chunked_kernel(
-    X,                       # (M, D) forward input (s when the residual add was fused)
+    X,                       # (M, D) forward input (h when the residual add was fused)
     DY,                      # (M, D) gradient arriving at y, rows stride_dy apart
-    DS,                      # (M, D) gradient arriving at s, rows stride_ds apart (if HAS_DS)
+    DH,                      # (M, D) gradient arriving at h, rows stride_dh apart (if HAS_DH)
     DX,                      # (M, D) output dx, contiguous
     W,                       # (D,) weight gamma (if HAS_WEIGHT)
     Stats,                   # (2, M) fp32 mean [0], rstd [1] saved by the forward; RMSNorm (1, M)
@@ -176,11 +176,11 @@ def norm_bwd_chunked_kernel(
     DB,                      # (programs, D) fp32 partial dbias, or the (D,) dbias (as DW)
     stride_x,                # row stride of X, in elements
     stride_dy,               # row stride of DY, in elements
-    stride_ds,               # row stride of DS, in elements
+    stride_dh,               # row stride of DS, in elements
     M,                       # number of rows
     D,                       # row length, any size
     IS_RMS: tl.constexpr,
-    HAS_DS: tl.constexpr,
+    HAS_DH: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_D: tl.constexpr,   # chunk width
@@ -190,7 +190,7 @@ def norm_bwd_chunked_kernel(
     D = multiple(D, VEC)
     stride_x = multiple(stride_x, VEC)
     stride_dy = multiple(stride_dy, VEC)
-    stride_ds = multiple(stride_ds, VEC)
+    stride_dh = multiple(stride_dh, VEC)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)        # this program's columns
@@ -211,8 +211,8 @@ def norm_bwd_chunked_kernel(
             xhat = tl.where(mask, (x - tl.load(Stats + row)) * rstd, 0.0)
             c1 = tl.load(C1 + row)
             dx = ((dy * w if HAS_WEIGHT else dy) - c1 - c2 * xhat) * rstd     # (ln-dx)
-        if HAS_DS:
-            dx += tl.load(DS + row * stride_ds + c, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DH:
+            dx += tl.load(DH + row * stride_dh + c, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + row * D + c, dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
             dw += dy * xhat
@@ -263,14 +263,14 @@ def norm_bwd_finish_kernel(
 FINISH_CONFIG = Config(chunked=False, BLOCK_D=64, ROWS=32, num_warps=4, maxnreg=maxnreg_for(4))
 
 
-def norm_backward(dy, ds, x, weight, stats, bias_dtype, is_rms: bool):
+def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     """(ln-dx), (rms-dx), (ln-dparams) and (fork-rule): launch the backward on (M, D) rows.
 
     ``x`` and ``dy`` have contiguous last dims; their row strides are honoured.
 
     Args:
-        dy: (M, D) gradient at y; ds: (M, D) gradient at s, or None (no fused residual).
-        x: (M, D) the forward's normalized input (s when the residual was fused).
+        dy: (M, D) gradient at y; dh: (M, D) gradient at h, or None (no fused residual).
+        x: (M, D) the forward's normalized input (h when the residual was fused).
         weight: (D,) or None; stats: the forward's fp32 (2, M) mean and rstd, or (1, M) rstd
         for RMSNorm.
         bias_dtype: the bias's dtype, or None when there is no bias.
@@ -293,10 +293,10 @@ def norm_backward(dy, ds, x, weight, stats, bias_dtype, is_rms: bool):
     if M == 0:  # no rows: the sums over rows are zero
         return dx, dweight if not has_w else dweight.zero_(), dbias if not has_b else dbias.zero_()
     stride_x, stride_dy = x.stride(0), dy.stride(0)
-    dsp, stride_ds = (dy, stride_dy) if ds is None else (ds, ds.stride(0))
+    dhp, stride_dh = (dy, stride_dy) if dh is None else (dh, dh.stride(0))
     cfg, programs, flags = backward_plan(M, D, x.get_device(), x.element_size(), is_rms,
-                                         ds is not None, has_w, has_b,
-                                         (stride_x | stride_dy | stride_ds) & 15)
+                                         dh is not None, has_w, has_b,
+                                         (stride_x | stride_dy | stride_dh) & 15)
     if programs == 1 or not (has_w or has_b):
         pw, pb = dweight, dbias             # one program writes the sums over rows itself
     else:                                   # fp32 partial sums, one (D,) row per program
@@ -307,7 +307,7 @@ def norm_backward(dy, ds, x, weight, stats, bias_dtype, is_rms: bool):
     pb = pb if has_b else stats
     if not cfg.chunked:
         norm_bwd_rows_kernel[(programs,)](
-            x, dy, dsp, dx, w, stats, pw, pb, stride_x, stride_dy, stride_ds, M, D, **flags)
+            x, dy, dhp, dx, w, stats, pw, pb, stride_x, stride_dy, stride_dh, M, D, **flags)
     else:
         c1 = x.new_empty((M,), dtype=torch.float32) if not is_rms else stats
         c2 = x.new_empty((M,), dtype=torch.float32)
@@ -315,7 +315,7 @@ def norm_backward(dy, ds, x, weight, stats, bias_dtype, is_rms: bool):
             x, dy, w, stats, c1, c2, stride_x, stride_dy, M, D,
             **cfg.flags(IS_RMS=is_rms, HAS_WEIGHT=has_w, VEC=flags["VEC"]))
         norm_bwd_chunked_kernel[(programs, -(-D // cfg.BLOCK_D))](
-            x, dy, dsp, dx, w, stats, c1, c2, pw, pb, stride_x, stride_dy, stride_ds, M, D,
+            x, dy, dhp, dx, w, stats, c1, c2, pw, pb, stride_x, stride_dy, stride_dh, M, D,
             **flags)
     if programs > 1 and (has_w or has_b):
         # the one small reduction, (programs, D) -> (D,), in a fixed order: deterministic

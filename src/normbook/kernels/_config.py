@@ -136,14 +136,14 @@ def forward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool,
 
 
 @functools.lru_cache(maxsize=4096)
-def backward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool, has_ds: bool,
+def backward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool, has_dh: bool,
                   has_weight: bool, has_bias: bool, strides: int = 0) -> tuple[Config, int, dict]:
     """(config, persistent programs, launch keywords) of the backward on a device, cached as
     :func:`forward_plan`."""
     cfg = backward_config(M, D, narrow_loads(D, itemsize, strides))
     programs = persistent_programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg))
-    return cfg, programs, cfg.flags(num_stages(cfg, itemsize, 3 if has_ds else 2), IS_RMS=is_rms,
-                                    HAS_DS=has_ds, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias,
+    return cfg, programs, cfg.flags(num_stages(cfg, itemsize, 3 if has_dh else 2), IS_RMS=is_rms,
+                                    HAS_DH=has_dh, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias,
                                     VEC=vec(D, itemsize, strides))
 
 

@@ -1,8 +1,8 @@
 """Forward kernels, equations (ln-mean) to (ln-y) and (rms-ms), (rms-y) of "One token's vector".
 
 One kernel family serves both norms: ``IS_RMS`` drops the mean, and that is the whole
-difference between LayerNorm and RMSNorm. ``HAS_RESIDUAL`` fuses s = x + residual in front of
-the norm, so x and the residual are each read once and s is written once.
+difference between LayerNorm and RMSNorm. ``HAS_RESIDUAL`` fuses h = x + residual in front of
+the norm, so x and the residual are each read once and h is written once.
 
 Two kernels, chosen by row length (see ``_config``):
 - ``norm_fwd_rows_kernel``: rows held in registers, ROWS at a time, on a persistent grid whose
@@ -43,13 +43,13 @@ def multiple(n, VEC: tl.constexpr):
 
 
 @triton.jit
-def _load_input(X, R, S, row, stride_x, stride_r, c, mask, HAS_RESIDUAL: tl.constexpr):
-    """Columns c of one row of the norm's input, fp32: x, or s = x + residual recomputed
-    (rounded to the dtype of S, as stored), so no thread depends on another's store."""
+def _load_input(X, R, H, row, stride_x, stride_r, c, mask, HAS_RESIDUAL: tl.constexpr):
+    """Columns c of one row of the norm's input, fp32: x, or h = x + residual recomputed
+    (rounded to the dtype of H, as stored), so no thread depends on another's store."""
     x = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(R + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
-        x = (x + r).to(S.dtype.element_ty).to(tl.float32)
+        x = (x + r).to(H.dtype.element_ty).to(tl.float32)
     return x
 
 
@@ -57,7 +57,7 @@ def _load_input(X, R, S, row, stride_x, stride_r, c, mask, HAS_RESIDUAL: tl.cons
 def norm_fwd_rows_kernel(
     X,                       # (M, D) input, rows stride_x apart
     R,                       # (M, D) residual, rows stride_r apart (read if HAS_RESIDUAL)
-    S,                       # (M, D) output s = x + residual, contiguous (if HAS_RESIDUAL)
+    H,                       # (M, D) output h = x + residual, contiguous (if HAS_RESIDUAL)
     Y,                       # (M, D) output y, contiguous
     W,                       # (D,) weight gamma (if HAS_WEIGHT)
     B,                       # (D,) bias beta (if HAS_BIAS)
@@ -100,9 +100,9 @@ def norm_fwd_rows_kernel(
         x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             r = tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0)
-            s = (x + r.to(tl.float32)).to(S.dtype.element_ty)         # s in the input dtype ...
-            tl.store(S + rows64 * D + cols[None, :], s, mask=mask)
-            x = s.to(tl.float32)                                      # ... the norm sees that s
+            h = (x + r.to(tl.float32)).to(H.dtype.element_ty)         # h in the input dtype ...
+            tl.store(H + rows64 * D + cols[None, :], h, mask=mask)
+            x = h.to(tl.float32)                                      # ... the norm sees that h
 
         # mean = (1/D) sum_d x_d (ln-mean); RMSNorm does not centre.
         # var = (1/D) sum_d (x_d - mean)^2 (ln-var): a second pass over registers, so no
@@ -152,7 +152,7 @@ def norm_fwd_rows_kernel(
 def norm_fwd_chunked_kernel(
     X,                       # (M, D) input, rows stride_x apart
     R,                       # (M, D) residual, rows stride_r apart (read if HAS_RESIDUAL)
-    S,                       # (M, D) output s = x + residual, contiguous (if HAS_RESIDUAL)
+    H,                       # (M, D) output h = x + residual, contiguous (if HAS_RESIDUAL)
     Y,                       # (M, D) output y, contiguous
     W,                       # (D,) weight gamma (if HAS_WEIGHT)
     B,                       # (D,) bias beta (if HAS_BIAS)
@@ -190,9 +190,9 @@ def norm_fwd_chunked_kernel(
         x = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             r = tl.load(R + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
-            s = (x + r).to(S.dtype.element_ty)
-            tl.store(S + row * D + c, s, mask=mask)
-            x = s.to(tl.float32)
+            h = (x + r).to(H.dtype.element_ty)
+            tl.store(H + row * D + c, h, mask=mask)
+            x = h.to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
         if IS_RMS:
             m2 += tl.sum(x * x, axis=0)                          # (rms-ms): a sum of squares
@@ -214,7 +214,7 @@ def norm_fwd_chunked_kernel(
         for start in range(0, D, BLOCK_D):
             c = start + cols
             mask = c < D
-            x = _load_input(X, R, S, row, stride_x, stride_r, c, mask, HAS_RESIDUAL)
+            x = _load_input(X, R, H, row, stride_x, stride_r, c, mask, HAS_RESIDUAL)
             u = tl.where(mask, (x if IS_RMS else x - mean) / amax, 0.0)
             m2s += tl.sum(u * u, axis=0)
         rstd = tl.math.rsqrt(m2s / D) / amax
@@ -230,7 +230,7 @@ def norm_fwd_chunked_kernel(
     for start in tl.range(0, D, BLOCK_D, num_stages=CHUNK_STAGES):
         c = start + cols
         mask = c < D
-        x = _load_input(X, R, S, row, stride_x, stride_r, c, mask, HAS_RESIDUAL)
+        x = _load_input(X, R, H, row, stride_x, stride_r, c, mask, HAS_RESIDUAL)
         if IS_RMS:
             xhat = x * rstd
         else:
@@ -247,27 +247,27 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     """(ln-y) and (rms-y), with the residual add: launch the forward on (M, D) rows, last dim contiguous.
 
     Returns:
-        y: (M, D) contiguous, x's dtype; s: (M, D) x + residual, or None without a residual;
+        y: (M, D) contiguous, x's dtype; h: (M, D) x + residual, or None without a residual;
         stats: fp32, what backward needs, (2, M) for LayerNorm (mean, rstd) and (1, M) for
         RMSNorm (rstd): ``stats[-1]`` is rstd either way.
     """
     M, D = x.shape
     # empty_like: cheapest on the host; contiguous, since x's rows are dense or x is not dense
     y = torch.empty_like(x)
-    s = torch.empty_like(x) if residual is not None else None
+    h = torch.empty_like(x) if residual is not None else None
     # two fp32 scalars per row (one for RMSNorm) for backward, in one allocation
     stats = x.new_empty((1 if is_rms else 2, M), dtype=torch.float32)
     if M == 0:
-        return y, s, stats
+        return y, h, stats
     r = residual if residual is not None else x      # placeholders: never touched when absent
     stride_x, stride_r = x.stride(0), r.stride(0)
     cfg, grid, flags = forward_plan(M, D, x.get_device(), x.element_size(), is_rms,
                                     residual is not None, weight is not None, bias is not None,
                                     (stride_x | stride_r) & 15)
-    args = (x, r, s if s is not None else y, y, weight if weight is not None else x,
+    args = (x, r, h if h is not None else y, y, weight if weight is not None else x,
             bias if bias is not None else x, stats, stride_x, stride_r, M, D, eps)
     if cfg.chunked:
         norm_fwd_chunked_kernel[grid](*args, **flags)
     else:
         norm_fwd_rows_kernel[grid](*args, **flags)
-    return y, s, stats
+    return y, h, stats

@@ -56,10 +56,10 @@ def _rows(t: Tensor) -> Tensor:
 @torch.library.custom_op("normbook::norm_forward", mutates_args=())
 def norm_forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
                  bias: Optional[Tensor], eps: float, is_rms: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(ln-y) or (rms-y) on (M, D) rows: returns y, s (empty without residual) and the fp32
+    """(ln-y) or (rms-y) on (M, D) rows: returns y, h (empty without residual) and the fp32
     stats, (2, M) mean and rstd, or (1, M) rstd for RMSNorm."""
-    y, s, stats = _forward.norm_forward(x, residual, weight, bias, eps, is_rms)
-    return y, x.new_empty((0,)) if s is None else s, stats   # an op returns tensors, never None
+    y, h, stats = _forward.norm_forward(x, residual, weight, bias, eps, is_rms)
+    return y, x.new_empty((0,)) if h is None else h, stats   # an op returns tensors, never None
 
 
 @norm_forward.register_fake
@@ -70,42 +70,42 @@ def _(x, residual, weight, bias, eps, is_rms):
 
 
 @torch.library.custom_op("normbook::norm_backward", mutates_args=())
-def norm_backward(dy: Tensor, ds: Optional[Tensor], x: Tensor, weight: Optional[Tensor], stats: Tensor,
+def norm_backward(dy: Tensor, dh: Optional[Tensor], x: Tensor, weight: Optional[Tensor], stats: Tensor,
                   bias_dtype: Optional[torch.dtype], is_rms: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(ln-dx) or (rms-dx), (ln-dparams) and the (fork-rule): dx, dweight, dbias (empty if absent)."""
-    dx, dweight, dbias = _backward.norm_backward(dy, ds, x, weight, stats, bias_dtype, is_rms)
+    dx, dweight, dbias = _backward.norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)
     empty = x.new_empty((0,))
     return dx, empty.clone() if dweight is None else dweight, empty if dbias is None else dbias
 
 
 @norm_backward.register_fake
-def _(dy, ds, x, weight, stats, bias_dtype, is_rms):
+def _(dy, dh, x, weight, stats, bias_dtype, is_rms):
     D = x.shape[1]
     return (x.new_empty(x.shape), x.new_empty((0,)) if weight is None else weight.new_empty((D,)),
             x.new_empty((0,)) if bias_dtype is None else x.new_empty((D,), dtype=bias_dtype))
 
 
-def _save(ctx, x, residual, weight, bias, eps, is_rms, s, stats):
-    """What backward needs: the normalized input (s when the add is fused) and two fp32 scalars
+def _save(ctx, x, residual, weight, bias, eps, is_rms, h, stats):
+    """What backward needs: the normalized input (h when the add is fused) and two fp32 scalars
     per row (one for RMSNorm) instead of the D values of xhat."""
-    ctx.save_for_backward(s if residual is not None else x, weight, stats)
-    if residual is not None:   # an unused s gets None, not a tensor of zeros to read
+    ctx.save_for_backward(h if residual is not None else x, weight, stats)
+    if residual is not None:   # an unused h gets None, not a tensor of zeros to read
         ctx.set_materialize_grads(False)
     ctx.meta = (residual is not None, None if bias is None else bias.dtype, is_rms, eps)
 
 
 def _setup_context(ctx, inputs, output):
     x, residual, weight, bias, eps, is_rms = inputs
-    _, s, stats = output
-    _save(ctx, x, residual, weight, bias, eps, is_rms, s, stats)
+    _, h, stats = output
+    _save(ctx, x, residual, weight, bias, eps, is_rms, h, stats)
     if _fwAD._current_level >= 0 or torch._C._are_functorch_transforms_active():
         # forward-mode AD (jvp) reads them too
-        ctx.save_for_forward(s if residual is not None else x, weight, stats)
+        ctx.save_for_forward(h if residual is not None else x, weight, stats)
     ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)   # nor zeros for the statistics' gradient
 
 
-def _math_grad(dy, ds, x, weight, stats, bias_dtype, is_rms, eps):
+def _math_grad(dy, dh, x, weight, stats, bias_dtype, is_rms, eps):
     """The backward in differentiable torch ops (normbook._math) instead of the kernels, for a
     backward that is itself differentiated (double backward, torch.func): the statistics are
     recomputed from x so that their dependence on x is part of the graph. fp32 inside."""
@@ -113,35 +113,35 @@ def _math_grad(dy, ds, x, weight, stats, bias_dtype, is_rms, eps):
     wf = None if weight is None else weight.float()
     mean, rstd = _math.stats(xf, eps, is_rms)
     dx, dweight, dbias = _math.backward(dy.float(), xf, wf, mean, rstd, bias_dtype is not None)
-    if ds is not None:
-        dx = dx + ds                                    # fork rule
+    if dh is not None:
+        dx = dx + dh                                    # fork rule
     return (dx.to(x.dtype), None if weight is None else dweight.to(weight.dtype),
             None if bias_dtype is None else dbias.to(bias_dtype))
 
 
-def _grad(ctx, dy, ds, backward):
-    """Gradients of (x, residual, weight, bias, eps, is_rms) from those of (y, s)."""
+def _grad(ctx, dy, dh, backward):
+    """Gradients of (x, residual, weight, bias, eps, is_rms) from those of (y, h)."""
     x, weight, stats = ctx.saved_tensors
     has_residual, bias_dtype, is_rms, eps = ctx.meta
     if torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
         # a graph of the backward is being built, or a transform wraps the tensors: torch ops
         dy = torch.zeros_like(x) if dy is None else dy
-        ds = ds if has_residual else None
-        dx, dweight, dbias = _math_grad(dy, ds, x, weight, stats, bias_dtype, is_rms, eps)
+        dh = dh if has_residual else None
+        dx, dweight, dbias = _math_grad(dy, dh, x, weight, stats, bias_dtype, is_rms, eps)
         return dx, dx if has_residual else None, dweight, dbias, None, None
-    if dy is None:                      # only s was used downstream
+    if dy is None:                      # only h was used downstream
         dy = torch.zeros_like(x)
     elif dy.stride(-1) != 1:            # incoming gradients may be any view (an expand, say)
         dy = _rows(dy)
-    ds = _rows(ds) if has_residual and ds is not None else None
-    dx, dweight, dbias = backward(dy, ds, x, weight, stats, bias_dtype, is_rms)
-    # fork rule: s = x + residual, so x and the residual receive the same gradient
+    dh = _rows(dh) if has_residual and dh is not None else None
+    dx, dweight, dbias = backward(dy, dh, x, weight, stats, bias_dtype, is_rms)
+    # fork rule: h = x + residual, so x and the residual receive the same gradient
     return (dx, dx if has_residual else None, dweight if weight is not None else None,
             dbias if bias_dtype is not None else None, None, None)
 
 
-def _op_grad(ctx, dy, ds, dstats):
-    return _grad(ctx, dy, ds, norm_backward)
+def _op_grad(ctx, dy, dh, dstats):
+    return _grad(ctx, dy, dh, norm_backward)
 
 
 norm_forward.register_autograd(_op_grad, setup_context=_setup_context)
@@ -150,7 +150,7 @@ norm_forward.register_autograd(_op_grad, setup_context=_setup_context)
 class NormFunction(Function):
     """The eager route: the same forward and backward as the custom ops, without the dispatcher.
 
-    ``apply(x, residual, weight, bias, eps, is_rms) -> (y, s, stats)`` on (M, D) rows; s is
+    ``apply(x, residual, weight, bias, eps, is_rms) -> (y, h, stats)`` on (M, D) rows; h is
     None without a residual.
     """
 
@@ -158,25 +158,25 @@ class NormFunction(Function):
     setup_context = staticmethod(_setup_context)
 
     @staticmethod
-    def backward(ctx, dy, ds, dstats):
-        return _grad(ctx, dy, ds, _backward.norm_backward)
+    def backward(ctx, dy, dh, dstats):
+        return _grad(ctx, dy, dh, _backward.norm_backward)
 
     @staticmethod
     def jvp(ctx, tx, tresidual, tweight, tbias, teps, tis_rms):
-        """Forward-mode tangents of (y, s): ts = tx + tresidual, ty = J ts (ln-jac) plus the
+        """Forward-mode tangents of (y, h): th = tx + tresidual, ty = J th (ln-jac) plus the
         parameters' terms, in torch ops on the saved statistics."""
         x, weight, stats = ctx.saved_tensors
         has_residual, _, is_rms, _ = ctx.meta
-        ts = tx
+        th = tx
         if has_residual and tresidual is not None:
-            ts = tresidual if ts is None else ts + tresidual
+            th = tresidual if th is None else th + tresidual
         mean = None if is_rms else stats[0][:, None]
         rstd = stats[-1][:, None]
-        ty = _math.jvp(None if ts is None else ts.float(), None if tweight is None else tweight.float(),
+        ty = _math.jvp(None if th is None else th.float(), None if tweight is None else tweight.float(),
                        None if tbias is None else tbias.float(), x.float(),
                        None if weight is None else weight.float(), mean, rstd)
-        ts_out = None if not has_residual else (torch.zeros_like(x) if ts is None else ts)
-        return ty.to(x.dtype), ts_out, None
+        th_out = None if not has_residual else (torch.zeros_like(x) if th is None else th)
+        return ty.to(x.dtype), th_out, None
 
     @staticmethod
     def vmap(info, in_dims, x, residual, weight, bias, eps, is_rms):
@@ -190,25 +190,25 @@ class NormFunction(Function):
         _, M, D = x.shape
         k = 1 if is_rms else 2
         if wd is None and bd is None:
-            y, s, stats = NormFunction.apply(
+            y, h, stats = NormFunction.apply(
                 x.reshape(B * M, D), None if residual is None else residual.reshape(B * M, D),
                 weight, bias, eps, is_rms)
-            return ((y.view(B, M, D), None if s is None else s.view(B, M, D), stats.view(k, B, M)),
-                    (0, None if s is None else 0, 1))
+            return ((y.view(B, M, D), None if h is None else h.view(B, M, D), stats.view(k, B, M)),
+                    (0, None if h is None else 0, 1))
         weight = None if weight is None else _batch_first(weight, wd, B)[:, None, :]   # (B, 1, D)
         bias = None if bias is None else _batch_first(bias, bd, B)[:, None, :]
-        s = x if residual is None else x + residual
-        y, mean, rstd = _math.forward(s.float(), None if weight is None else weight.float(),
+        h = x if residual is None else x + residual
+        y, mean, rstd = _math.forward(h.float(), None if weight is None else weight.float(),
                                       None if bias is None else bias.float(), eps, is_rms)
         stats = rstd[..., 0][None] if is_rms else torch.stack([mean[..., 0], rstd[..., 0]])
-        return ((y.to(x.dtype), None if residual is None else s, stats),
+        return ((y.to(x.dtype), None if residual is None else h, stats),
                 (0, None if residual is None else 0, 1))
 
 
 class EagerNormFunction(torch.autograd.Function):
     """:class:`NormFunction` in torch's original form, for plain eager calls.
 
-    ``apply(x, residual, weight, bias, eps, is_rms) -> (y, s)``. The forward takes ``ctx`` and
+    ``apply(x, residual, weight, bias, eps, is_rms) -> (y, h)``. The forward takes ``ctx`` and
     saves what backward needs itself, and the statistics are not an output: one Python call and
     one output fewer, about 1 us of the 3 us a norm costs beyond torch's own
     (``python -m normbook.bench host``). torch.func transforms and forward-mode AD need the
@@ -218,13 +218,13 @@ class EagerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, is_rms):
-        y, s, stats = _forward.norm_forward(x, residual, weight, bias, eps, is_rms)
-        _save(ctx, x, residual, weight, bias, eps, is_rms, s, stats)
-        return y, s
+        y, h, stats = _forward.norm_forward(x, residual, weight, bias, eps, is_rms)
+        _save(ctx, x, residual, weight, bias, eps, is_rms, h, stats)
+        return y, h
 
     @staticmethod
-    def backward(ctx, dy, ds):
-        return _grad(ctx, dy, ds, _backward.norm_backward)
+    def backward(ctx, dy, dh):
+        return _grad(ctx, dy, dh, _backward.norm_backward)
 
 
 # torch's Function.apply binds arguments with inspect.signature only for the modern form, and
@@ -238,7 +238,7 @@ def _batch_first(t, dim, B):
 
 
 def _route():
-    """What runs a norm on (M, D) rows, ``(x, residual, weight, bias, eps, is_rms) -> (y, s, ...)``:
+    """What runs a norm on (M, D) rows, ``(x, residual, weight, bias, eps, is_rms) -> (y, h, ...)``:
     the custom op under torch.compile, :class:`NormFunction` under torch.func transforms and
     forward-mode AD, :class:`EagerNormFunction` otherwise (the usual, host-time-bound case)."""
     if torch.compiler.is_compiling():
@@ -372,9 +372,9 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
 
 
 def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5):
-    """(fork-rule): s = x + residual, y = LayerNorm(s) over the last dim, in one pass.
+    """(fork-rule): h = x + residual, y = LayerNorm(h) over the last dim, in one pass.
 
-    x and the residual are each read once, s is written once. In backward, s forks into the
+    x and the residual are each read once, h is written once. In backward, h forks into the
     norm and the next residual branch, so its gradient is the sum of both, and that sum is the
     gradient of x and of the residual alike ("Residual connections").
 
@@ -384,7 +384,7 @@ def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5):
         eps: added to the variance inside the square root.
 
     Returns:
-        (y, s), both of x's shape and dtype.
+        (y, h), both of x's shape and dtype.
     """
     eps = eps if type(eps) is float else _validate.as_eps(eps)
     D = x.shape[-1] if isinstance(x, Tensor) and x.dim() > 0 else 0
@@ -394,9 +394,9 @@ def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5):
 
 
 def add_rms_norm(x, residual, weight=None, eps=None):
-    """(fork-rule): s = x + residual, y = RMSNorm(s) over the last dim, in one pass.
+    """(fork-rule): h = x + residual, y = RMSNorm(h) over the last dim, in one pass.
 
-    Forward (rms-ms), (rms-y) on s; gradient (rms-dx) plus the gradient arriving at s. As
+    Forward (rms-ms), (rms-y) on h; gradient (rms-dx) plus the gradient arriving at h. As
     :func:`add_layer_norm` without the mean and the bias.
 
     Args:
@@ -406,7 +406,7 @@ def add_rms_norm(x, residual, weight=None, eps=None):
             ``torch.finfo(x.dtype).eps``, as in torch.
 
     Returns:
-        (y, s), both of x's shape and dtype.
+        (y, h), both of x's shape and dtype.
     """
     if type(eps) is not float:
         eps = _validate.as_eps(_validate.default_eps(x, eps))

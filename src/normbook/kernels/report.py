@@ -46,7 +46,7 @@ DTYPES = ("bf16", "fp32")
 # every power of two of the goal, and odd widths (760, 3000: D % 16 != 0; 12288: 3 x 4096)
 DS = (760, 1024, 2048, 3000, 4096, 8192, 12288, 16384, 32768, 65536, 131072)
 QUICK = dict(archs=(90,), dtypes=("bf16",), ds=(3000, 65536), residual_d=3000)
-ROW_TENSORS = {"X", "R", "S", "Y", "W", "B", "DY", "DS", "DX"}   # input dtype (weight too, here)
+ROW_TENSORS = {"X", "R", "H", "Y", "W", "B", "DY", "DH", "DX"}   # input dtype (weight too, here)
 FP32_TENSORS = {"Stats", "DW", "DB", "PW", "PB", "C1", "C2"}           # statistics and partials
 
 
@@ -59,7 +59,7 @@ def launches(D: int, is_rms: bool, residual: bool, dtype: str = "bf16"):
     """(kernel, constexprs, launch options) of every kernel that one forward and one backward run."""
     flags = dict(IS_RMS=is_rms, HAS_WEIGHT=True)
     fwd_flags = dict(flags, HAS_RESIDUAL=residual, HAS_BIAS=not is_rms)
-    bwd_flags = dict(flags, HAS_DS=residual, HAS_BIAS=not is_rms)
+    bwd_flags = dict(flags, HAS_DH=residual, HAS_BIAS=not is_rms)
     e = bytemodel.itemsize(dtype)
     fwd = forward_config(M_REPORT, D, residual, e)
     bwd = backward_config(M_REPORT, D, narrow_loads(D, e))
@@ -98,19 +98,19 @@ def traffic(kernel: str, D: int, dtype: str, is_rms: bool, residual: bool, cfg, 
     programs = min(resident_per_sm(rows_bwd) * sms, -(-M // rows_bwd.ROWS))   # persistent grid
     partials = 4 * D * n_par * programs / M             # fp32 partials per row, written once
     params = row * n_par / M                            # weights: from HBM once, then L2
-    if kernel == "norm_fwd_rows_kernel":                # x (and r) in; y (and s) out
+    if kernel == "norm_fwd_rows_kernel":                # x (and r) in; y (and h) out
         grid = min(resident_per_sm(cfg) * sms, -(-M // cfg.ROWS))   # persistent
         return dict(bytes_per_row=row * (1 + res) * 2 + n_stats + params,
                     tile_bytes=cfg.ROWS * row * (1 + res), grid=grid)
-    if kernel == "norm_fwd_chunked_kernel":             # pass 1 reads x (r), writes s; pass 2 again
+    if kernel == "norm_fwd_chunked_kernel":             # pass 1 reads x (r), writes h; pass 2 again
         return dict(bytes_per_row=row * (1 + res) * 2 + row * res + row + n_stats + 2 * params,
                     tile_bytes=cfg.BLOCK_D * e * (1 + res), grid=M)
-    if kernel == "norm_bwd_rows_kernel":                # x, dy (ds) in; dx out; partials
+    if kernel == "norm_bwd_rows_kernel":                # x, dy (dh) in; dx out; partials
         return dict(bytes_per_row=row * (2 + res) + row + n_stats + partials + params / n_par,
                     tile_bytes=cfg.ROWS * row * (2 + res), grid=programs)
     if kernel == "norm_bwd_stats_kernel":               # x, dy in; c1, c2 out
         return dict(bytes_per_row=2 * row + n_stats + 8, tile_bytes=cfg.BLOCK_D * e * 2, grid=M)
-    if kernel == "norm_bwd_chunked_kernel":             # x, dy (ds) again; dx out; partials
+    if kernel == "norm_bwd_chunked_kernel":             # x, dy (dh) again; dx out; partials
         return dict(bytes_per_row=row * (2 + res) + row + n_stats + 8 + partials + params / n_par,
                     tile_bytes=cfg.BLOCK_D * e * (2 + res), grid=programs * -(-D // cfg.BLOCK_D))
     if kernel == "norm_bwd_finish_kernel":              # partials in; dweight, dbias out
