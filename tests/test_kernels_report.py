@@ -73,10 +73,10 @@ def test_model_by_hand():
     assert 32_000 < model.LITTLE_BYTES < 33_000               # 4.3 TB/s x 1 us / 132 SMs
     k = dict(registers=64, num_warps=8, shared_bytes=0, grid=10_000, tile_bytes=16384,
              pipelined=False, num_stages=3, bytes_per_row=4096)
-    p = model.predict([k], 4096, 32768)
+    p = model.predict([k], 4096)
     # 4 programs x 16 KB x 0.5 (not pipelined) = 32 KB in flight: just enough
     assert p["programs_per_sm"] == 4 and p["inflight_bytes_per_sm"] == 32768
     assert p["predicted_fraction"] == 1.0
     k2 = dict(k, pipelined=True, registers=128, bytes_per_row=8192)   # 2 programs, 2 tiles ahead
-    p2 = model.predict([k2], 4096, 32768)
+    p2 = model.predict([k2], 4096)
     assert p2["inflight_bytes_per_sm"] == 2 * 16384 * 2 and p2["predicted_fraction"] == 0.5   # twice the bytes

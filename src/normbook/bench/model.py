@@ -53,7 +53,7 @@ def kernel_efficiency(k: dict, hw=H200) -> dict:
                 efficiency=min(1.0, inflight / LITTLE_BYTES))
 
 
-def predict(kernels: list[dict], min_bytes_per_row: float, M: int, hw=H200) -> dict:
+def predict(kernels: list[dict], min_bytes_per_row: float, hw=H200) -> dict:
     """The path's prediction from its kernels (each with ``bytes_per_row`` and what
     :func:`kernel_efficiency` needs): HBM bytes per row, the slowest kernel's residency and
     in-flight bytes, and the predicted fraction of copy bandwidth."""

@@ -49,7 +49,7 @@ def norm_bwd_rows_kernel(
     DB,                      # (programs, D) fp32 partial dbias, or the (D,) dbias (as DW)
     stride_x,                # row stride of X, in elements
     stride_dy,               # row stride of DY, in elements
-    stride_dh,               # row stride of DS, in elements
+    stride_dh,               # row stride of DH, in elements
     M,                       # number of rows
     D,                       # row length
     IS_RMS: tl.constexpr,    # RMSNorm: no c1, no dbias
@@ -176,7 +176,7 @@ def norm_bwd_chunked_kernel(
     DB,                      # (programs, D) fp32 partial dbias, or the (D,) dbias (as DW)
     stride_x,                # row stride of X, in elements
     stride_dy,               # row stride of DY, in elements
-    stride_dh,               # row stride of DS, in elements
+    stride_dh,               # row stride of DH, in elements
     M,                       # number of rows
     D,                       # row length, any size
     IS_RMS: tl.constexpr,

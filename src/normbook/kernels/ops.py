@@ -87,20 +87,21 @@ def _(dy, dh, x, weight, stats, bias_dtype, is_rms):
 
 def _save(ctx, x, residual, weight, bias, eps, is_rms, h, stats):
     """What backward needs: the normalized input (h when the add is fused) and two fp32 scalars
-    per row (one for RMSNorm) instead of the D values of xhat."""
-    ctx.save_for_backward(h if residual is not None else x, weight, stats)
+    per row (one for RMSNorm) instead of the D values of xhat. Returns what it saved."""
+    saved = (h if residual is not None else x, weight, stats)
+    ctx.save_for_backward(*saved)
     if residual is not None:   # an unused h gets None, not a tensor of zeros to read
         ctx.set_materialize_grads(False)
     ctx.meta = (residual is not None, None if bias is None else bias.dtype, is_rms, eps)
+    return saved
 
 
 def _setup_context(ctx, inputs, output):
     x, residual, weight, bias, eps, is_rms = inputs
     _, h, stats = output
-    _save(ctx, x, residual, weight, bias, eps, is_rms, h, stats)
+    saved = _save(ctx, x, residual, weight, bias, eps, is_rms, h, stats)
     if _fwAD._current_level >= 0 or torch._C._are_functorch_transforms_active():
-        # forward-mode AD (jvp) reads them too
-        ctx.save_for_forward(h if residual is not None else x, weight, stats)
+        ctx.save_for_forward(*saved)   # forward-mode AD (jvp) reads them too
     ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)   # nor zeros for the statistics' gradient
 

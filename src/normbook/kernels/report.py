@@ -37,8 +37,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from normbook.bench import bytemodel, model  # noqa: E402
 from normbook.kernels import _backward, _forward  # noqa: E402
 from normbook.kernels._config import (  # noqa: E402
-    MAX_FUSED_D_FWD, Config, backward_config, forward_config, narrow_loads, num_stages, resident_per_sm,
-    vec)
+    MAX_FUSED_D_FWD, MAX_WARPS, Config, backward_config, forward_config, narrow_loads, num_stages,
+    resident_per_sm, vec)
 
 M_REPORT = 32768                                   # the batch of the performance goal
 ARCHS = (80, 90)
@@ -75,7 +75,7 @@ def launches(D: int, is_rms: bool, residual: bool, dtype: str = "bf16"):
         out.append((_backward.norm_bwd_chunked_kernel, dict(bwd_flags, BLOCK_D=bwd.BLOCK_D), bwd, "bwd"))
     else:
         rows = dict(ROWS=bwd.ROWS, BLOCK_D=bwd.BLOCK_D,
-                    NUM_STAGES=num_stages(bwd, bytemodel.itemsize(dtype), 2 + residual))
+                    NUM_STAGES=num_stages(bwd, e, 2 + residual))
         out.append((_backward.norm_bwd_rows_kernel, dict(bwd_flags, **rows), bwd, "bwd"))
     finish = _backward.FINISH_CONFIG
     out.append((_backward.norm_bwd_finish_kernel,
@@ -136,7 +136,7 @@ def paths(rows: list[dict]) -> list[dict]:
             continue
         op = ("add_" if residual else "") + ("rms_norm" if norm == "rms" else "layer_norm")
         minimum = bytemodel.bytes_moved(op, direction, M_REPORT, D, dtype) / M_REPORT
-        p.update(model.predict([dict(k) for k in ks], minimum, M_REPORT))
+        p.update(model.predict([dict(k) for k in ks], minimum))
         out.append(p)
     return out
 
@@ -234,27 +234,28 @@ def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None) -> list[dict]:
 # values. LayerNorm's weight and bias loaded in fp32 (fp32 inputs), or Triton 3.6's schedule on
 # sm_80, push a few of them to local memory: a few bytes per thread, cached in L1, against the
 # second HBM read of the row that the chunked kernel would cost. The goal's configurations
-# (sm_90, bf16) must not spill at all, nor anything at D <= 16384.
+# (sm_90, bf16) must not spill at all, nor any program of fewer warps.
 SPILL_ALLOWANCE_32_WARPS = 64
 
 
 def spill_allowance(row: dict) -> int:
     """Spill bytes per thread a configuration may have without failing the report."""
-    if row["D"] <= 16384 or (row["arch"] == "sm_90" and row["dtype"] == "bf16"):
+    if row["num_warps"] < MAX_WARPS or (row["arch"] == "sm_90" and row["dtype"] == "bf16"):
         return 0
     return SPILL_ALLOWANCE_32_WARPS
 
 
 def problems(row: dict) -> list[str]:
-    """Why a row fails the report: a compile error, spills at D <= MAX_FUSED_D, narrow loads
-    where D allows 128-bit ones (a multiple of 16 bytes of values), a persistent backward less resident than its grid assumes."""
+    """Why a row fails the report: a compile error, spills at D <= MAX_FUSED_D_FWD (see
+    :func:`spill_allowance`), narrow loads where D is a multiple of 16 bytes of values, a
+    persistent rows kernel less resident than its grid assumes."""
     if "error" in row:
         return [row["error"]]
     out = []
     if row["D"] <= MAX_FUSED_D_FWD and row["spill_bytes"] > spill_allowance(row):
         out.append(f"spills {row['spill_bytes']} bytes")
-    if row["D"] >= 256 and not narrow_loads(row["D"], 2 if row["dtype"] == "bf16" else 4) \
-            and row["load_bits"] < 128:
+    wide_possible = not narrow_loads(row["D"], bytemodel.itemsize(row["dtype"]))
+    if row["D"] >= 256 and wide_possible and row["load_bits"] < 128:
         out.append(f"widest load {row['load_bits']} bits, expected 128")
     if row["kernel"] in ("norm_fwd_rows_kernel", "norm_bwd_rows_kernel"):  # sizes the persistent grid
         cfg = Config(False, row["BLOCK_D"], row["ROWS"], row["num_warps"], 255)
