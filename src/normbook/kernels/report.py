@@ -47,7 +47,7 @@ DTYPES = ("bf16", "fp32")
 DS = (760, 1024, 2048, 3000, 4096, 8192, 12288, 16384, 32768, 65536, 131072)
 QUICK = dict(archs=(90,), dtypes=("bf16",), ds=(3000, 65536), residual_d=3000)
 ROW_TENSORS = {"X", "R", "H", "Y", "W", "B", "DY", "DH", "DX"}   # input dtype (weight too, here)
-FP32_TENSORS = {"Stats", "DW", "DB", "PW", "PB", "C1", "C2"}           # statistics and partials
+FP32_TENSORS = {"Stats", "DW", "DB", "PW", "PB", "C1", "C2", "Mean", "Rstd"}           # statistics and partials
 
 
 def _jit(kernel):
