@@ -33,6 +33,11 @@ __all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "NormFunc
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+try:   # DTensor inputs take the custom ops, whose sharding rules live in _dtensor
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:   # pragma: no cover - a torch built without torch.distributed
+    _DTensor = None
+
 # decided once, when triton decorated the kernels
 _INTERPRETED = isinstance(_forward.norm_fwd_rows_kernel, InterpretedFunction)
 
@@ -56,31 +61,40 @@ def _rows(t: Tensor) -> Tensor:
 @torch.library.custom_op("normbook::norm_forward", mutates_args=())
 def norm_forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
                  bias: Optional[Tensor], eps: float, is_rms: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(ln-y) or (rms-y) on (M, D) rows: returns y, h (empty without residual) and the fp32
-    stats, (2, M) mean and rstd, or (1, M) rstd for RMSNorm."""
-    y, h, stats = _forward.norm_forward(x, residual, weight, bias, eps, is_rms)
+    """(ln-y) or (rms-y) over the last dim of x, (..., D): returns y, h (empty without
+    residual) and the fp32 stats, (2, ...) mean and rstd, or (1, ...) rstd for RMSNorm.
+    The public functions pass (M, D) rows; a DTensor keeps its leading dims (its sharding
+    rules, ``_dtensor``, keep each token's row whole on one rank)."""
+    lead = x.shape[:-1]
+    y, h, stats = _forward.norm_forward(_rows(x), None if residual is None else _rows(residual),
+                                        weight, bias, eps, is_rms)
+    if len(lead) != 1:
+        y, h, stats = y.view(x.shape), None if h is None else h.view(x.shape), stats.view(-1, *lead)
     return y, x.new_empty((0,)) if h is None else h, stats   # an op returns tensors, never None
 
 
 @norm_forward.register_fake
 def _(x, residual, weight, bias, eps, is_rms):
-    M, D = x.shape
-    return (x.new_empty((M, D)), x.new_empty((M, D) if residual is not None else (0,)),
-            x.new_empty((1 if is_rms else 2, M), dtype=torch.float32))
+    return (x.new_empty(x.shape), x.new_empty(x.shape if residual is not None else (0,)),
+            x.new_empty((1 if is_rms else 2, *x.shape[:-1]), dtype=torch.float32))
 
 
 @torch.library.custom_op("normbook::norm_backward", mutates_args=())
 def norm_backward(dy: Tensor, dh: Optional[Tensor], x: Tensor, weight: Optional[Tensor], stats: Tensor,
                   bias_dtype: Optional[torch.dtype], is_rms: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(ln-dx) or (rms-dx), (ln-dparams) and the (fork-rule): dx, dweight, dbias (empty if absent)."""
-    dx, dweight, dbias = _backward.norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)
+    """(ln-dx) or (rms-dx), (ln-dparams) and the (fork-rule): dx (x's shape, (..., D)),
+    dweight, dbias (empty if absent)."""
+    dx, dweight, dbias = _backward.norm_backward(
+        _rows(dy), None if dh is None else _rows(dh), _rows(x), weight,
+        stats if stats.dim() == 2 else stats.reshape(stats.shape[0], -1), bias_dtype, is_rms)
     empty = x.new_empty((0,))
-    return dx, empty.clone() if dweight is None else dweight, empty if dbias is None else dbias
+    return (dx if x.dim() == 2 else dx.view(x.shape), empty.clone() if dweight is None else dweight,
+            empty if dbias is None else dbias)
 
 
 @norm_backward.register_fake
 def _(dy, dh, x, weight, stats, bias_dtype, is_rms):
-    D = x.shape[1]
+    D = x.shape[-1]
     return (x.new_empty(x.shape), x.new_empty((0,)) if weight is None else weight.new_empty((D,)),
             x.new_empty((0,)) if bias_dtype is None else x.new_empty((D,), dtype=bias_dtype))
 
@@ -133,8 +147,8 @@ def _grad(ctx, dy, dh, backward):
     if dy is None:                      # only h was used downstream
         dy = torch.zeros_like(x)
     elif dy.stride(-1) != 1:            # incoming gradients may be any view (an expand, say)
-        dy = _rows(dy)
-    dh = _rows(dh) if has_residual and dh is not None else None
+        dy = _rows(dy) if x.dim() == 2 else dy.contiguous()
+    dh = (_rows(dh) if x.dim() == 2 else dh) if has_residual and dh is not None else None
     dx, dweight, dbias = backward(dy, dh, x, weight, stats, bias_dtype, is_rms)
     # fork rule: h = x + residual, so x and the residual receive the same gradient
     return (dx, dx if has_residual else None, dweight if weight is not None else None,
@@ -238,11 +252,12 @@ def _batch_first(t, dim, B):
     return t.expand(B, *t.shape) if dim is None else t.movedim(dim, 0)
 
 
-def _route():
+def _route(x=None):
     """What runs a norm on (M, D) rows, ``(x, residual, weight, bias, eps, is_rms) -> (y, h, ...)``:
-    the custom op under torch.compile, :class:`NormFunction` under torch.func transforms and
-    forward-mode AD, :class:`EagerNormFunction` otherwise (the usual, host-time-bound case)."""
-    if torch.compiler.is_compiling():
+    the custom op under torch.compile and for a DTensor ``x`` (whose sharding rules DTensor
+    looks up by op), :class:`NormFunction` under torch.func transforms and forward-mode AD,
+    :class:`EagerNormFunction` otherwise (the usual, host-time-bound case)."""
+    if torch.compiler.is_compiling() or (_DTensor is not None and isinstance(x, _DTensor)):
         return norm_forward
     if _fwAD._current_level >= 0 or torch._C._are_functorch_transforms_active():
         return NormFunction.apply
@@ -301,7 +316,12 @@ def _prepare(input, normalized_shape, eps, weight, bias, residual=None, name="in
         if not (isinstance(residual, Tensor) and residual.shape == input.shape
                 and residual.dtype == input.dtype and residual.device == input.device):
             _check_residual(residual, input)
-        residual = _rows(residual)
+        if _DTensor is None or not isinstance(residual, _DTensor):
+            residual = _rows(residual)
+    if _DTensor is not None and isinstance(input, _DTensor):
+        # a DTensor keeps its leading dims: flattening (B, T) sharded over T would gather it
+        return (input, residual, None if weight is None else weight,
+                None if bias is None or bias is _NO_BIAS else bias)
     x = input if input.ndim == 2 and input.stride(1) == 1 else _rows(input)
     return (x, residual, None if weight is None else weight.contiguous(),
             None if bias is None or bias is _NO_BIAS else bias.contiguous())
@@ -347,7 +367,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     """
     eps = eps if type(eps) is float else _validate.as_eps(eps)
     x, _, w, b = _prepare(input, normalized_shape, eps, weight, bias)
-    y = _route()(x, None, w, b, eps, False)[0]
+    y = _route(x)(x, None, w, b, eps, False)[0]
     return y if input.dim() == 2 else y.view(input.shape)
 
 
@@ -368,7 +388,7 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     if type(eps) is not float:
         eps = _validate.as_eps(_validate.default_eps(input, eps))
     x, _, w, _ = _prepare(input, normalized_shape, eps, weight, _NO_BIAS)
-    y = _route()(x, None, w, None, eps, True)[0]
+    y = _route(x)(x, None, w, None, eps, True)[0]
     return y if input.dim() == 2 else y.view(input.shape)
 
 
@@ -390,7 +410,7 @@ def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5):
     eps = eps if type(eps) is float else _validate.as_eps(eps)
     D = x.shape[-1] if isinstance(x, Tensor) and x.dim() > 0 else 0
     xs, r, w, b = _prepare(x, D, eps, weight, bias, residual=residual, name="x")
-    out = _route()(xs, r, w, b, eps, False)
+    out = _route(xs)(xs, r, w, b, eps, False)
     return _restore(out[0], x), _restore(out[1], x)
 
 
@@ -413,5 +433,9 @@ def add_rms_norm(x, residual, weight=None, eps=None):
         eps = _validate.as_eps(_validate.default_eps(x, eps))
     D = x.shape[-1] if isinstance(x, Tensor) and x.dim() > 0 else 0
     xs, r, w, _ = _prepare(x, D, eps, weight, _NO_BIAS, residual=residual, name="x")
-    out = _route()(xs, r, w, None, eps, True)
+    out = _route(xs)(xs, r, w, None, eps, True)
     return _restore(out[0], x), _restore(out[1], x)
+
+
+if _DTensor is not None:
+    from normbook.kernels import _dtensor  # noqa: E402,F401  (registers the sharding rules)
