@@ -12,12 +12,13 @@ book fetched from a CDN would fail here as it fails for a reader offline. A page
   error or an undefined macro (drawn in red), or a source with ``$$`` and no typeset math;
 - an image does not load (``naturalWidth == 0``), or a figure a chapter draws has no alt text
   that describes it (a few words, not a file hash);
-- a code cell, folded or not, is wider than its column at 1280 px (a reader would have to
-  scroll sideways to see it);
+- a code cell, folded or not, or a code block (package source shown with ``literalinclude``) is
+  wider than its column at 1280 px (a reader would have to scroll sideways to see it);
 - an internal link points to a missing file, or to a ``#fragment`` with no such id in the target;
 - it is a chapter (a MyST notebook) without its ``.ipynb`` download.
 
-Also: the search page finds a word, exercises are numbered and their solutions folded, and
+Also: at a phone's width (390 px) no displayed equation is cut off (a wide one scrolls
+sideways inside its block), the search page finds a word, exercises are numbered and their solutions folded, and
 screenshots of a few pages go to build/screenshots/ for a person to look at.
 
 Where Chromium is missing the tests skip with the reason, except in CI (``CI=true``), where
@@ -179,6 +180,17 @@ const done = arguments[arguments.length - 1];
         })
         .map(p => p.textContent.split("\n").reduce((a, b) => b.length > a.length ? b : a)
                    .slice(0, 100)),
+    // package source shown with literalinclude (and any other code block outside a cell)
+    wideSource: [...document.querySelectorAll("article div.highlight pre")]
+        .filter(p => !p.closest(".cell") && !p.closest(".autodoc, dl.py, .viewcode-block"))
+        .filter(p => {
+          for (let el = p; el && el.tagName !== "ARTICLE"; el = el.parentElement) {
+            if (el.scrollWidth > el.clientWidth + 1) return true;
+          }
+          return false;
+        })
+        .map(p => p.textContent.split("\n").reduce((a, b) => b.length > a.length ? b : a)
+                   .slice(0, 100)),
     // figures the chapters draw (cell outputs): their alt text, for a screen reader
     figureAlts: [...document.querySelectorAll(".cell_output img")]
         .map(i => [i.getAttribute("src"), i.getAttribute("alt") || ""]),
@@ -279,12 +291,60 @@ def test_page(page, browser, base_url):
     problems += [f"MathJax error or undefined macro: {t!r}" for t in report["mathErrors"]]
     problems += [f"image did not load: {src}" for src in report["brokenImages"]]
     problems += [f"code cell wider than its column: {line!r}" for line in report["wideCode"]]
+    problems += [f"code block wider than its column: {line!r}" for line in report["wideSource"]]
     problems += [f"figure without a description (alt {alt!r}): {src}"
                  for src, alt in report["figureAlts"] if not _describes(alt)]
     problems += [f"broken link: {b}" for b in _broken_links(url, report["links"], base_url)]
     if _is_notebook(source) and not report["ipynb"]:
         problems.append("a notebook page without its .ipynb download")
     assert not problems, f"{page}:\n  " + "\n  ".join(problems)
+
+
+_PHONE = r"""
+const done = arguments[arguments.length - 1];
+(async () => {
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) await MathJax.startup.promise;
+  // a displayed equation wider than its box must be in a box that scrolls, not one that clips
+  const cut = [];
+  for (const m of document.querySelectorAll("mjx-container[display='true']")) {
+    let scrolls = false, clipped = false;
+    for (let el = m.parentElement; el && el.tagName !== "ARTICLE"; el = el.parentElement) {
+      const ox = getComputedStyle(el).overflowX;
+      if (el.scrollWidth > el.clientWidth + 1) {
+        if (ox === "auto" || ox === "scroll") { scrolls = true; break; }
+        if (ox === "hidden" || ox === "clip") { clipped = true; break; }
+      }
+    }
+    const r = m.getBoundingClientRect();
+    if (clipped || (!scrolls && r.right > document.documentElement.clientWidth + 1))
+      cut.push(m.textContent.slice(0, 60));
+  }
+  done({cut, pageWidth: document.documentElement.scrollWidth,
+        view: document.documentElement.clientWidth});
+})().catch(e => done({error: String(e)}));
+"""
+
+
+def test_equations_scroll_at_phone_width(browser, base_url):
+    """At 390 px, every displayed equation is whole or scrolls inside its block: none is cut off
+    and none widens the page."""
+    chapters = [p for p in PAGES if re.match(r"book/\d\d-.*\.html$", p)]
+    if not chapters:
+        pytest.skip("no chapter built yet")
+    size = browser.get_window_size()
+    browser.set_window_size(390, 844)
+    problems = []
+    try:
+        for page in chapters:
+            browser.get(base_url + page)
+            info = browser.execute_async_script(_PHONE)
+            assert "error" not in info, f"{page}: {info}"
+            problems += [f"{page}: equation cut off at 390 px: {t!r}" for t in info["cut"]]
+            if info["pageWidth"] > info["view"] + 1:
+                problems.append(f"{page}: the page is {info['pageWidth']} px wide at 390 px")
+    finally:
+        browser.set_window_size(size["width"], size["height"])
+    assert not problems, "\n".join(problems)
 
 
 def test_search_finds_a_word(browser, base_url):
