@@ -37,6 +37,7 @@ try:   # DTensor inputs take the custom ops, whose sharding rules live in _dtens
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:   # pragma: no cover - a torch built without torch.distributed
     _DTensor = None
+_SUBCLASSES = () if _DTensor is None else (_DTensor,)   # tensor types that take the custom ops
 
 # decided once, when triton decorated the kernels
 _INTERPRETED = isinstance(_forward.norm_fwd_rows_kernel, InterpretedFunction)
@@ -257,7 +258,7 @@ def _route(x=None):
     the custom op under torch.compile and for a DTensor ``x`` (whose sharding rules DTensor
     looks up by op), :class:`NormFunction` under torch.func transforms and forward-mode AD,
     :class:`EagerNormFunction` otherwise (the usual, host-time-bound case)."""
-    if torch.compiler.is_compiling() or (_DTensor is not None and isinstance(x, _DTensor)):
+    if torch.compiler.is_compiling() or (type(x) is not Tensor and isinstance(x, _SUBCLASSES)):
         return norm_forward
     if _fwAD._current_level >= 0 or torch._C._are_functorch_transforms_active():
         return NormFunction.apply
