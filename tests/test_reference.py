@@ -1,5 +1,8 @@
 """The reference layer against torch.nn.functional and autograd, in float64."""
 
+import inspect
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -123,3 +126,156 @@ def test_empty_batch():
     y, rstd = reference.rms_norm_forward(x, w, 1e-5)
     dx, dw = reference.rms_norm_backward(x, x, w, rstd)
     assert dx.shape == (0, 7) and torch.equal(dw, torch.zeros(7, **f64))
+
+
+# One token's vector, x of shape (D,), and the row-by-row loop over it.
+
+TOKEN_DS = [1, 3, 760, 1000, 4097]
+
+
+def torch_grads(fn, dy, *inputs):
+    """Autograd of ``fn`` at ``inputs`` (None stays None), contracted with ``dy``."""
+    leaves = [None if t is None else t.clone().requires_grad_() for t in inputs]
+    fn(*leaves).backward(dy)
+    return [None if t is None else t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("D", TOKEN_DS)
+@pytest.mark.parametrize("eps", [1e-5, 1e-1])
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_token_matches_batched_and_torch(D, eps, affine):
+    x, w, b, dy = make((D,), 6)
+    w, b = (w, b) if affine else (None, None)
+    y, mean, rstd = reference.layer_norm_token_forward(x, w, b, eps)
+    assert y.shape == (D,) and mean.shape == rstd.shape == ()
+    assert rel_err(y, F.layer_norm(x, (D,), w, b, eps)) <= REL
+    yb, meanb, rstdb = reference.layer_norm_forward(x[None], w, b, eps)
+    assert rel_err(y, yb[0]) <= REL
+    assert rel_err(mean, meanb[0]) <= REL and rel_err(rstd, rstdb[0]) <= REL
+
+    dx, dw, db = reference.layer_norm_token_backward(dy, x, w, mean, rstd)
+    want = torch_grads(lambda *t: F.layer_norm(t[0], (D,), t[1], t[2], eps), dy, x, w, b)
+    assert rel_err(dx, want[0]) <= REL
+    if affine:
+        assert rel_err(dw, want[1]) <= REL and rel_err(db, want[2]) <= REL
+    else:
+        assert dw is None and torch.equal(db, dy)    # dbias = dy, also without a weight
+    got_b = reference.layer_norm_backward(dy[None], x[None], w, meanb, rstdb)
+    assert rel_err(dx, got_b[0][0]) <= REL and rel_err(db, got_b[2]) <= REL
+
+
+@pytest.mark.parametrize("D", TOKEN_DS)
+@pytest.mark.parametrize("eps", [1e-5, 1e-1])
+@pytest.mark.parametrize("affine", [True, False])
+def test_rms_norm_token_matches_batched_and_torch(D, eps, affine):
+    x, w, _, dy = make((D,), 7)
+    w = w if affine else None
+    y, rstd = reference.rms_norm_token_forward(x, w, eps)
+    assert y.shape == (D,) and rstd.shape == ()
+    assert rel_err(y, F.rms_norm(x, (D,), w, eps)) <= REL
+    yb, rstdb = reference.rms_norm_forward(x[None], w, eps)
+    assert rel_err(y, yb[0]) <= REL and rel_err(rstd, rstdb[0]) <= REL
+
+    dx, dw = reference.rms_norm_token_backward(dy, x, w, rstd)
+    want = torch_grads(lambda *t: F.rms_norm(t[0], (D,), t[1], eps), dy, x, w)
+    dxb, dwb = reference.rms_norm_backward(dy[None], x[None], w, rstdb)
+    assert rel_err(dx, want[0]) <= REL and rel_err(dx, dxb[0]) <= REL
+    if affine:
+        assert rel_err(dw, want[1]) <= REL and rel_err(dw, dwb) <= REL
+    else:
+        assert dw is None
+
+
+def test_token_backward_does_not_alias_dy():
+    x, w, _, dy = make((5,), 8)
+    _, mean, rstd = reference.layer_norm_token_forward(x, w, None, 1e-5)
+    _, _, db = reference.layer_norm_token_backward(dy, x, w, mean, rstd)
+    db += 1                                           # a caller accumulating into dbias
+    assert not torch.equal(db, dy)
+
+
+@pytest.mark.parametrize("N,D", [(1, 1), (7, 11), (3, 760), (16, 33), (2, 4097)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_rows_match_batched_and_torch(N, D, affine):
+    x, w, b, dy = make((N, D), 9)
+    w, b = (w, b) if affine else (None, None)
+    eps = 1e-5
+    y, mean, rstd = reference.layer_norm_rows_forward(x, w, b, eps)
+    assert y.shape == (N, D) and mean.shape == rstd.shape == (N,)
+    yb, meanb, rstdb = reference.layer_norm_forward(x, w, b, eps)
+    for got, want in ((y, yb), (mean, meanb), (rstd, rstdb)):
+        assert rel_err(got, want) <= REL
+    assert rel_err(y, F.layer_norm(x, (D,), w, b, eps)) <= REL
+
+    grads = reference.layer_norm_rows_backward(dy, x, w, mean, rstd)
+    batched = reference.layer_norm_backward(dy, x, w, meanb, rstdb)
+    want = torch_grads(lambda *t: F.layer_norm(t[0], (D,), t[1], t[2], eps), dy, x, w, b)
+    # per row the same arithmetic; the parameter sums over N rows may add in another order,
+    # still far below REL at these N
+    assert rel_err(grads[0], batched[0]) <= REL and rel_err(grads[0], want[0]) <= REL
+    assert rel_err(grads[2], batched[2]) <= REL
+    if affine:
+        assert rel_err(grads[1], batched[1]) <= REL and rel_err(grads[1], want[1]) <= REL
+        assert rel_err(grads[2], want[2]) <= REL
+    else:
+        assert grads[1] is None and rel_err(grads[2], dy.sum(0)) <= REL
+
+
+def test_layer_norm_rows_empty_batch():
+    x = torch.zeros(0, 7, **f64)
+    y, mean, rstd = reference.layer_norm_rows_forward(x, None, None, 1e-5)
+    assert y.shape == (0, 7) and mean.shape == rstd.shape == (0,)
+    dx, dw, db = reference.layer_norm_rows_backward(x, x, torch.ones(7, **f64), mean, rstd)
+    assert dx.shape == (0, 7)
+    assert torch.equal(dw, torch.zeros(7, **f64)) and torch.equal(db, torch.zeros(7, **f64))
+
+
+@pytest.mark.parametrize("call", [
+    lambda x, dy: reference.layer_norm_token_forward(x, None, None, 1e-5),
+    lambda x, dy: reference.layer_norm_token_backward(dy, x, None, 0.0, 1.0),
+    lambda x, dy: reference.rms_norm_token_forward(x, None, 1e-5),
+    lambda x, dy: reference.rms_norm_token_backward(dy, x, None, 1.0),
+], ids=["ln_fwd", "ln_bwd", "rms_fwd", "rms_bwd"])
+def test_token_functions_reject_a_batch(call):
+    for bad in (torch.zeros(2, 3, **f64), torch.zeros((), **f64)):
+        shape = re.escape(str(tuple(bad.shape)))
+        with pytest.raises(ValueError, match=rf"^x: expected a 1-D vector of shape \(D,\), got shape {shape}$"):
+            call(bad, bad)
+
+
+def test_token_backward_rejects_a_dy_of_another_shape():
+    x = torch.zeros(5, **f64)
+    with pytest.raises(ValueError, match=r"^dy: expected shape \(5,\) \(as x\), got shape \(1, 5\)$"):
+        reference.layer_norm_token_backward(x[None], x, None, 0.0, 1.0)
+    with pytest.raises(ValueError, match=r"^dy: expected shape \(5,\) \(as x\), got shape \(4,\)$"):
+        reference.rms_norm_token_backward(x[:4], x, None, 1.0)
+
+
+def test_rows_loop_rejects_anything_but_rows():
+    for bad in (torch.zeros(4, **f64), torch.zeros(2, 3, 4, **f64)):
+        shape = re.escape(str(tuple(bad.shape)))
+        with pytest.raises(ValueError, match=rf"^x: expected rows of shape \(N, D\), got shape {shape}$"):
+            reference.layer_norm_rows_forward(bad, None, None, 1e-5)
+    x = torch.zeros(3, 4, **f64)
+    with pytest.raises(ValueError, match=r"^dy: expected shape \(3, 4\) \(as x\), got shape \(4, 3\)$"):
+        reference.layer_norm_rows_backward(x.T, x, None, x[:, 0], x[:, 0])
+
+
+def einsum_strings(fn):
+    return re.findall(r'torch\.einsum\("([^"]*)"', inspect.getsource(fn))
+
+
+@pytest.mark.parametrize("token_fn,batched_fn", [
+    (reference.layer_norm_token_forward, reference.layer_norm_forward),
+    (reference.layer_norm_token_backward, reference.layer_norm_backward),
+    (reference.rms_norm_token_forward, reference.rms_norm_forward),
+    (reference.rms_norm_token_backward, reference.rms_norm_backward),
+])
+def test_batching_adds_the_token_index(token_fn, batched_fn):
+    """The staging of the book: one token's sums are "d->" and "d,d->"; the batched function's
+    per-token sums are the same strings with n kept, and it adds the sums over n ("nd->d")."""
+    token, batched = einsum_strings(token_fn), einsum_strings(batched_fn)
+    assert token and set(token) <= {"d->", "d,d->"}
+    with_n = [",".join("n" + op for op in s.split("->")[0].split(",")) + "->n" for s in token]
+    assert [s for s in batched if s.endswith("->n")] == with_n
+    assert all(s.endswith("->d") for s in batched if not s.endswith("->n"))
