@@ -1,5 +1,5 @@
-"""Norms across two processes (gloo, CPU): DTensor over the kernels, the modules under sequence
-parallel and FSDP2, and the feature-sharded norms of normbook.distributed, each against one
+"""Norms across two processes (gloo, CPU): DTensor over the kernels (eager and torch.compile),
+the modules under sequence parallel and FSDP2, and the feature-sharded norms of normbook.distributed, each against one
 process. One spawn runs every check (the start-up of two Python processes is most of the time);
 each worker writes what failed, and the test reports it.
 """
@@ -123,6 +123,30 @@ def _module_checks(mesh, rank, failures):
                 functional._use_kernels = original
 
 
+def _compile_checks(mesh, failures):
+    """torch.compile traces through the custom ops on DTensors (fullgraph, aot_eager: the
+    inductor backend would compile C++ for minutes on a CPU)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    import normbook.kernels as K
+
+    torch.manual_seed(4)
+    x, dy = torch.randn(2, 6, D), torch.randn(2, 6, D)
+    w = 1 + 0.1 * torch.randn(D)
+    ref = [t.clone().requires_grad_() for t in (x, w)]
+    K.rms_norm(ref[0], (D,), ref[1]).backward(dy)
+    f = torch.compile(lambda a, b: K.rms_norm(a, (D,), b), backend="aot_eager", fullgraph=True)
+    xd = distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()
+    wd = distribute_tensor(w, mesh, [Replicate()]).requires_grad_()
+    y = f(xd, wd)
+    y.backward(distribute_tensor(dy, mesh, y.placements))
+    _close("compiled rms_norm: y", y.full_tensor(), K.rms_norm(x, (D,), w), failures)
+    _close("compiled rms_norm: dx", xd.grad.full_tensor(), ref[0].grad, failures, 1e-4)
+    _close("compiled rms_norm: dweight", wd.grad.full_tensor(), ref[1].grad, failures, 1e-4)
+    if not isinstance(wd.grad.placements[0], Partial):
+        failures.append(f"compiled rms_norm: dweight placed {wd.grad.placements}, expected Partial")
+
+
 def _feature_checks(rank, failures):
     """normbook.distributed: features split over the ranks, statistics merged across them."""
     from normbook import distributed, reference
@@ -163,6 +187,7 @@ def _worker(rank, port, out_dir):
         mesh = init_device_mesh("cpu", (WORLD,))
         for name, check in (("kernels", lambda: _kernel_checks(mesh, failures)),
                             ("modules", lambda: _module_checks(mesh, rank, failures)),
+                            ("compile", lambda: _compile_checks(mesh, failures)),
                             ("features", lambda: _feature_checks(rank, failures))):
             try:
                 check()
