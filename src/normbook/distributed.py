@@ -17,10 +17,19 @@ Everything here is plain torch.distributed on a process group (gloo on the CPU, 
 
 from __future__ import annotations
 
+import datetime
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["merge_stats", "layer_norm_sharded", "rms_norm_sharded", "all_reduce_param_grads"]
+__all__ = ["merge_stats", "layer_norm_sharded", "rms_norm_sharded", "all_reduce_param_grads",
+           "launch", "sequence_parallel_experiment", "feature_parallel_experiment",
+           "dtensor_experiment", "fsdp_experiment"]
 
 
 def merge_stats(n: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor):
@@ -165,3 +174,264 @@ def all_reduce_param_grads(module: torch.nn.Module, group=None) -> int:
             dist.all_reduce(p.grad, group=group)
             done += 1
     return done
+
+
+# --- running code on several processes, for the chapter and the tests --------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_worker(rank, world, port, out_dir, timeout_s, fn, args):
+    """One child of :func:`launch`: gloo group, ``fn``, result or traceback to a file."""
+    os.environ["TRITON_INTERPRET"] = "1"      # before anything imports triton
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    path = os.path.join(out_dir, f"rank{rank}")
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s))
+        result = fn(rank, world, *args)
+        with open(path + ".pkl", "wb") as f:
+            pickle.dump(result, f)
+    except BaseException:
+        with open(path + ".err", "w") as f:
+            f.write(traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(fn, *args, world: int = 2, timeout_s: float = 120.0) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` fresh CPU processes joined by gloo.
+
+    Each child starts a new Python (the "spawn" method), with ``TRITON_INTERPRET=1`` in its
+    environment before anything imports triton and ``torch.set_num_threads(1)``, and joins a
+    gloo process group of ``world`` ranks on 127.0.0.1 at a free port; collectives in ``fn``
+    use that default group. ``fn`` must be importable by name in a new process (defined at
+    module level in a module, not in a notebook cell or ``__main__``); ``args`` and the return
+    values must pickle.
+
+    Returns:
+        list of length ``world``: ``fn``'s return value on rank 0, 1, ... (sent back through
+        files in a temporary directory).
+
+    Raises:
+        ValueError: ``fn`` cannot be found by a child process.
+        RuntimeError: ``fn`` raised on some rank; the message holds each failing rank's traceback.
+    """
+    if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in fn.__qualname__:
+        raise ValueError(f"launch: {fn.__qualname__} must be a module-level function of an "
+                         f"importable module (a spawned process cannot see __main__)")
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        old = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"  # inherited by the children as they start
+        try:
+            mp.start_processes(_launch_worker, nprocs=world, join=True, start_method="spawn",
+                               args=(world, _free_port(), tmp, timeout_s, fn, args))
+        finally:
+            if old is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = old
+        errors = []
+        for rank in range(world):
+            err = os.path.join(tmp, f"rank{rank}.err")
+            if os.path.exists(err):
+                with open(err) as f:
+                    errors.append(f"--- rank {rank} ---\n{f.read()}")
+        if errors:
+            raise RuntimeError(f"launch: {fn.__qualname__} failed on "
+                               f"{len(errors)} of {world} ranks:\n" + "\n".join(errors))
+        results = []
+        for rank in range(world):
+            with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+# --- the chapter's experiments: fn(rank, world, ...) for launch --------------------------------
+
+
+def _rel(a, b) -> float:
+    """|a - b| / |b| in float64, over all elements."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+def _max(a, b) -> float:
+    return float((a.detach().double() - b.detach().double()).abs().max())
+
+
+def _rows(n, rank, world):
+    """This rank's contiguous block of n tokens."""
+    return slice(rank * n // world, (rank + 1) * n // world)
+
+
+def _spread(t):
+    """Largest difference of t between rank 0 and any other rank."""
+    every = _gather(t.detach(), None)                 # (world, ...)
+    return float((every - every[0]).abs().max())
+
+
+def _sgd(norm, x, t, n_total, steps, lr, sync):
+    """SGD on sum((norm(x) - t)^2) / n_total over these tokens."""
+    for _ in range(steps):
+        norm.zero_grad()
+        loss = ((norm(x) - t) ** 2).sum() / n_total
+        loss.backward()                  # local sums (ln-dparams)
+        if sync:
+            all_reduce_param_grads(norm)  # sum over ranks
+        with torch.no_grad():
+            for p in norm.parameters():
+                p -= lr * p.grad
+    return norm
+
+
+def sequence_parallel_experiment(rank, world, n=64, d=16,
+                                 steps=20, lr=0.2):
+    """Tokens split over ranks: local dweight, and SGD with and
+    without the all-reduce (chapter "Norms across devices")."""
+    from normbook import LayerNorm
+
+    g = torch.Generator().manual_seed(0)     # same data everywhere
+    x = 2 + torch.randn(n, d, generator=g, dtype=torch.float64)
+    t = torch.randn(n, d, generator=g, dtype=torch.float64)
+    mine = _rows(n, rank, world)             # this rank's tokens
+    f64 = dict(dtype=torch.float64)
+
+    one = _sgd(LayerNorm(d, **f64), x, t, n, 1, 0.0, False)
+    local = _sgd(LayerNorm(d, **f64), x[mine], t[mine], n, 1, 0.0,
+                 False)
+    dw_local = local.weight.grad.clone()     # (D,) my tokens only
+    all_reduce_param_grads(local)            # (D,) every token
+    out = {"dweight_err_local": _rel(dw_local, one.weight.grad),
+           "dweight_err_reduced": _rel(local.weight.grad,
+                                       one.weight.grad)}
+
+    one = _sgd(LayerNorm(d, **f64), x, t, n, steps, lr, False)
+    for sync in (False, True):
+        norm = _sgd(LayerNorm(d, **f64), x[mine], t[mine], n,
+                    steps, lr, sync)
+        w = torch.cat([norm.weight, norm.bias]).detach()
+        w_one = torch.cat([one.weight, one.bias]).detach()
+        key = "synced" if sync else "local"
+        out[f"drift_{key}"] = _spread(w)     # rank 0 vs the others
+        out[f"err_{key}"] = _max(w, w_one)   # vs one process
+    return out
+
+
+def feature_parallel_experiment(rank, world, n=8, d=64):
+    """Features split over ranks: layer_norm_sharded and
+    rms_norm_sharded against one process, in float64."""
+    from normbook import reference
+
+    g = torch.Generator().manual_seed(1)
+    f64 = dict(generator=g, dtype=torch.float64)
+    x = 3 + torch.randn(n, d, **f64)        # (N, D)
+    w = 1 + 0.1 * torch.randn(d, **f64)      # (D,)
+    b = 0.1 * torch.randn(d, **f64)          # (D,)
+    dy = torch.randn(n, d, **f64)            # (N, D)
+    cols = _rows(d, rank, world)             # my slice of D
+    xs, ws, bs = (v[..., cols].clone().requires_grad_()
+                  for v in (x, w, b))
+
+    y = layer_norm_sharded(xs, ws, bs, 1e-5)
+    y.backward(dy[:, cols])
+    y1, mean, rstd = reference.layer_norm_forward(x, w, b, 1e-5)
+    dx1, dw1, db1 = reference.layer_norm_backward(dy, x, w, mean,
+                                                  rstd)
+    ln = max(_max(y, y1[:, cols]), _max(xs.grad, dx1[:, cols]),
+             _max(ws.grad, dw1[cols]), _max(bs.grad, db1[cols]))
+
+    xs, ws = (v[..., cols].clone().requires_grad_() for v in (x, w))
+    y = rms_norm_sharded(xs, ws, 1e-6)
+    y.backward(dy[:, cols])
+    y1, rstd = reference.rms_norm_forward(x, w, 1e-6)
+    dx1, dw1 = reference.rms_norm_backward(dy, x, w, rstd)
+    rms = max(_max(y, y1[:, cols]), _max(xs.grad, dx1[:, cols]),
+              _max(ws.grad, dw1[cols]))
+    return {"layer_norm_err": ln, "rms_norm_err": rms}
+
+
+def dtensor_experiment(rank, world, n=2, s=8, d=16):
+    """normbook.kernels.layer_norm on DTensors sharded over the
+    sequence (dim 1) and over the features (dim 2)."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import (Replicate, Shard,
+                                          distribute_tensor)
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import normbook.kernels as K     # Triton, interpreted on CPUs
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(2)
+    x, dy = (torch.randn(n, s, d, generator=g) for _ in "ab")
+    w = 1 + 0.1 * torch.randn(d, generator=g)
+    b = 0.1 * torch.randn(d, generator=g)
+    leaves = [v.clone().requires_grad_() for v in (x, w, b)]
+    F.layer_norm(leaves[0], (d,), *leaves[1:]).backward(dy)
+
+    out = {}
+    for dim in (1, 2):                    # the sequence, the features
+        xd = distribute_tensor(x, mesh, [Shard(dim)])
+        wd, bd = (distribute_tensor(v, mesh, [Replicate()])
+                  for v in (w, b))
+        for v in (xd, wd, bd):
+            v.requires_grad_()
+        with CommDebugMode() as comm:     # collectives of the forward
+            y = K.layer_norm(xd, (d,), wd, bd)
+        y.backward(distribute_tensor(dy, mesh, y.placements))
+        out[dim] = {
+            "x": str(xd.placements[0]), "y": str(y.placements[0]),
+            "dweight": str(wd.grad.placements[0]),
+            "comms": {str(k): v for k, v in
+                      comm.get_comm_counts().items()},
+            "err": max(_max(y.full_tensor(), F.layer_norm(
+                x, (d,), w, b)),
+                *(_max(v.grad.full_tensor(), l.grad)
+                  for v, l in zip((xd, wd, bd), leaves)))}
+    return out
+
+
+def fsdp_experiment(rank, world, n=8, d=16):
+    """A LayerNorm under FSDP2's fully_shard against one process;
+    each rank runs its own n // world tokens."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from normbook import LayerNorm
+
+    # FSDP2 warns that the output is a view; nothing here edits it
+    warnings.filterwarnings("ignore", "FSDP2-wrapped module")
+    g = torch.Generator().manual_seed(3)
+    x, dy = (torch.randn(n, d, generator=g) for _ in "ab")
+    one = LayerNorm(d)
+    with torch.no_grad():
+        for p in one.parameters():
+            p.add_(0.1 * torch.randn(d, generator=g))
+    one(x).backward(dy)                     # sums over all n tokens
+
+    fs = LayerNorm(d)
+    fs.load_state_dict(one.state_dict())
+    fully_shard(fs, mesh=init_device_mesh("cpu", (world,)))
+    at_rest = tuple(fs.weight.to_local().shape)   # (D / world,)
+    mine = _rows(n, rank, world)
+    y = fs(x[mine])                          # whole weight inside
+    y.backward(dy[mine])
+    # FSDP2 averages the ranks' gradients: the sum over ranks / world
+    grads = [p.grad.full_tensor() for p in fs.parameters()]
+    return {"at_rest": at_rest, "placement": str(
+                fs.weight.placements[0]),
+            "y_err": _max(y, one(x)[mine]),
+            "grad_err": max(_max(gr * world, p.grad) for gr, p in
+                            zip(grads, one.parameters()))}
