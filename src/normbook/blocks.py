@@ -65,7 +65,7 @@ class PreNormBlock(nn.Module):
 
     def forward(self, x):
         """x + F(N(x)) for x of shape (..., D)."""
-        return x + self.mlp(self.norm(x))                  # identity path: a bare +
+        return x + self.mlp(self.norm(x))  # identity path: a bare +
 
 
 class PostNormBlock(nn.Module):
@@ -78,7 +78,7 @@ class PostNormBlock(nn.Module):
 
     def forward(self, x):
         """N(x + F(x)) for x of shape (..., D)."""
-        return self.norm(x + self.mlp(x))                  # identity path goes through N
+        return self.norm(x + self.mlp(x))  # identity path goes through N
 
 
 class ResidualStack(nn.Module):
@@ -163,15 +163,16 @@ def make_teacher(d_in: int, d_out: int, width: int = 64, seed: int = 0):
 
 
 def layer_grad_norms(model, x, target):
-    """Per-block gradient norms of the MSE loss at the model's current parameters.
+    """Per-block gradient norms of the MSE loss at the current parameters.
 
     Args:
         model: a :class:`ResidualStack`; its gradients are left cleared.
         x: (..., d_in) inputs. target: (..., d_out) targets.
 
     Returns:
-        A float64 tensor of shape (depth,), the 2-norm of the gradient of all of block l's
-        parameters together, for l = 0 (next to the input) to depth - 1 (next to the output).
+        A float64 tensor of shape (depth,), the 2-norm of the gradient of
+        all of block l's parameters together, for l = 0 (next to the
+        input) to depth - 1 (next to the output).
     """
     model.zero_grad(set_to_none=True)
     loss = nn.functional.mse_loss(model(x), target)
@@ -186,23 +187,29 @@ def layer_grad_norms(model, x, target):
 
 def train(model, teacher, *, steps: int, lr: float, warmup: int = 0,
           batch: int = 64, seed: int = 0):
-    """Train ``model`` on fresh teacher batches with Adam; return the loss at every step.
+    """Train ``model`` on fresh teacher batches with Adam.
 
-    The learning rate rises linearly from lr / warmup to lr over the first ``warmup`` steps
-    (linear warmup), then stays at lr; ``warmup=0`` uses lr from the first step.
+    Return the loss at every step. The learning rate rises linearly from
+    lr / warmup to lr over the first ``warmup`` steps (linear warmup), then
+    stays at lr; ``warmup=0`` uses lr from the first step.
 
     Args:
-        model: a :class:`ResidualStack`, trained in place. teacher: the target map, fixed.
-        steps: number of Adam steps. lr: peak learning rate. warmup: warmup length in steps.
-        batch: tokens per step. seed: seeds the data stream (the model is initialised by the caller).
+        model: a :class:`ResidualStack`, trained in place. teacher: the
+            target map, fixed.
+        steps: number of Adam steps. lr: peak learning rate. warmup: warmup
+            length in steps.
+        batch: tokens per step. seed: seeds the data stream (the model is
+            initialised by the caller).
 
     Returns:
-        A float64 tensor of shape (steps,), the training loss (MSE) of each step's batch before
-        that step's update. A non-finite loss stops training; the remaining entries are nan.
+        A float64 tensor of shape (steps,), the training loss (MSE) of each
+        step's batch before that step's update. A non-finite loss stops
+        training; the remaining entries are nan.
     """
     d_in = model.embed.in_features
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=lr, fused=True)   # one fused kernel for all tensors
+    # one fused kernel for all tensors
+    opt = torch.optim.Adam(model.parameters(), lr=lr, fused=True)
     losses = torch.full((steps,), float("nan"), dtype=torch.float64)
     for step in range(steps):
         if warmup > 0:

@@ -55,8 +55,10 @@ def scale_identity(x: torch.Tensor, dx: torch.Tensor, eps: float) -> torch.Tenso
     return (_xhat(x, eps) * dx).sum(-1)
 
 
-def scale_identity_residual(x: torch.Tensor, dy: torch.Tensor, weight, eps: float) -> torch.Tensor:
-    """Equation (ln-eps-residual): the exact value of sum_d xhat_d dx_d when eps > 0.
+def scale_identity_residual(
+    x: torch.Tensor, dy: torch.Tensor, weight, eps: float
+) -> torch.Tensor:
+    """Equation (ln-eps-residual): the exact sum_d xhat_d dx_d when eps > 0.
 
     With c2 = mean_d(ghat * xhat) and rstd = 1 / sqrt(var + eps),
     sum_d xhat_d dx_d = D * c2 * eps * rstd^3,
@@ -80,32 +82,40 @@ def scale_identity_residual(x: torch.Tensor, dy: torch.Tensor, weight, eps: floa
 
 
 def assert_layer_norm_identities(x, dy, weight, dx, eps, atol=None):
-    """Assert both free checks on a LayerNorm input gradient ``dx``; raise AssertionError if not.
+    """Assert both free checks on a LayerNorm input gradient ``dx``.
 
-    Checks (ln-shift-id), sum_d dx_d = 0, and (ln-eps-residual), sum_d xhat_d dx_d equal to its
-    closed form, each per token within ``atol`` scaled by the size of the terms being summed
-    (default: 64 units of roundoff of dx's dtype).
+    Raise AssertionError if either fails. Checks (ln-shift-id),
+    sum_d dx_d = 0, and (ln-eps-residual), sum_d xhat_d dx_d equal to its
+    closed form, each per token within ``atol`` scaled by the size of the
+    terms being summed (default: 64 units of roundoff of dx's dtype).
 
     Args:
         x, dy: (..., D) the forward input and the gradient arriving at y.
         weight: (D,) or None.
         dx: (..., D) the input gradient under test.
         eps: the eps of the forward.
-        atol: relative tolerance per token; default 64 * finfo(dx.dtype).eps.
+        atol: relative tolerance per token; default
+            64 * finfo(dx.dtype).eps.
     """
     if atol is None:
         atol = 64 * torch.finfo(dx.dtype).eps
-    scale = dx.abs().sum(-1) * (1 + _xhat(x, eps).abs().amax(-1)) + torch.finfo(dx.dtype).tiny
+    scale = (
+        dx.abs().sum(-1) * (1 + _xhat(x, eps).abs().amax(-1))
+        + torch.finfo(dx.dtype).tiny
+    )
     shift = shift_identity(dx).abs() / scale
     if shift.numel() and shift.max() > atol:
         raise AssertionError(
-            f"shift identity sum(dx) = 0 fails: worst relative residual {shift.max().item():.3e} "
+            f"shift identity sum(dx) = 0 fails: worst relative residual "
+            f"{shift.max().item():.3e} "
             f"> {atol:.1e} (token {int(shift.argmax())})"
         )
     resid = scale_identity_residual(x, dy, weight, eps).to(dx.dtype)
     scale_err = (scale_identity(x, dx, eps) - resid).abs() / scale
     if scale_err.numel() and scale_err.max() > atol:
         raise AssertionError(
-            f"scale identity sum(xhat * dx) = D c2 eps rstd^3 fails: worst relative residual "
-            f"{scale_err.max().item():.3e} > {atol:.1e} (token {int(scale_err.argmax())})"
+            f"scale identity sum(xhat * dx) = D c2 eps rstd^3 fails: "
+            f"worst relative residual "
+            f"{scale_err.max().item():.3e} > {atol:.1e} "
+            f"(token {int(scale_err.argmax())})"
         )

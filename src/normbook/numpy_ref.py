@@ -12,32 +12,38 @@ __all__ = ["layer_norm", "rms_norm"]
 
 
 def layer_norm(x, weight, bias, eps=1e-5):
-    """LayerNorm forward, equations (ln-mean) to (ln-y) of "One token's vector".
+    """LayerNorm forward, equations (ln-mean) to (ln-y).
 
-    y = weight * (x - mean) / sqrt(var + eps) + bias, per token over the last axis,
-    with the biased variance (dividing by D).
+    From the chapter "One token's vector". y = weight * (x - mean) /
+    sqrt(var + eps) + bias, per token over the last axis, with the biased
+    variance (dividing by D).
 
     Args:
-        x: (..., D) array. weight, bias: (D,) arrays. eps: added inside the square root.
+        x: (..., D) array. weight, bias: (D,) arrays. eps: added inside
+            the square root.
 
     Returns:
         (..., D) array.
     """
     mean = x.mean(axis=-1, keepdims=True)                   # (..., 1)
-    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)    # (..., 1) biased: / D
+    # (..., 1), biased: / D
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
     return weight * (x - mean) / np.sqrt(var + eps) + bias  # (..., D)
 
 
 def rms_norm(x, weight, eps=1e-5):
-    """RMSNorm forward, equations (rms-ms) and (rms-y) of "One token's vector".
+    """RMSNorm forward, equations (rms-ms) and (rms-y).
 
-    y = weight * x / sqrt(mean(x^2) + eps), per token over the last axis; no centring, no bias.
+    From the chapter "One token's vector". y = weight * x /
+    sqrt(mean(x^2) + eps), per token over the last axis; no centring, no
+    bias.
 
     Args:
-        x: (..., D) array. weight: (D,) array. eps: added inside the square root.
+        x: (..., D) array. weight: (D,) array. eps: added inside the square
+            root.
 
     Returns:
         (..., D) array.
     """
-    ms = (x**2).mean(axis=-1, keepdims=True)                # (..., 1) mean square
-    return weight * x / np.sqrt(ms + eps)                   # (..., D)
+    ms = (x**2).mean(axis=-1, keepdims=True)  # (..., 1) mean square
+    return weight * x / np.sqrt(ms + eps)     # (..., D)

@@ -24,37 +24,43 @@ __all__ = [
 
 
 def _branch_backward(dt, u, A, t):
-    """Back through the branch t = tanh(A u): returns (du, dA) for the gradient dt at t.
+    """Back through the branch t = tanh(A u).
 
-    du = A^T ((1 - t^2) * dt) per token; dA_de = sum_n dz_nd u_ne (A is shared by every token).
+    Returns (du, dA) for the gradient dt at t. du = A^T ((1 - t^2) * dt)
+    per token; dA_de = sum_n dz_nd u_ne (A is shared by every token).
     """
-    dz = dt * (1 - t * t)                               # (..., D) tanh' = 1 - tanh^2
-    du = dz @ A                                         # (..., D) A^T dz for each row
+    dz = dt * (1 - t * t)               # (..., D) tanh' = 1 - tanh^2
+    du = dz @ A                         # (..., D) A^T dz for each row
     D = u.shape[-1]
-    dA = torch.einsum("nd,ne->de", dz.reshape(-1, D), u.reshape(-1, D))  # (D, D)
+    # (D, D)
+    dA = torch.einsum("nd,ne->de", dz.reshape(-1, D), u.reshape(-1, D))
     return du, dA
 
 
 def residual_tanh_forward(x, A):
-    """Residual block y = x + tanh(A x), equation (residual-block); its gradient is (residual-grad).
+    """Residual block y = x + tanh(A x), equation (residual-block).
+
+    Its gradient is (residual-grad).
 
     Args:
         x: (..., D) input, one token per row.
         A: (D, D) weight of the branch.
 
     Returns:
-        y: (..., D); t: (..., D) the branch output tanh(A x), saved because backward needs
-        tanh' = 1 - t^2 and recomputing it would cost a matrix product.
+        y: (..., D); t: (..., D) the branch output tanh(A x), saved
+        because backward needs tanh' = 1 - t^2 and recomputing it would
+        cost a matrix product.
     """
     t = torch.tanh(x @ A.T)                             # (..., D)
     return x + t, t
 
 
 def residual_tanh_backward(dy, x, A, t):
-    """Backward of y = x + tanh(A x): equation (residual-grad), an instance of (fork-rule).
+    """Backward of y = x + tanh(A x): equation (residual-grad).
 
-    dx = dy + A^T ((1 - tanh^2(A x)) * dy): one term per use of x. See the chapter
-    "Residual connections and the fork rule".
+    An instance of (fork-rule). dx = dy + A^T ((1 - tanh^2(A x)) * dy):
+    one term per use of x. See the chapter "Residual connections and the
+    fork rule".
 
     Args:
         dy: (..., D) gradient arriving at y.
@@ -65,9 +71,9 @@ def residual_tanh_backward(dy, x, A, t):
     Returns:
         dx: (..., D); dA: (D, D) summed over every token.
     """
-    dx = dy.clone()                                     # use 1 of x: the identity path
+    dx = dy.clone()     # use 1 of x: the identity path
     du, dA = _branch_backward(dy, x, A, t)
-    dx += du                                            # use 2 of x: the branch. += (fork-rule), not =
+    dx += du            # use 2 of x: the branch. += (fork-rule), not =
     return dx, dA
 
 
@@ -88,18 +94,25 @@ def pre_norm_tanh_forward(x, A, weight, bias, eps):
 
 
 def pre_norm_tanh_backward(dy, x, A, weight, bias, eps, t, mean, rstd):
-    """Backward of y = x + tanh(A LayerNorm(x)) by (fork-rule): dy plus LayerNorm's (ln-dx) of the branch.
+    """Backward of y = x + tanh(A LayerNorm(x)) by (fork-rule).
+
+    dx is dy plus LayerNorm's (ln-dx) of the branch.
 
     Args:
-        dy: (..., D). x: (..., D). A: (D, D). weight, bias: (D,) or None. eps: as in forward.
+        dy: (..., D). x: (..., D). A: (D, D). weight, bias: (D,) or None.
+            eps: as in forward.
         t, mean, rstd: saved by :func:`pre_norm_tanh_forward`.
 
     Returns:
-        dx: (..., D); dA: (D, D); dweight: (D,) or None; dbias: (D,) or None.
+        dx: (..., D); dA: (D, D); dweight: (D,) or None; dbias: (D,) or
+        None.
     """
-    u, _, _ = reference.layer_norm_forward(x, weight, bias, eps)  # recomputed, not saved
+    # recomputed, not saved
+    u, _, _ = reference.layer_norm_forward(x, weight, bias, eps)
     du, dA = _branch_backward(dy, u, A, t)
-    dxn, dweight, dbias = reference.layer_norm_backward(du, x, weight, mean, rstd)
-    dx = dy.clone()                                     # use 1 of x: the identity path
-    dx += dxn                                           # use 2 of x: through the norm and the branch
+    dxn, dweight, dbias = reference.layer_norm_backward(
+        du, x, weight, mean, rstd
+    )
+    dx = dy.clone()     # use 1 of x: the identity path
+    dx += dxn           # use 2 of x: through the norm and the branch
     return dx, dA, dweight, (dbias if bias is not None else None)

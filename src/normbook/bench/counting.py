@@ -17,13 +17,16 @@ __all__ = ["CountPasses", "count", "fused_passes"]
 
 
 class CountPasses(TorchDispatchMode):
-    """Count the operations dispatched (views excluded) and the (M, D) tensors each reads and writes.
+    """Count the operations dispatched (views excluded) and their passes.
+
+    A pass is an (M, D) tensor an operation reads or writes.
 
     Args:
-        numel: M * D, the size of a full activation tensor; smaller tensors (weights, the
-            per-row statistics) are not counted as passes.
+        numel: M * D, the size of a full activation tensor; smaller tensors
+            (weights, the per-row statistics) are not counted as passes.
 
-    After the ``with`` block: ``ops`` launches, ``reads`` and ``writes`` passes over memory.
+    After the ``with`` block: ``ops`` launches, ``reads`` and ``writes``
+    passes over memory.
     """
 
     def __init__(self, numel: int):
@@ -31,11 +34,18 @@ class CountPasses(TorchDispatchMode):
         self.numel, self.ops, self.reads, self.writes = numel, 0, 0, 0
 
     def _full(self, tensors) -> int:
-        return sum(isinstance(t, torch.Tensor) and t.numel() == self.numel for t in tensors)
+        return sum(
+            isinstance(t, torch.Tensor) and t.numel() == self.numel
+            for t in tensors
+        )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not func.is_view and func is not torch.ops.aten.promote_types.default:  # views move no data
+        # views move no data
+        if (
+            not func.is_view
+            and func is not torch.ops.aten.promote_types.default
+        ):
             self.ops += 1
             self.reads += self._full(tree_leaves((args, kwargs)))
             self.writes += self._full(tree_leaves(out))

@@ -38,88 +38,134 @@ CHUNK_STAGES = tl.constexpr(_config.CHUNK_STAGES)   # chunk and row loops of wid
 
 @triton.jit
 def norm_bwd_rows_kernel(
-    X,                       # (M, D) forward input (h when the residual add was fused)
-    DY,                      # (M, D) gradient arriving at y, rows stride_dy apart
-    DH,                      # (M, D) gradient arriving at h, rows stride_dh apart (if HAS_DH)
+    X,                       # (M, D) forward input (h when the residual
+                             # add was fused)
+    DY,                      # (M, D) gradient arriving at y, rows
+                             # stride_dy apart
+    DH,                      # (M, D) gradient arriving at h, rows
+                             # stride_dh apart (if HAS_DH)
     DX,                      # (M, D) output dx, contiguous
     W,                       # (D,) weight gamma (if HAS_WEIGHT)
-    Stats,                   # (2, M) fp32 mean [0], rstd [1] saved by the forward; RMSNorm (1, M)
-    DW,                      # (programs, D) fp32 partial dweight, one row per program; with
-                             # one program, the (D,) dweight itself, in the weight's dtype
-    DB,                      # (programs, D) fp32 partial dbias, or the (D,) dbias (as DW)
+    Stats,                   # (2, M) fp32 mean [0], rstd [1] saved by the
+                             # forward; RMSNorm (1, M)
+    DW,                      # (programs, D) fp32 partial dweight, one row
+                             # per program; with one program, the (D,)
+                             # dweight itself, in the weight's dtype
+    DB,                      # (programs, D) fp32 partial dbias, or the
+                             # (D,) dbias (as DW)
     stride_x,                # row stride of X, in elements
     stride_dy,               # row stride of DY, in elements
     stride_dh,               # row stride of DH, in elements
     M,                       # number of rows
     D,                       # row length
     IS_RMS: tl.constexpr,    # RMSNorm: no c1, no dbias
-    HAS_DH: tl.constexpr,    # fused residual: add the gradient arriving at h (fork rule)
+    HAS_DH: tl.constexpr,    # fused residual: add the gradient arriving
+                             # at h (fork rule)
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr,      # rows per step of the loop
-    BLOCK_D: tl.constexpr,   # next_power_of_2(D): the whole row in registers
-    NUM_STAGES: tl.constexpr,  # tiles in the software pipeline of the row loop
-    VEC: tl.constexpr,       # D and the strides are multiples of VEC (see _config.vec)
+    BLOCK_D: tl.constexpr,   # next_power_of_2(D): the whole row in
+                             # registers
+    NUM_STAGES: tl.constexpr,  # tiles in the software pipeline of the
+                               # row loop
+    VEC: tl.constexpr,       # D and the strides are multiples of VEC
+                             # (see _config.vec)
 ):
-    """(ln-dx) and (ln-dparams), or (rms-dx); with HAS_DH the (fork-rule). Persistent grid."""
+    """(ln-dx) and (ln-dparams), or (rms-dx); with HAS_DH the (fork-rule).
+    Persistent grid."""
     D = multiple(D, VEC)
     stride_x = multiple(stride_x, VEC)
     stride_dy = multiple(stride_dy, VEC)
     stride_dh = multiple(stride_dh, VEC)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_D)                                  # (BLOCK_D,)
+    cols = tl.arange(0, BLOCK_D)                          # (BLOCK_D,)
     col_mask = cols < D
     if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    dw = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)              # partial sum_n dy * xhat
-    db = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)              # partial sum_n dy
-    # a software-pipelined loop: the loads of the next NUM_STAGES - 1 tiles are issued (as async
-    # copies into shared memory) while this one is reduced, so HBM always has work in flight
-    for first in tl.range(pid * ROWS, M, programs * ROWS, num_stages=NUM_STAGES):
-        rows = first + tl.arange(0, ROWS)                         # (ROWS,)
+        w = tl.load(
+            W + cols, mask=col_mask, other=0.0
+        ).to(tl.float32)[None, :]
+    # partial sum_n dy * xhat
+    dw = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    # partial sum_n dy
+    db = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    # a software-pipelined loop: the loads of the next NUM_STAGES - 1 tiles
+    # are issued (as async copies into shared memory) while this one is
+    # reduced, so HBM always has work in flight
+    for first in tl.range(
+        pid * ROWS, M, programs * ROWS, num_stages=NUM_STAGES
+    ):
+        rows = first + tl.arange(0, ROWS)                 # (ROWS,)
         row_mask = rows < M
-        mask = row_mask[:, None] & col_mask[None, :]              # (ROWS, BLOCK_D)
+        mask = row_mask[:, None] & col_mask[None, :]      # (ROWS, BLOCK_D)
         rows64 = rows.to(tl.int64)[:, None]
-        x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(Stats + (0 if IS_RMS else M) + rows, mask=row_mask, other=0.0)[:, None]
-        # xhat recomputed from two saved scalars per row (ln-xhat); padding stays zero
+        x = tl.load(
+            X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0
+        ).to(tl.float32)
+        dy = tl.load(
+            DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0
+        ).to(tl.float32)
+        rstd = tl.load(
+            Stats + (0 if IS_RMS else M) + rows, mask=row_mask, other=0.0
+        )[:, None]
+        # xhat recomputed from two saved scalars per row (ln-xhat); padding
+        # stays zero
         if IS_RMS:
             xhat = x * rstd
         else:
             mean = tl.load(Stats + rows, mask=row_mask, other=0.0)[:, None]
             xhat = tl.where(mask, (x - mean) * rstd, 0.0)
-        ghat = dy * w if HAS_WEIGHT else dy                       # (ln-ghat)
-        # c1: component of ghat along 1; c2: along xhat (ln-c). dx removes both (ln-dx).
-        c2 = tl.sum(ghat * xhat, axis=1)[:, None] / D             # (ROWS, 1)
+        ghat = dy * w if HAS_WEIGHT else dy               # (ln-ghat)
+        # c1: component of ghat along 1; c2: along xhat (ln-c). dx removes
+        # both (ln-dx).
+        c2 = tl.sum(ghat * xhat, axis=1)[:, None] / D     # (ROWS, 1)
         if IS_RMS:
-            dx = (ghat - c2 * xhat) * rstd                        # (rms-dx)
+            dx = (ghat - c2 * xhat) * rstd                # (rms-dx)
         else:
-            c1 = tl.sum(ghat, axis=1)[:, None] / D                # (ROWS, 1)
-            dx = (ghat - c1 - c2 * xhat) * rstd                   # (ln-dx)
+            c1 = tl.sum(ghat, axis=1)[:, None] / D        # (ROWS, 1)
+            dx = (ghat - c1 - c2 * xhat) * rstd           # (ln-dx)
         if HAS_DH:
-            # fork rule: h feeds the norm and the next residual; the gradients add
-            dx += tl.load(DH + rows64 * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + rows64 * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        # (ln-dparams), kept per program in fp32; one weight serves every row
+            # fork rule: h feeds the norm and the next residual; the
+            # gradients add
+            dx += tl.load(
+                DH + rows64 * stride_dh + cols[None, :],
+                mask=mask, other=0.0,
+            ).to(tl.float32)
+        tl.store(
+            DX + rows64 * D + cols[None, :], dx.to(DX.dtype.element_ty),
+            mask=mask,
+        )
+        # (ln-dparams), kept per program in fp32; one weight serves every
+        # row
         if HAS_WEIGHT:
             dw += dy * xhat
         if HAS_BIAS:
             db += dy
     if HAS_WEIGHT:
-        tl.store(DW + pid * D + cols, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+        tl.store(
+            DW + pid * D + cols,
+            tl.sum(dw, axis=0).to(DW.dtype.element_ty),
+            mask=col_mask,
+        )
     if HAS_BIAS:
-        tl.store(DB + pid * D + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=col_mask)
+        tl.store(
+            DB + pid * D + cols,
+            tl.sum(db, axis=0).to(DB.dtype.element_ty),
+            mask=col_mask,
+        )
 
 
 @triton.jit
 def norm_bwd_stats_kernel(
-    X,                       # (M, D) forward input (h when the residual add was fused)
-    DY,                      # (M, D) gradient arriving at y, rows stride_dy apart
+    X,                       # (M, D) forward input (h when the residual
+                             # add was fused)
+    DY,                      # (M, D) gradient arriving at y, rows
+                             # stride_dy apart
     W,                       # (D,) weight gamma (if HAS_WEIGHT)
-    Stats,                   # (2, M) fp32 mean [0], rstd [1] saved by the forward; RMSNorm (1, M)
-    C1,                      # (M,) fp32 output: c1 = mean_d(ghat) (LayerNorm only)
+    Stats,                   # (2, M) fp32 mean [0], rstd [1] saved by the
+                             # forward; RMSNorm (1, M)
+    C1,                      # (M,) fp32 output: c1 = mean_d(ghat)
+                             # (LayerNorm only)
     C2,                      # (M,) fp32 output: c2 = mean_d(ghat * xhat)
     stride_x,                # row stride of X, in elements
     stride_dy,               # row stride of DY, in elements
@@ -128,9 +174,11 @@ def norm_bwd_stats_kernel(
     IS_RMS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     BLOCK_D: tl.constexpr,   # chunk width
-    VEC: tl.constexpr,       # D and the strides are multiples of VEC (see _config.vec)
+    VEC: tl.constexpr,       # D and the strides are multiples of VEC
+                             # (see _config.vec)
 ):
-    """(ln-c) for rows wider than the registers: c1 and c2 of one row per program, chunk by chunk."""
+    """(ln-c) for rows wider than the registers: c1 and c2 of one row per
+    program, chunk by chunk."""
     D = multiple(D, VEC)
     stride_x = multiple(stride_x, VEC)
     stride_dy = multiple(stride_dy, VEC)
@@ -144,8 +192,12 @@ def norm_bwd_stats_kernel(
     for start in tl.range(0, D, BLOCK_D, num_stages=CHUNK_STAGES):
         c = start + cols
         mask = c < D
-        x = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * stride_dy + c, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(
+            X + row * stride_x + c, mask=mask, other=0.0
+        ).to(tl.float32)
+        dy = tl.load(
+            DY + row * stride_dy + c, mask=mask, other=0.0
+        ).to(tl.float32)
         if IS_RMS:
             xhat = x * rstd
         else:

@@ -186,15 +186,20 @@ def backward_config(M: int, D: int, narrow: bool = False) -> Config:
 
 @functools.lru_cache(maxsize=4096)
 def persistent_programs(tiles: int, device_index: int, per_sm: int) -> int:
-    """Grid size of a persistent kernel: as many programs as the GPU holds at once (``per_sm``
-    on each SM of CUDA device ``device_index``; -1, Tensor.get_device() of a CPU tensor, means
-    the interpreter), never more than the tiles.
+    """Grid size of a persistent kernel: as many programs as the GPU holds
+    at once (``per_sm`` on each SM of CUDA device ``device_index``; -1,
+    Tensor.get_device() of a CPU tensor, means the interpreter), never more
+    than the tiles.
 
-    The count depends only on the device and the shapes, so two runs with the same shapes split
-    the rows the same way and sum the backward's partials in the same order: bitwise equal.
+    The count depends only on the device and the shapes, so two runs with
+    the same shapes split the rows the same way and sum the backward's
+    partials in the same order: bitwise equal.
     """
     if device_index >= 0:
-        programs = per_sm * torch.cuda.get_device_properties(device_index).multi_processor_count
+        programs = per_sm * torch.cuda.get_device_properties(
+            device_index
+        ).multi_processor_count
     else:
-        programs = CPU_PROGRAMS   # the interpreter: any fixed number is deterministic
+        # the interpreter: any fixed number is deterministic
+        programs = CPU_PROGRAMS
     return max(1, min(programs, tiles))

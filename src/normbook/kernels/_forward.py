@@ -56,76 +56,107 @@ def _load_input(X, R, H, row, stride_x, stride_r, c, mask, HAS_RESIDUAL: tl.cons
 @triton.jit
 def norm_fwd_rows_kernel(
     X,                       # (M, D) input, rows stride_x apart
-    R,                       # (M, D) residual, rows stride_r apart (read if HAS_RESIDUAL)
-    H,                       # (M, D) output h = x + residual, contiguous (if HAS_RESIDUAL)
+    R,                       # (M, D) residual, rows stride_r apart
+                             # (read if HAS_RESIDUAL)
+    H,                       # (M, D) output h = x + residual, contiguous
+                             # (if HAS_RESIDUAL)
     Y,                       # (M, D) output y, contiguous
     W,                       # (D,) weight gamma (if HAS_WEIGHT)
     B,                       # (D,) bias beta (if HAS_BIAS)
-    Stats,                   # (2, M) fp32 output: mean [0], rstd [1]; RMSNorm (1, M): rstd
+    Stats,                   # (2, M) fp32 output: mean [0], rstd [1];
+                             # RMSNorm (1, M): rstd
     stride_x,                # row stride of X, in elements
     stride_r,                # row stride of R, in elements
     M,                       # number of rows
-    D,                       # row length (runtime: a new D does not recompile)
+    D,                       # row length (runtime: a new D does not
+                             # recompile)
     eps,                     # fp32, added inside the square root
     IS_RMS: tl.constexpr,    # RMSNorm: no mean, no bias
     HAS_RESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr,      # rows per step of the loop
-    BLOCK_D: tl.constexpr,   # next_power_of_2(D): the whole row in registers
-    NUM_STAGES: tl.constexpr,  # tiles in the software pipeline of the row loop
-    VEC: tl.constexpr,       # D and the strides are multiples of VEC (see _config.vec)
+    BLOCK_D: tl.constexpr,   # next_power_of_2(D): the whole row in
+                             # registers
+    NUM_STAGES: tl.constexpr,  # tiles in the software pipeline of the
+                               # row loop
+    VEC: tl.constexpr,       # D and the strides are multiples of VEC
+                             # (see _config.vec)
 ):
-    """(ln-mean), (ln-var), (ln-rstd), (ln-xhat), (ln-y); with IS_RMS, (rms-ms) and (rms-y).
-    Persistent: program pid takes the tiles of ROWS rows numbered pid, pid + programs, ..."""
+    """(ln-mean), (ln-var), (ln-rstd), (ln-xhat), (ln-y); with IS_RMS,
+    (rms-ms) and (rms-y). Persistent: program pid takes the tiles of ROWS
+    rows numbered pid, pid + programs, ..."""
     D = multiple(D, VEC)
     stride_x = multiple(stride_x, VEC)
     stride_r = multiple(stride_r, VEC)
-    cols = tl.arange(0, BLOCK_D)                                  # (BLOCK_D,)
-    # weight and bias: loaded once per program and held in registers, except for the widest
-    # tiles (not pipelined: registers are short there), where each step reloads them from L2
+    cols = tl.arange(0, BLOCK_D)                        # (BLOCK_D,)
+    # weight and bias: loaded once per program and held in registers,
+    # except for the widest tiles (not pipelined: registers are short
+    # there), where each step reloads them from L2
     HOLD: tl.constexpr = NUM_STAGES > 1
     if HAS_WEIGHT and HOLD:
-        w_held = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+        w_held = tl.load(
+            W + cols, mask=cols < D, other=0.0
+        ).to(tl.float32)[None, :]
     if HAS_BIAS and HOLD:
-        b_held = tl.load(B + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
-    # a software-pipelined loop: the next NUM_STAGES - 1 tiles' loads are in flight (async
-    # copies into shared memory) while this one is normalized and stored
-    for first in tl.range(tl.program_id(0) * ROWS, M, tl.num_programs(0) * ROWS,
-                          num_stages=NUM_STAGES):
-        rows = first + tl.arange(0, ROWS)                             # (ROWS,)
+        b_held = tl.load(
+            B + cols, mask=cols < D, other=0.0
+        ).to(tl.float32)[None, :]
+    # a software-pipelined loop: the next NUM_STAGES - 1 tiles' loads are
+    # in flight (async copies into shared memory) while this one is
+    # normalized and stored
+    for first in tl.range(
+        tl.program_id(0) * ROWS, M, tl.num_programs(0) * ROWS,
+        num_stages=NUM_STAGES,
+    ):
+        rows = first + tl.arange(0, ROWS)               # (ROWS,)
         row_mask = rows < M
-        mask = row_mask[:, None] & (cols[None, :] < D)                # (ROWS, BLOCK_D)
-        rows64 = rows.to(tl.int64)[:, None]                           # M * D may pass 2^31
-        x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mask = row_mask[:, None] & (cols[None, :] < D)  # (ROWS, BLOCK_D)
+        # M * D may pass 2^31
+        rows64 = rows.to(tl.int64)[:, None]
+        x = tl.load(
+            X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0
+        ).to(tl.float32)
         if HAS_RESIDUAL:
-            r = tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0)
-            h = (x + r.to(tl.float32)).to(H.dtype.element_ty)         # h in the input dtype ...
+            r = tl.load(
+                R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0
+            )
+            # h in the input dtype ...
+            h = (x + r.to(tl.float32)).to(H.dtype.element_ty)
             tl.store(H + rows64 * D + cols[None, :], h, mask=mask)
-            x = h.to(tl.float32)                                      # ... the norm sees that h
+            # ... the norm sees that h
+            x = h.to(tl.float32)
 
         # mean = (1/D) sum_d x_d (ln-mean); RMSNorm does not centre.
-        # var = (1/D) sum_d (x_d - mean)^2 (ln-var): a second pass over registers, so no
-        # E[x^2] - E[x]^2 cancellation. RMSNorm's ms (rms-ms) is the same sum without the mean.
+        # var = (1/D) sum_d (x_d - mean)^2 (ln-var): a second pass over
+        # registers, so no E[x^2] - E[x]^2 cancellation. RMSNorm's ms
+        # (rms-ms) is the same sum without the mean.
         if IS_RMS:
             xc = x
         else:
-            mean = tl.sum(x, axis=1) / D                              # (ROWS,)
-            xc = tl.where(mask, x - mean[:, None], 0.0)               # padding must not count
-        var = tl.sum(xc * xc, axis=1) / D                             # (ROWS,)
-        # (ln-rstd). On a GPU rsqrt flushes a subnormal argument (eps = 0, a near-constant row)
-        # to zero and returns inf; the smallest normal float keeps rstd finite. (A negative
-        # var + eps, possible with a negative eps, stays negative: NaN, as in torch.)
+            mean = tl.sum(x, axis=1) / D                # (ROWS,)
+            # padding must not count
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+        var = tl.sum(xc * xc, axis=1) / D               # (ROWS,)
+        # (ln-rstd). On a GPU rsqrt flushes a subnormal argument (eps = 0,
+        # a near-constant row) to zero and returns inf; the smallest normal
+        # float keeps rstd finite. (A negative var + eps, possible with a
+        # negative eps, stays negative: NaN, as in torch.)
         rstd = tl.math.rsqrt(_clamp_tiny(var + eps))
-        # fp32 values past about 1e19 square to inf: var = inf, rstd = 0 and an output of zeros.
-        # Such rows take the sum again on xc / amax, which cannot overflow, and amax comes back out
-        # of the root. One more reduction over registers, only when a row overflowed.
-        big = var > FP32_MAX                                          # (ROWS,)
+        # fp32 values past about 1e19 square to inf: var = inf, rstd = 0
+        # and an output of zeros. Such rows take the sum again on
+        # xc / amax, which cannot overflow, and amax comes back out of the
+        # root. One more reduction over registers, only when a row
+        # overflowed.
+        big = var > FP32_MAX                            # (ROWS,)
         if tl.max(big.to(tl.int32), axis=0) > 0:
-            amax = tl.where(big, tl.max(tl.abs(xc), axis=1), 1.0)     # (ROWS,)
+            # (ROWS,)
+            amax = tl.where(big, tl.max(tl.abs(xc), axis=1), 1.0)
             u = xc / amax[:, None]
-            rstd = tl.where(big, tl.math.rsqrt(tl.sum(u * u, axis=1) / D) / amax, rstd)
-        xhat = xc * rstd[:, None]                                     # (ln-xhat)
+            rstd = tl.where(
+                big, tl.math.rsqrt(tl.sum(u * u, axis=1) / D) / amax, rstd
+            )
+        xhat = xc * rstd[:, None]                       # (ln-xhat)
 
         # y = weight * xhat + bias (ln-y)
         y = xhat
@@ -133,13 +164,20 @@ def norm_fwd_rows_kernel(
             if HOLD:
                 y = y * w_held
             else:
-                y = y * tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+                y = y * tl.load(
+                    W + cols, mask=cols < D, other=0.0
+                ).to(tl.float32)[None, :]
         if HAS_BIAS:
             if HOLD:
                 y = y + b_held
             else:
-                y = y + tl.load(B + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + rows64 * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+                y = y + tl.load(
+                    B + cols, mask=cols < D, other=0.0
+                ).to(tl.float32)[None, :]
+        tl.store(
+            Y + rows64 * D + cols[None, :], y.to(Y.dtype.element_ty),
+            mask=mask,
+        )
         # two fp32 scalars per row for backward instead of D values of xhat
         if IS_RMS:
             tl.store(Stats + rows, rstd, mask=row_mask)
