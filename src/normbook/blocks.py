@@ -121,10 +121,10 @@ class ResidualStack(nn.Module):
 
     def forward(self, x):
         """(..., d_in) -> (..., d_out)."""
-        h = self.embed(x)                                  # (..., D) the residual stream
+        h = self.embed(x)            # (..., D) the residual stream
         for blk in self.blocks:
             h = blk(h)
-        return self.head(self.final_norm(h))               # (..., d_out)
+        return self.head(self.final_norm(h))       # (..., d_out)
 
 
 def teacher_batch(teacher, batch: int, d_in: int, generator):
