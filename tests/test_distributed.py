@@ -6,9 +6,6 @@ each worker writes what failed, and the test reports it.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
 import traceback
 
 import pytest
@@ -175,42 +172,27 @@ def _feature_checks(rank, failures):
             _close(f"{tag}: dbias", leaves[2].grad, g_ref[2][cols], failures, 1e-12)
 
 
-def _worker(rank, port, out_dir):
-    os.environ["TRITON_INTERPRET"] = "1"
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _checks(rank, world):
+    """Every check on one rank (run by normbook.distributed.launch): the failures, as text."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     failures = []
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (WORLD,))
-        for name, check in (("kernels", lambda: _kernel_checks(mesh, failures)),
-                            ("modules", lambda: _module_checks(mesh, rank, failures)),
-                            ("compile", lambda: _compile_checks(mesh, failures)),
-                            ("features", lambda: _feature_checks(rank, failures))):
-            try:
-                check()
-            except Exception:
-                failures.append(f"{name}: raised\n{traceback.format_exc()}")
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(failures, f)
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,))
+    for name, check in (("kernels", lambda: _kernel_checks(mesh, failures)),
+                        ("modules", lambda: _module_checks(mesh, rank, failures)),
+                        ("compile", lambda: _compile_checks(mesh, failures)),
+                        ("features", lambda: _feature_checks(rank, failures))):
+        try:
+            check()
+        except Exception:
+            failures.append(f"{name}: raised\n{traceback.format_exc()}")
+    return failures
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_processes_match_one(tmp_path):
+def test_two_processes_match_one():
     pytest.importorskip("triton")
-    import torch.multiprocessing as mp
+    from normbook.distributed import launch
 
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    failures = []
-    for rank in range(WORLD):
-        failures += [f"rank {rank}: {f}" for f in json.loads((tmp_path / f"rank{rank}.json").read_text())]
+    failures = [f"rank {rank}: {f}"
+                for rank, fs in enumerate(launch(_checks, world=WORLD)) for f in fs]
     assert not failures, "\n".join(failures)

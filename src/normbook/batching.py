@@ -3,7 +3,7 @@
 :func:`normbook.reference.layer_norm_backward` handles N tokens at once with the einsum strings
 of the chapter "Batching with einsum": per-token statistics keep n (``"nd->n"``, equation
 (batch-stats)), shared parameters sum it away (``"nd->d"``, equation (batch-params)). The loops
-here call the same function on one 1-D token at a time and accumulate the parameter gradients
+here call the one-token functions on one token at a time and accumulate the parameter gradients
 with ``+=``: one weight used by N tokens receives N contributions (the fork rule). They exist to
 check the batched path and to time it; they are not meant to be fast.
 """
@@ -17,26 +17,8 @@ from normbook import reference
 __all__ = ["layer_norm_backward_loop", "rms_norm_backward_loop"]
 
 
-def layer_norm_backward_loop(dy, x, weight, mean, rstd):
-    """LayerNorm backward (ln-dx), token by token; the same returns as the batched reference.
-
-    Args:
-        dy, x: (N, D). weight: (D,) or None. mean, rstd: (N,) from the forward.
-
-    Returns:
-        dx: (N, D); dweight: (D,) or None; dbias: (D,), both summed over the N tokens.
-    """
-    N, D = x.shape
-    dx = torch.empty_like(x)                            # (N, D)
-    dweight = None if weight is None else torch.zeros(D, dtype=x.dtype, device=x.device)
-    dbias = torch.zeros(D, dtype=x.dtype, device=x.device)
-    for n in range(N):
-        dx_n, dw_n, db_n = reference.layer_norm_backward(dy[n], x[n], weight, mean[n], rstd[n])
-        dx[n] = dx_n                                    # per-token: n is kept
-        if weight is not None:
-            dweight += dw_n                             # shared: n is summed (fork rule)
-        dbias += db_n
-    return dx, dweight, dbias
+# the per-row loop of "The backward pass" is this loop: one function, two names
+layer_norm_backward_loop = reference.layer_norm_rows_backward
 
 
 def rms_norm_backward_loop(dy, x, weight, rstd):
@@ -52,7 +34,7 @@ def rms_norm_backward_loop(dy, x, weight, rstd):
     dx = torch.empty_like(x)                            # (N, D)
     dweight = None if weight is None else torch.zeros(D, dtype=x.dtype, device=x.device)
     for n in range(N):
-        dx_n, dw_n = reference.rms_norm_backward(dy[n], x[n], weight, rstd[n])
+        dx_n, dw_n = reference.rms_norm_token_backward(dy[n], x[n], weight, rstd[n])
         dx[n] = dx_n
         if weight is not None:
             dweight += dw_n                             # shared: n is summed (fork rule)

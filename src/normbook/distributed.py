@@ -187,7 +187,8 @@ def _free_port() -> int:
 
 def _launch_worker(rank, world, port, out_dir, timeout_s, fn, args):
     """One child of :func:`launch`: gloo group, ``fn``, result or traceback to a file."""
-    os.environ["TRITON_INTERPRET"] = "1"      # before anything imports triton
+    # TRITON_INTERPRET=1 came with the environment launch() gave this process: it had to be
+    # there before unpickling fn imported anything
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}")

@@ -87,7 +87,7 @@ def norm_backward(dy: Tensor, dh: Optional[Tensor], x: Tensor, weight: Optional[
     dweight, dbias (empty if absent)."""
     dx, dweight, dbias = _backward.norm_backward(
         _rows(dy), None if dh is None else _rows(dh), _rows(x), weight,
-        stats if stats.dim() == 2 else stats.reshape(stats.shape[0], -1), bias_dtype, is_rms)
+        stats.reshape(stats.shape[0], -1), bias_dtype, is_rms)
     empty = x.new_empty((0,))
     return (dx if x.dim() == 2 else dx.view(x.shape), empty.clone() if dweight is None else dweight,
             empty if dbias is None else dbias)
