@@ -214,7 +214,8 @@ def layer_norm_rows_backward(dy, x, weight, mean, rstd):
 
     Args:
         dy, x: (N, D). weight: (D,) or None.
-        mean, rstd: (N,) saved by :func:`~normbook.reference.layer_norm_rows_forward`.
+        mean, rstd: (N,) saved by the row forward,
+            :func:`normbook.reference.layer_norm_rows_forward`.
 
     Returns:
         dx: (N, D); dweight: (D,) or None; dbias: (D,), both summed
