@@ -12,8 +12,8 @@ book fetched from a CDN would fail here as it fails for a reader offline. A page
   error or an undefined macro (drawn in red), or a source with ``$$`` and no typeset math;
 - an image does not load (``naturalWidth == 0``), or a figure a chapter draws has no alt text
   that describes it (a few words, not a file hash);
-- a code cell, folded or not, or a code block (package source shown with ``literalinclude``) is
-  wider than its column at 1280 px (a reader would have to scroll sideways to see it);
+- a code cell, folded or not, a code block (package source shown with ``literalinclude``) or a
+  cell's printed output is wider than its column at 1280 px (a reader would have to scroll sideways to see it);
 - an internal link points to a missing file, or to a ``#fragment`` with no such id in the target;
 - it is a chapter (a MyST notebook) without its ``.ipynb`` download.
 
@@ -180,9 +180,11 @@ const done = arguments[arguments.length - 1];
         })
         .map(p => p.textContent.split("\n").reduce((a, b) => b.length > a.length ? b : a)
                    .slice(0, 100)),
-    // package source shown with literalinclude (and any other code block outside a cell)
-    wideSource: [...document.querySelectorAll("article div.highlight pre")]
-        .filter(p => !p.closest(".cell") && !p.closest(".autodoc, dl.py, .viewcode-block"))
+    // package source shown with literalinclude (and any other code block outside a cell),
+    // and a cell's printed output (a table cut off at the right edge hides its last columns)
+    wideSource: [...document.querySelectorAll("article div.highlight pre, .cell_output pre")]
+        .filter(p => p.closest(".cell_output") || !p.closest(".cell"))
+        .filter(p => !p.closest(".autodoc, dl.py, .viewcode-block"))
         .filter(p => {
           for (let el = p; el && el.tagName !== "ARTICLE"; el = el.parentElement) {
             if (el.scrollWidth > el.clientWidth + 1) return true;

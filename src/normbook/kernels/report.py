@@ -275,11 +275,19 @@ def goal_need(p: dict) -> float | None:
     return 0.70
 
 
-def path_table(predicted: list[dict]) -> str:
-    """The model's prediction per path, one line each."""
-    head = ("arch", "dtype", "D", "norm", "res", "dir", "bytes/row", "min", "prog/SM", "inflight KB",
+def _columns(head, lines, compact: bool) -> str:
+    """Aligned text; ``compact`` drops the arch and dtype columns (the caller names them once)."""
+    keep = [i for i, h in enumerate(head) if not (compact and h in ("arch", "dtype"))]
+    lines = [head] + lines
+    widths = {i: max(len(line[i]) for line in lines) for i in keep}
+    return "\n".join("  ".join(line[i].ljust(widths[i]) for i in keep).rstrip() for line in lines)
+
+
+def path_table(predicted: list[dict], compact: bool = False) -> str:
+    """The model's prediction per path, one line each (``compact``: without arch and dtype)."""
+    head = ("arch", "dtype", "D", "norm", "res", "dir", "bytes", "min", "per SM", "KB",
             "predicted", "goal")
-    lines = [head]
+    lines = []
     for p in predicted:
         need = goal_need(p)
         if "error" in p:
@@ -291,20 +299,21 @@ def path_table(predicted: list[dict]) -> str:
                        str(p["programs_per_sm"]), f"{p['inflight_bytes_per_sm'] / 1024:.1f}",
                        f"{p['predicted_fraction']:.2f}",
                        "" if need is None else ("met" if p["predicted_fraction"] >= need else f"< {need:.2f}")))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+    return _columns(head, lines, compact)
 
 
-def table(rows: list[dict]) -> str:
-    head = ("kernel", "arch", "dtype", "D", "norm", "res", "warps", "ROWS", "regs", "spill", "ld bits", "smem", "")
-    lines = [head]
+def table(rows: list[dict], compact: bool = False) -> str:
+    """One line per compiled kernel (``compact``: without arch and dtype, and the kernel named
+    without its ``norm_`` prefix and ``_kernel`` suffix)."""
+    head = ("kernel", "arch", "dtype", "D", "norm", "res", "warps", "ROWS", "regs", "spill", "load", "smem", "")
+    lines = []
     for r in rows:
-        lines.append((r["kernel"], r["arch"], r["dtype"], str(r["D"]), r["norm"], "y" if r["residual"] else "",
+        name = r["kernel"].removeprefix("norm_").removesuffix("_kernel") if compact else r["kernel"]
+        lines.append((name, r["arch"], r["dtype"], str(r["D"]), r["norm"], "y" if r["residual"] else "",
                       str(r["num_warps"]), str(r["ROWS"]), str(r.get("registers", "-")),
                       str(r.get("spill_bytes", "-")), str(r.get("load_bits", "-")),
                       str(r.get("shared_bytes", "-")), "; ".join(problems(r)) or "ok"))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+    return _columns(head, lines, compact)
 
 
 def main(argv=None) -> int:
