@@ -317,13 +317,8 @@ def _prepare(input, normalized_shape, eps, weight, bias, residual=None, name="in
         if not (isinstance(residual, Tensor) and residual.shape == input.shape
                 and residual.dtype == input.dtype and residual.device == input.device):
             _check_residual(residual, input)
-        if _DTensor is None or not isinstance(residual, _DTensor):
-            residual = _rows(residual)
-    if _DTensor is not None and isinstance(input, _DTensor):
-        # a DTensor keeps its leading dims: flattening (B, T) sharded over T would gather it
-        return (input, residual, None if weight is None else weight,
-                None if bias is None or bias is _NO_BIAS else bias)
-    x = input if input.ndim == 2 and input.stride(1) == 1 else _rows(input)
+        residual = _rows_or_self(residual)
+    x = input if input.ndim == 2 and input.stride(1) == 1 else _rows_or_self(input)
     return (x, residual, None if weight is None else weight.contiguous(),
             None if bias is None or bias is _NO_BIAS else bias.contiguous())
 
@@ -342,6 +337,12 @@ def _check_residual(residual, input) -> None:
 
 
 # ----------------------------------------------------------------------------- public API
+
+def _rows_or_self(t: Tensor) -> Tensor:
+    """:func:`_rows` of a plain tensor; a DTensor keeps its leading dims (flattening (B, T)
+    sharded over T would all-gather it), and the custom op flattens each rank's shard."""
+    return t if type(t) is not Tensor and isinstance(t, _SUBCLASSES) else _rows(t)
+
 
 def _restore(out: Tensor, input: Tensor) -> Tensor:
     """(M, D) rows back to input's shape (a view; none needed for a 2-D input)."""
