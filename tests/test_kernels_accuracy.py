@@ -33,9 +33,10 @@ ULPS = 2.0
 # (M, D): M in {0, 1, 37}, D in {1, 3, 760, 1000, 4097, 10000, 20000, 70000}. D = 4097 is the
 # first D of its power-of-two bucket (BLOCK_D = 8192) with a ragged tail; 10000 uses the fused
 # forward with the chunked backward, 20000 the widest fused forward (32 warps, BLOCK_D = 32768);
-# 70000 the chunked path of both, so its M stays small (the interpreter is slow).
+# 70000 the chunked path of both, so its M stays small (the interpreter is slow); 32769 the
+# chunked forward's held head (32768 columns in 16-bit) and a one-column chunk past it.
 SHAPES = [(0, 760), (1, 1), (37, 1), (1, 3), (37, 3), (37, 760), (1, 1000), (37, 1000),
-          (1, 4097), (37, 4097), (3, 10000), (2, 20000), (0, 70000), (1, 70000)]
+          (1, 4097), (37, 4097), (3, 10000), (2, 20000), (0, 70000), (1, 70000), (1, 32769)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 

@@ -8,9 +8,10 @@ on 16-byte-aligned pointers and strides: that is what lets the loads be 128 bits
 - D <= MAX_FUSED_D_FWD (forward) or MAX_FUSED_D_BWD (backward): the whole row lives in
   registers; statistics take two passes over those registers and HBM is read once. When D is
   small a program takes several rows (ROWS), so each program still moves a useful number of bytes.
-- wider rows: processed in CHUNK_D-wide chunks (a loop), never refused. The price is a second
-  read of the row: the forward re-reads it to normalize (mostly from L2), the backward reads x
-  and dy once for c1, c2 and again for dx and the partials.
+- wider rows: processed in chunks (a loop), never refused. The forward holds the row's first
+  HOLD columns in registers (MAX_FUSED_D_FWD of them, half that in fp32 or with the residual
+  add) and reads only the columns past them twice, once for the statistics and once to
+  normalize; the backward reads x and dy once for c1, c2 and again for dx and the partials.
 - The backward's cap is a quarter of the forward's because it keeps four row-sized fp32 tensors live
   (x, dy and the dweight, dbias partials): at D = 16384 that is about 160 registers per thread
   at 16 warps, over the 128 available, and ptxas spills (see ``python -m normbook.kernels.report``).
@@ -37,7 +38,9 @@ ELEMS_BWD = 32            # values per thread in the backward: 4 warps (8 at D =
                           # programs (one) share an SM and each pipelines its loads
 
 MAX_WARPS = 32            # 1024 threads, the most a program can have
-CHUNK_D = 4096            # chunk width of the wide-row path
+CHUNK_D = 4096            # chunk width of the wide-row backward
+FWD_CHUNK_BYTES = 16384   # chunk of the wide-row forward past its held head: 8192 bf16 or
+                          # 4096 fp32 values, two chunks (32 KB) in flight ahead
 CHUNK_WARPS = 8
 TILE_ELEMS = 4096         # target elements per tile when several small rows share one
 MAX_ROWS = 32             # at most this many rows per tile
@@ -59,6 +62,7 @@ class Config(NamedTuple):
     ROWS: int       # rows per tile, one step of a program's row loop (1 when chunked)
     num_warps: int
     maxnreg: int    # register cap: the whole register file for one program (see below)
+    HOLD: int = 0   # chunked forward: the row's first HOLD columns stay in registers
 
     def launch(self) -> dict:
         """Launch options. ``maxnreg`` stops ptxas from squeezing a kernel that needs, say,
@@ -69,6 +73,8 @@ class Config(NamedTuple):
         """Keyword arguments of one launch: the flags given, the block shape, the options, and
         for the rows kernels ROWS and their loop's pipeline stages."""
         out = dict(constexprs, BLOCK_D=self.BLOCK_D, **self.launch())
+        if self.HOLD:
+            out["HOLD"] = self.HOLD
         if not self.chunked:
             out.update(ROWS=self.ROWS, NUM_STAGES=stages)
         return out
@@ -94,7 +100,12 @@ def forward_config(M: int, D: int, has_residual: bool = False, itemsize: int = 2
     those are 64 registers, all a 32-warp thread has, so fp32 rows with the add are held in
     registers only up to MAX_FUSED_D_ADD_FP32."""
     wide_add = has_residual and itemsize > 2
-    return _config(M, D, MAX_FUSED_D_ADD_FP32 if wide_add else MAX_FUSED_D_FWD, ELEMS_FWD)
+    max_fused = MAX_FUSED_D_ADD_FP32 if wide_add else MAX_FUSED_D_FWD
+    if D > max_fused:   # chunked, holding as much of the row as one program can without spills
+        hold = MAX_FUSED_D_FWD if itemsize <= 2 and not has_residual else MAX_FUSED_D_FWD // 2
+        return Config(True, FWD_CHUNK_BYTES // itemsize, 1, MAX_WARPS, maxnreg_for(MAX_WARPS),
+                      HOLD=hold)
+    return _config(M, D, max_fused, ELEMS_FWD)
 
 
 def vec(D: int, itemsize: int, strides: int = 0) -> int:

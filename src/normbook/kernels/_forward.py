@@ -7,8 +7,9 @@ the norm, so x and the residual are each read once and h is written once.
 Two kernels, chosen by row length (see ``_config``):
 - ``norm_fwd_rows_kernel``: rows held in registers, ROWS at a time, on a persistent grid whose
   row loop is software-pipelined (the next tiles' loads in flight while one is normalized).
-- ``norm_fwd_chunked_kernel``: one row per program, in CHUNK_D-wide chunks, for rows too wide
-  for the registers; chunk statistics are merged with Chan's formula, equation (kern-chan) of
+- ``norm_fwd_chunked_kernel``: one row per program for rows too wide for the registers: the
+  first HOLD columns held in registers, the rest in chunks read once per pass; the statistics
+  of the held head and of each chunk are merged with Chan's formula, equation (kern-chan) of
   "Kernels" (never the cancelling E[x^2] - E[x]^2 of (kern-naive-var)).
 """
 
@@ -204,10 +205,13 @@ def norm_fwd_chunked_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    BLOCK_D: tl.constexpr,   # chunk width
+    BLOCK_D: tl.constexpr,   # chunk width of the columns past HOLD
+    HOLD: tl.constexpr,      # columns [0, HOLD) stay in registers between the passes (HOLD <= D)
     VEC: tl.constexpr,       # D and the strides are multiples of VEC (see _config.vec)
 ):
-    """(ln-mean) to (ln-y), (rms-ms), (rms-y) for rows too wide for the registers; statistics by (kern-chan)."""
+    """(ln-mean) to (ln-y), (rms-ms), (rms-y) for rows too wide for the registers; statistics by
+    (kern-chan). The row's first HOLD columns are read once and held in registers; only the
+    columns past them are read twice (once per pass)."""
     D = multiple(D, VEC)
     stride_x = multiple(stride_x, VEC)
     stride_r = multiple(stride_r, VEC)
@@ -218,11 +222,23 @@ def norm_fwd_chunked_kernel(
     # deviations M2_b, two-pass in registers; Chan's formula merges it into the running row:
     #   delta = m_b - mean,  n' = n + n_b,  mean += delta n_b / n',  M2 += M2_b + delta^2 n n_b / n'.
     # Every term is a sum of squares or a small correction: no cancellation.
-    n = 0.0
-    mean = 0.0
-    m2 = 0.0
-    amax = 0.0                                                   # max |x|, for an overflow
-    for start in tl.range(0, D, BLOCK_D, num_stages=CHUNK_STAGES):
+    # The held head is the first "chunk": its own two-pass statistics, the start of the merge.
+    hc = tl.arange(0, HOLD)
+    x_held = tl.load(X + row * stride_x + hc).to(tl.float32)
+    if HAS_RESIDUAL:
+        h_held = (x_held + tl.load(R + row * stride_r + hc).to(tl.float32)).to(H.dtype.element_ty)
+        tl.store(H + row * D + hc, h_held)
+        x_held = h_held.to(tl.float32)
+    amax = tl.max(tl.abs(x_held), axis=0)                        # max |x|, for an overflow
+    n = HOLD * 1.0
+    if IS_RMS:
+        mean = 0.0
+        m2 = tl.sum(x_held * x_held, axis=0)
+    else:
+        mean = tl.sum(x_held, axis=0) / HOLD
+        xc_held = x_held - mean
+        m2 = tl.sum(xc_held * xc_held, axis=0)
+    for start in tl.range(HOLD, D, BLOCK_D, num_stages=CHUNK_STAGES):
         c = start + cols
         mask = c < D
         x = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
@@ -264,11 +280,24 @@ def norm_fwd_chunked_kernel(
         tl.store(Stats + row, mean)
         tl.store(Stats + M + row, rstd)
 
-    # Pass 2, normalize. The row is read again (from L2 for rows that fit there).
-    for start in tl.range(0, D, BLOCK_D, num_stages=CHUNK_STAGES):
+    # Pass 2, normalize: the held head from registers, the rest read again (from L2 for rows
+    # that fit there). With the residual that is h, one tensor where x and r were two: this
+    # program stored it in pass 1, and the barrier makes every thread's stores visible to all.
+    if HAS_RESIDUAL:
+        tl.debug_barrier()
+    y_held = x_held * rstd if IS_RMS else (x_held - mean) * rstd
+    if HAS_WEIGHT:
+        y_held = y_held * tl.load(W + hc).to(tl.float32)
+    if HAS_BIAS:
+        y_held = y_held + tl.load(B + hc).to(tl.float32)
+    tl.store(Y + row * D + hc, y_held.to(Y.dtype.element_ty))
+    for start in tl.range(HOLD, D, BLOCK_D, num_stages=CHUNK_STAGES):
         c = start + cols
         mask = c < D
-        x = _load_input(X, R, H, row, stride_x, stride_r, c, mask, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            x = tl.load(H + row * D + c, mask=mask, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
         if IS_RMS:
             xhat = x * rstd
         else:

@@ -66,7 +66,8 @@ def launches(D: int, is_rms: bool, residual: bool, dtype: str = "bf16"):
     flags["VEC"] = fwd_flags["VEC"] = bwd_flags["VEC"] = vec(D, e)     # contiguous rows
     out = []
     if fwd.chunked:
-        out.append((_forward.norm_fwd_chunked_kernel, dict(fwd_flags, BLOCK_D=fwd.BLOCK_D), fwd, "fwd"))
+        out.append((_forward.norm_fwd_chunked_kernel, dict(fwd_flags, BLOCK_D=fwd.BLOCK_D, HOLD=fwd.HOLD),
+                    fwd, "fwd"))
     else:
         rows = dict(ROWS=fwd.ROWS, BLOCK_D=fwd.BLOCK_D, NUM_STAGES=num_stages(fwd, e, 1 + residual))
         out.append((_forward.norm_fwd_rows_kernel, dict(fwd_flags, **rows), fwd, "fwd"))
@@ -102,8 +103,9 @@ def traffic(kernel: str, D: int, dtype: str, is_rms: bool, residual: bool, cfg, 
         grid = min(resident_per_sm(cfg) * sms, -(-M // cfg.ROWS))   # persistent
         return dict(bytes_per_row=row * (1 + res) * 2 + n_stats + params,
                     tile_bytes=cfg.ROWS * row * (1 + res), grid=grid)
-    if kernel == "norm_fwd_chunked_kernel":             # pass 1 reads x (r), writes h; pass 2 again
-        return dict(bytes_per_row=row * (1 + res) * 2 + row * res + row + n_stats + 2 * params,
+    if kernel == "norm_fwd_chunked_kernel":   # pass 1 reads x (r), writes h; pass 2 re-reads past HOLD
+        again = (D - cfg.HOLD) * e                      # x, or h with the residual
+        return dict(bytes_per_row=row * (1 + res) + again + row * res + row + n_stats + 2 * params,
                     tile_bytes=cfg.BLOCK_D * e * (1 + res), grid=M)
     if kernel == "norm_bwd_rows_kernel":                # x, dy (dh) in; dx out; partials
         return dict(bytes_per_row=row * (2 + res) + row + n_stats + partials + params / n_par,
