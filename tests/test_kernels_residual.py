@@ -64,6 +64,18 @@ def test_add_norm_forward_and_all_grads(norm, M, D, dtype):
     assert_within_torch(dw, dwt, dw64, name="dweight", sum_rows=M)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("M,D", [(512, 40000), (64, 131072), (3, 70001)])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_gpu_add_norm_wide_rows(norm, M, D, dtype):
+    """The chunked forward with the add: its second pass reads back the h that other threads of
+    the same program stored in the first, ordered by a barrier. The interpreter runs a program's
+    threads as one, so only a GPU can show a missing barrier."""
+    test_add_norm_forward_and_all_grads(norm, M, D, dtype)
+
+
 def test_add_norm_without_gradient_at_s():
     """When s is not used downstream, only the gradient through the norm reaches x and residual."""
     x, w, b, dy = make(5, 64, torch.float32, seed=3)
