@@ -44,14 +44,52 @@ def multiple(n, VEC: tl.constexpr):
 
 
 @triton.jit
-def _load_input(X, R, H, row, stride_x, stride_r, c, mask, HAS_RESIDUAL: tl.constexpr):
-    """Columns c of one row of the norm's input, fp32: x, or h = x + residual recomputed
-    (rounded to the dtype of H, as stored), so no thread depends on another's store."""
+def _load_add(X, R, H, row, stride_x, stride_r, D, c, mask, HAS_RESIDUAL: tl.constexpr):
+    """Columns c of one row of the norm's input, fp32, in the chunked forward's first pass: x,
+    or h = x + residual, stored to H in its dtype and used as stored."""
     x = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(R + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
-        x = (x + r).to(H.dtype.element_ty).to(tl.float32)
+        h = (x + r).to(H.dtype.element_ty)
+        tl.store(H + row * D + c, h, mask=mask)
+        x = h.to(tl.float32)
     return x
+
+
+@triton.jit
+def _reload(X, H, row, stride_x, D, c, mask, HAS_RESIDUAL: tl.constexpr):
+    """The same columns in a later pass: x, or the h that the first pass stored (one tensor
+    where x and the residual were two; a barrier after that pass orders the stores first)."""
+    if HAS_RESIDUAL:
+        return tl.load(H + row * D + c, mask=mask, other=0.0).to(tl.float32)
+    return tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _merge(n, mean, m2, x, mask, n_b, IS_RMS: tl.constexpr):
+    """One block of n_b values x into the row's running (n, mean, M2) by Chan's formula
+    (kern-chan), the block's own statistics two-pass in registers; from n = 0 it returns the
+    block's own. RMSNorm: M2 is the sum of squares (rms-ms), no mean."""
+    if IS_RMS:
+        return n + n_b, mean, m2 + tl.sum(x * x, axis=0)
+    m_b = tl.sum(x, axis=0) / n_b
+    xc = tl.where(mask, x - m_b, 0.0)
+    delta = m_b - mean
+    n_new = n + n_b
+    return (n_new, mean + delta * (n_b / n_new),
+            m2 + tl.sum(xc * xc, axis=0) + delta * delta * (n * n_b / n_new))
+
+
+@triton.jit
+def _normalize_store(Y, W, B, row, D, c, mask, x, mean, rstd, IS_RMS: tl.constexpr,
+                     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y = weight * xhat + bias (ln-xhat), (ln-y) for columns c of one row, stored."""
+    y = x * rstd if IS_RMS else (x - mean) * rstd
+    if HAS_WEIGHT:
+        y = y * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(B + c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * D + c, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -218,48 +256,26 @@ def norm_fwd_chunked_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
 
-    # Pass 1, statistics. Each chunk b gets its own count n_b, mean m_b and sum of squared
-    # deviations M2_b, two-pass in registers; Chan's formula merges it into the running row:
+    # Pass 1, statistics. The held head, then each chunk, gets its own count n_b, mean m_b and
+    # sum of squared deviations M2_b, two-pass in registers; Chan's formula merges it into the
+    # running row:
     #   delta = m_b - mean,  n' = n + n_b,  mean += delta n_b / n',  M2 += M2_b + delta^2 n n_b / n'.
     # Every term is a sum of squares or a small correction: no cancellation.
-    # The held head is the first "chunk": its own two-pass statistics, the start of the merge.
     hc = tl.arange(0, HOLD)
-    x_held = tl.load(X + row * stride_x + hc).to(tl.float32)
-    if HAS_RESIDUAL:
-        h_held = (x_held + tl.load(R + row * stride_r + hc).to(tl.float32)).to(H.dtype.element_ty)
-        tl.store(H + row * D + hc, h_held)
-        x_held = h_held.to(tl.float32)
+    hmask = tl.full((HOLD,), True, tl.int1)       # HOLD <= D: a constant the compiler folds
+    x_held = _load_add(X, R, H, row, stride_x, stride_r, D, hc, hmask, HAS_RESIDUAL)
     amax = tl.max(tl.abs(x_held), axis=0)                        # max |x|, for an overflow
-    n = HOLD * 1.0
-    if IS_RMS:
-        mean = 0.0
-        m2 = tl.sum(x_held * x_held, axis=0)
-    else:
-        mean = tl.sum(x_held, axis=0) / HOLD
-        xc_held = x_held - mean
-        m2 = tl.sum(xc_held * xc_held, axis=0)
+    n, mean, m2 = _merge(0.0, 0.0, 0.0, x_held, hmask, HOLD * 1.0, IS_RMS)
     for start in tl.range(HOLD, D, BLOCK_D, num_stages=CHUNK_STAGES):
         c = start + cols
         mask = c < D
-        x = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(R + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
-            h = (x + r).to(H.dtype.element_ty)
-            tl.store(H + row * D + c, h, mask=mask)
-            x = h.to(tl.float32)
+        x = _load_add(X, R, H, row, stride_x, stride_r, D, c, mask, HAS_RESIDUAL)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-        if IS_RMS:
-            m2 += tl.sum(x * x, axis=0)                          # (rms-ms): a sum of squares
-        else:
-            n_b = tl.minimum(D - start, BLOCK_D).to(tl.float32)
-            m_b = tl.sum(x, axis=0) / n_b
-            xc = tl.where(mask, x - m_b, 0.0)
-            m2_b = tl.sum(xc * xc, axis=0)
-            delta = m_b - mean
-            n_new = n + n_b
-            mean += delta * (n_b / n_new)
-            m2 += m2_b + delta * delta * (n * n_b / n_new)
-            n = n_new
+        n, mean, m2 = _merge(n, mean, m2, x, mask, tl.minimum(D - start, BLOCK_D).to(tl.float32),
+                             IS_RMS)
+    if HAS_RESIDUAL:
+        # h is read back from here on: every thread's stores of it before any thread's loads
+        tl.debug_barrier()
     var = m2 / D                                                 # (ln-var)
     if var > FP32_MAX:
         # squares overflowed (values past about 1e19): the sum again on (x - mean) / amax,
@@ -268,7 +284,7 @@ def norm_fwd_chunked_kernel(
         for start in range(0, D, BLOCK_D):
             c = start + cols
             mask = c < D
-            x = _load_input(X, R, H, row, stride_x, stride_r, c, mask, HAS_RESIDUAL)
+            x = _reload(X, H, row, stride_x, D, c, mask, HAS_RESIDUAL)
             u = tl.where(mask, (x if IS_RMS else x - mean) / amax, 0.0)
             m2s += tl.sum(u * u, axis=0)
         rstd = tl.math.rsqrt(m2s / D) / amax
@@ -281,33 +297,13 @@ def norm_fwd_chunked_kernel(
         tl.store(Stats + M + row, rstd)
 
     # Pass 2, normalize: the held head from registers, the rest read again (from L2 for rows
-    # that fit there). With the residual that is h, one tensor where x and r were two: this
-    # program stored it in pass 1, and the barrier makes every thread's stores visible to all.
-    if HAS_RESIDUAL:
-        tl.debug_barrier()
-    y_held = x_held * rstd if IS_RMS else (x_held - mean) * rstd
-    if HAS_WEIGHT:
-        y_held = y_held * tl.load(W + hc).to(tl.float32)
-    if HAS_BIAS:
-        y_held = y_held + tl.load(B + hc).to(tl.float32)
-    tl.store(Y + row * D + hc, y_held.to(Y.dtype.element_ty))
+    # that fit there).
+    _normalize_store(Y, W, B, row, D, hc, hmask, x_held, mean, rstd, IS_RMS, HAS_WEIGHT, HAS_BIAS)
     for start in tl.range(HOLD, D, BLOCK_D, num_stages=CHUNK_STAGES):
         c = start + cols
         mask = c < D
-        if HAS_RESIDUAL:
-            x = tl.load(H + row * D + c, mask=mask, other=0.0).to(tl.float32)
-        else:
-            x = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-        if IS_RMS:
-            xhat = x * rstd
-        else:
-            xhat = (x - mean) * rstd                             # (ln-xhat)
-        y = xhat
-        if HAS_WEIGHT:
-            y = y * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            y = y + tl.load(B + c, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Y + row * D + c, y.to(Y.dtype.element_ty), mask=mask)
+        x = _reload(X, H, row, stride_x, D, c, mask, HAS_RESIDUAL)
+        _normalize_store(Y, W, B, row, D, c, mask, x, mean, rstd, IS_RMS, HAS_WEIGHT, HAS_BIAS)
 
 
 def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
