@@ -32,9 +32,10 @@ ULPS = 2.0
 
 # (M, D): M in {0, 1, 37}, D in {1, 3, 760, 1000, 4097, 10000, 20000, 70000}. D = 4097 is the
 # first D of its power-of-two bucket (BLOCK_D = 8192) with a ragged tail; 10000 uses the fused
-# forward with the chunked backward, 20000 the widest fused forward (32 warps, BLOCK_D = 32768);
-# 70000 the chunked path of both, so its M stays small (the interpreter is slow); 32769 the
-# chunked forward's held head (32768 columns in 16-bit) and a one-column chunk past it.
+# forward with the wide backward (3 slices exchanging sums, the last one ragged), 20000 the
+# widest fused forward (32 warps, BLOCK_D = 32768); 70000 the chunked forward and 18 slices
+# (bf16) of the backward, so its M stays small (the interpreter is slow); 32769 the chunked
+# forward's held head (32768 columns in 16-bit) and a one-column chunk past it.
 SHAPES = [(0, 760), (1, 1), (37, 1), (1, 3), (37, 3), (37, 760), (1, 1000), (37, 1000),
           (1, 4097), (37, 4097), (3, 10000), (2, 20000), (0, 70000), (1, 70000), (1, 32769)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -190,7 +191,43 @@ def test_rms_norm_scale_identity_on_kernel_dx(M, D):
     assert (resid <= 64 * torch.finfo(torch.float32).eps * (x * dx).abs().sum(-1)).all()
 
 
-@pytest.mark.parametrize("M,D", [(37, 1000), (6, 20000)])  # 20000: chunked path, four programs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_wide_backward_reading_twice(monkeypatch, norm, dtype):
+    """Rows with more slices than the GPU holds programs take the two-read backward (c1, c2
+    first, then dx): forced here at D = 10000 by allowing one slice, against float64 and
+    against the exchange's result."""
+    M, D = 5, 10000
+    x, w, b, dy = make(M, D, dtype)
+    norm_fn = ((lambda x, w, b: K.layer_norm(x, (D,), w, b, EPS)) if norm == "layer"
+               else (lambda x, w, b: K.rms_norm(x, (D,), w, EPS)))
+    _config.backward_plan.cache_clear()
+    assert _config.backward_plan(M, D, torch.empty(0, device=DEVICE).get_device(), x.element_size(),
+                                 norm == "rms", False, True, norm == "layer")[0].SLICES
+    exchanged = grads(norm_fn, dy, x, w, b)[1]
+    monkeypatch.setattr(_config, "CPU_SLICES", 1)
+    _config.backward_plan.cache_clear()
+    try:
+        cfg = _config.backward_plan(M, D, torch.empty(0, device=DEVICE).get_device(),
+                                    x.element_size(), norm == "rms", False, True, norm == "layer")[0]
+        assert cfg.chunked and not cfg.SLICES
+        twice = grads(norm_fn, dy, x, w, b)[1]
+    finally:
+        _config.backward_plan.cache_clear()
+    x64, w64, b64, dy64 = (t.double() for t in (x, w, b, dy))
+    if norm == "layer":
+        _, mean, rstd = reference.layer_norm_forward(x64, w64, b64, EPS)
+        ref = reference.layer_norm_backward(dy64, x64, w64, mean, rstd)
+    else:
+        _, rstd = reference.rms_norm_forward(x64, w64, EPS)
+        ref = reference.rms_norm_backward(dy64, x64, w64, rstd)
+    for got, other, r, name in zip(twice, exchanged, ref, ("dx", "dweight", "dbias")):
+        if got is None:
+            continue
+        assert_within_torch(got, other, r, name=name, sum_rows=M if name != "dx" else 1)
+
+
+@pytest.mark.parametrize("M,D", [(37, 1000), (6, 20000)])  # 20000: the wide backward, 5 slices
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_parameter_gradients_are_deterministic(M, D, norm):
     """Two runs give bitwise equal dweight and dbias: fixed grid, fixed partials, fixed sum order."""

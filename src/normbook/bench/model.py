@@ -10,14 +10,23 @@ at most the copy bandwidth, and falls short of it for two reasons the model coun
    flight (Little's law). An SM holds as many programs as its registers (64K), shared memory
    (228 KB) and warp slots (64) allow, and the grid provides; each program has in flight the
    loads of its current tile, all of the time when its loop is pipelined (async copies in the
-   compiled code, num_stages - 1 tiles ahead), about half of the time when it is not (load,
+   compiled code, num_stages - 1 tiles ahead; or the next row's loads issued into registers
+   before the program waits, one tile ahead), about half of the time when it is not (load,
    then reduce and store, then load again). Efficiency: min(1, in flight / LITTLE_BYTES).
+
+3. **Exchange.** The wide backward's programs share a row and wait, once per row, for each
+   other's partial sums: a 64-bit atomic store to L2 and polls that read it back. The loads
+   of the next row are in flight meanwhile (counted above as one tile ahead), so the wait
+   costs nothing as long as a step's bytes (loads and stores of every resident program) take
+   longer at the SM's share of the bandwidth than the exchange takes (``exchange``, assumed
+   1 us, an L2 round trip each way); otherwise the step lasts the exchange.
+   Efficiency: min(1, step time at bandwidth / exchange).
 
 A path of several kernels takes the time of each: predicted fraction
 = min bytes / sum over kernels (bytes of the kernel / its efficiency). Assumptions, stated so
 that a GPU run can correct them: every pass over a row is an HBM pass (no L2 reuse between the
-passes of a wide row), weights and biases come from L2 after the first read, and compute is
-never the limit. The numbers are for an H200 (``H200``).
+passes of a wide row), weights and biases come from L2 after the first read, the exchange's
+slots cost one HBM write back, and compute is never the limit. The numbers are for an H200 (``H200``).
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import math
 __all__ = ["H200", "LITTLE_BYTES", "programs_per_sm", "predict"]
 
 H200 = dict(sms=132, registers=65536, shared=228 * 1024, warps=64, blocks=32,
-            bandwidth=4.3e12, latency=1e-6)
+            bandwidth=4.3e12, latency=1e-6, exchange=1e-6)
 LITTLE_BYTES = H200["bandwidth"] * H200["latency"] / H200["sms"]   # about 32.6 KB per SM
 NON_PIPELINED_DUTY = 0.5    # a loop without async copies has loads in flight half of the time
 
@@ -49,8 +58,11 @@ def kernel_efficiency(k: dict, hw=H200) -> dict:
     resident = min(resident, math.ceil(k["grid"] / hw["sms"]))     # a small grid fills less
     ahead = max(1, k["num_stages"] - 1) if k["pipelined"] else NON_PIPELINED_DUTY
     inflight = resident * k["tile_bytes"] * ahead
-    return dict(programs_per_sm=resident, inflight_bytes_per_sm=inflight,
-                efficiency=min(1.0, inflight / LITTLE_BYTES))
+    efficiency = min(1.0, inflight / LITTLE_BYTES)
+    if "step_bytes" in k:   # programs that wait for each other's sums once per step
+        at_bandwidth = resident * k["step_bytes"] / (hw["bandwidth"] / hw["sms"])
+        efficiency *= min(1.0, at_bandwidth / hw["exchange"])
+    return dict(programs_per_sm=resident, inflight_bytes_per_sm=inflight, efficiency=efficiency)
 
 
 def predict(kernels: list[dict], min_bytes_per_row: float, hw=H200) -> dict:

@@ -14,9 +14,13 @@ same summation order every run, so the result is bitwise reproducible.
 
 Kernels, chosen by row length:
 - ``norm_bwd_rows_kernel``: ROWS whole rows at a time in registers, one read of x and dy.
-- ``norm_bwd_stats_kernel`` then ``norm_bwd_chunked_kernel``: for wide rows, c1 and c2 are
-  computed first chunk by chunk (two fp32 scalars per row), then a grid over (programs,
-  column chunks) forms dx and the partials with each chunk's accumulators in registers.
+- ``norm_bwd_coop_kernel``: wide rows, one read of x and dy. S programs share each row, one
+  column slice each, and exchange their slices' partial sums of c1 and c2 through a small
+  buffer of 64-bit slots; each keeps its slice's partials of dweight and dbias.
+- ``norm_bwd_stats_kernel`` then ``norm_bwd_chunked_kernel``: rows with more slices than the
+  GPU holds programs. c1 and c2 are computed first chunk by chunk (two fp32 scalars per row),
+  then a grid over (programs, column chunks) forms dx and the partials with each chunk's
+  accumulators in registers: x and dy are read twice.
 - ``norm_bwd_finish_kernel``: sums the partials and writes dweight, dbias in the
   parameters' dtypes, one launch for both.
 """
@@ -277,6 +281,177 @@ def norm_bwd_chunked_kernel(
 
 
 @triton.jit
+def _pack(a, b):
+    """Two fp32 values as one int64 (a in the low word), never 0: 0 marks
+    an empty slot, so a pair of +0.0 is stored as (+0.0, -0.0), equal in
+    every sum."""
+    ai = a.to(tl.int32, bitcast=True)
+    bi = b.to(tl.int32, bitcast=True)
+    bi = tl.where((ai | bi) == 0, -2147483648, bi)
+    return (bi.to(tl.int64) << 32) | (ai.to(tl.int64) & 0xFFFFFFFF)
+
+
+@triton.jit
+def _unpack(v, high: tl.constexpr):
+    """One of the two fp32 values of :func:`_pack` (``high``: b)."""
+    if high:
+        v = v >> 32
+    return (v & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _slice_terms(x, dy, W, c, mask, mean, rstd,
+                 IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """xhat (ln-xhat) and ghat (ln-ghat) of one row's columns c, fp32."""
+    x = x.to(tl.float32)
+    dy = dy.to(tl.float32)
+    if IS_RMS:
+        xhat = x * rstd
+    else:
+        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+    if HAS_WEIGHT:
+        w = tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+        dy = dy * w
+    return xhat, dy
+
+
+@triton.jit
+def _slice_sums(xhat, ghat):
+    """A slice's share of (ln-c): sum ghat and sum ghat * xhat, packed."""
+    return _pack(tl.sum(ghat, axis=0), tl.sum(ghat * xhat, axis=0))
+
+
+@triton.jit
+def norm_bwd_coop_kernel(
+    X,                       # (M, D) forward input (h when the residual
+                             # add was fused)
+    DY,                      # (M, D) gradient arriving at y, rows
+                             # stride_dy apart
+    DH,                      # (M, D) gradient arriving at h, rows
+                             # stride_dh apart (if HAS_DH)
+    DX,                      # (M, D) output dx, contiguous
+    W,                       # (D,) weight gamma (if HAS_WEIGHT)
+    Stats,                   # (2, M) fp32 mean [0], rstd [1] saved by the
+                             # forward; RMSNorm (1, M)
+    Slots,                   # (M, S) int64, zeroed: slice j of row n
+                             # publishes its two sums at [n, j]
+    DW,                      # (groups, D) fp32 partial dweight, a row
+                             # per group; with one group, dweight itself
+    DB,                      # (groups, D) fp32 partial dbias (as DW)
+    stride_x,                # row stride of X, in elements
+    stride_dy,               # row stride of DY, in elements
+    stride_dh,               # row stride of DH, in elements
+    M,                       # number of rows
+    D,                       # row length, any size
+    IS_RMS: tl.constexpr,
+    HAS_DH: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_D: tl.constexpr,   # slice width: the columns a program owns
+    SLICES: tl.constexpr,    # next_power_of_2(S), S = cdiv(D, BLOCK_D)
+    VEC: tl.constexpr,       # D and the strides are multiples of VEC
+                             # (see _config.vec)
+    SELF_COMPUTE: tl.constexpr,  # the interpreter: compute a missing
+                                 # slot instead of waiting for it
+):
+    """(ln-c), (ln-dx), (rms-dx), (ln-dparams) and (fork-rule) for wide
+    rows, reading x and dy once: S programs share each row, a slice of
+    columns each, and exchange their shares of c1 and c2.
+
+    Program (g, j) owns slice j of rows g, g + G, ... (G groups of S).
+    Per row it publishes its two sums as one 64-bit word (an atomic at
+    L2: the data is its own "ready" flag), reads the other S - 1 slots
+    until none is empty, and sums them in slice order: the same bits
+    every run. The next row's x and dy are loaded before the wait, so
+    HBM stays busy meanwhile. Every program publishes before it waits,
+    so the waits end once all are resident, which the cooperative launch
+    guarantees. The interpreter runs programs one by one (SELF_COMPUTE):
+    a slot not yet published is computed from x and dy by the same code.
+    """
+    D = multiple(D, VEC)
+    stride_x = multiple(stride_x, VEC)
+    stride_dy = multiple(stride_dy, VEC)
+    stride_dh = multiple(stride_dh, VEC)
+    S = tl.cdiv(D, BLOCK_D)
+    pid = tl.program_id(0)
+    j = pid % S                                   # this program's slice
+    groups = tl.num_programs(0) // S
+    cols = tl.arange(0, BLOCK_D)
+    c = j * BLOCK_D + cols
+    mask = c < D
+    t = tl.arange(0, SLICES)                      # (SLICES,) slice index
+    others = (t < S) & (t != j)
+    dw = tl.zeros((BLOCK_D,), dtype=tl.float32)   # partial sum_n dy*xhat
+    db = tl.zeros((BLOCK_D,), dtype=tl.float32)   # partial sum_n dy
+    first = (pid // S).to(tl.int64)
+    start = tl.minimum(first, M - 1)              # a group without rows
+    x_next = tl.load(X + start * stride_x + c, mask=mask, other=0.0)
+    dy_next = tl.load(DY + start * stride_dy + c, mask=mask, other=0.0)
+    for row in range(first, M, groups):
+        x = x_next                 # this row as loaded (16-bit: compact)
+        dy = dy_next
+        rstd = tl.load(Stats + (0 if IS_RMS else M) + row)
+        mean = 0.0
+        if not IS_RMS:
+            mean = tl.load(Stats + row)
+        xhat, ghat = _slice_terms(x, dy, W, c, mask, mean, rstd,
+                                  IS_RMS, HAS_WEIGHT)
+        own = _slice_sums(xhat, ghat)
+        tl.atomic_xchg(Slots + row * S + j, own, sem="relaxed")  # publish
+        # (ln-dparams) before the wait, so dy's fp32 copy can go
+        if HAS_WEIGHT:
+            dw += dy.to(tl.float32) * xhat
+        if HAS_BIAS:
+            db += dy.to(tl.float32)
+        # the next row, in flight while we wait (past the end: the last)
+        nxt = tl.minimum(row + groups, M - 1)
+        x_next = tl.load(X + nxt * stride_x + c, mask=mask, other=0.0)
+        dy_next = tl.load(DY + nxt * stride_dy + c, mask=mask, other=0.0)
+        if HAS_DH:
+            dh = tl.load(DH + row * stride_dh + c, mask=mask, other=0.0)
+        slots = Slots + row * S + t
+        got = tl.load(slots, mask=others, other=1, volatile=True)
+        if SELF_COMPUTE:
+            for u in range(0, S):        # compute the slots still empty
+                empty = ((t == u) & (got == 0)).to(tl.int32)
+                if tl.sum(empty, axis=0) > 0:
+                    cu = u * BLOCK_D + cols
+                    mu = cu < D
+                    xu = tl.load(X + row * stride_x + cu, mask=mu,
+                                 other=0.0)
+                    dyu = tl.load(DY + row * stride_dy + cu, mask=mu,
+                                  other=0.0)
+                    xhat_u, ghat_u = _slice_terms(xu, dyu, W, cu, mu, mean,
+                                                  rstd, IS_RMS, HAS_WEIGHT)
+                    got = tl.where(t == u, _slice_sums(xhat_u, ghat_u),
+                                   got)
+        else:
+            while tl.sum((got == 0).to(tl.int32), axis=0) > 0:   # wait
+                got = tl.load(slots, mask=others, other=1, volatile=True)
+        got = tl.where(t == j, own, got)
+        valid = t < S
+        c2 = tl.sum(tl.where(valid, _unpack(got, True), 0.0), axis=0) / D
+        # xhat and ghat again, from the row as loaded: fewer registers
+        # are held through the wait
+        xhat, ghat = _slice_terms(x, dy, W, c, mask, mean, rstd,
+                                  IS_RMS, HAS_WEIGHT)
+        if IS_RMS:
+            dx = (ghat - c2 * xhat) * rstd                      # (rms-dx)
+        else:
+            c1 = tl.sum(tl.where(valid, _unpack(got, False), 0.0),
+                        axis=0) / D
+            dx = (ghat - c1 - c2 * xhat) * rstd                 # (ln-dx)
+        if HAS_DH:
+            dx += dh.to(tl.float32)                          # (fork-rule)
+        tl.store(DX + row * D + c, dx.to(DX.dtype.element_ty), mask=mask)
+    g = pid // S
+    if HAS_WEIGHT:
+        tl.store(DW + g * D + c, dw.to(DW.dtype.element_ty), mask=mask)
+    if HAS_BIAS:
+        tl.store(DB + g * D + c, db.to(DB.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def norm_bwd_finish_kernel(
     PW,                      # (programs, D) fp32 partial dweight, one row per program
     PB,                      # (programs, D) fp32 partial dbias
@@ -360,6 +535,12 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     if not cfg.chunked:
         norm_bwd_rows_kernel[(programs,)](
             x, dy, dhp, dx, w, stats, pw, pb, stride_x, stride_dy, stride_dh, M, D, **flags)
+    elif cfg.SLICES:        # groups of S programs, one per slice of a row, exchanging sums
+        slices = -(-D // cfg.BLOCK_D)
+        slots = torch.zeros((M, slices), dtype=torch.int64, device=x.device)
+        norm_bwd_coop_kernel[(programs * slices,)](
+            x, dy, dhp, dx, w, stats, slots, pw, pb, stride_x, stride_dy, stride_dh, M, D,
+            **flags)
     else:
         c1 = x.new_empty((M,), dtype=torch.float32) if not is_rms else stats
         c2 = x.new_empty((M,), dtype=torch.float32)

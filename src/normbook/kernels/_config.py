@@ -11,7 +11,10 @@ on 16-byte-aligned pointers and strides: that is what lets the loads be 128 bits
 - wider rows: processed in chunks (a loop), never refused. The forward holds the row's first
   HOLD columns in registers (MAX_FUSED_D_FWD of them, half that in fp32 or with the residual
   add) and reads only the columns past them twice, once for the statistics and once to
-  normalize; the backward reads x and dy once for c1, c2 and again for dx and the partials.
+  normalize. The backward splits each row into S slices of COOP_BYTES of x, one program per
+  slice, and the S programs of a row exchange their partial sums of c1, c2 (a cooperative
+  launch keeps them all resident), so x and dy are read once; rows too wide for that (more
+  slices than the GPU holds programs) read x and dy once for c1, c2 and again for dx.
 - The backward's cap is a quarter of the forward's because it keeps four row-sized fp32 tensors live
   (x, dy and the dweight, dbias partials): at D = 16384 that is about 160 registers per thread
   at 16 warps, over the 128 available, and ptxas spills (see ``python -m normbook.kernels.report``).
@@ -38,7 +41,14 @@ ELEMS_BWD = 32            # values per thread in the backward: 4 warps (8 at D =
                           # programs (one) share an SM and each pipelines its loads
 
 MAX_WARPS = 32            # 1024 threads, the most a program can have
-CHUNK_D = 4096            # chunk width of the wide-row backward
+CHUNK_D = 4096            # chunk width of the wide-row backward (rows too wide to share)
+COOP_BYTES = 8192         # slice of x per program of the wide-row backward: 4096 bf16 or 2048
+                          # fp32 values; its x and dy for the next row (16 KB) are in flight
+                          # while it waits for the row's sums, two programs per SM: 32 KB
+COOP_WARPS = 8            # 256 threads, 16 values each (bf16 on sm_90): about 123 registers
+COOP_MAXNREG = 128        # half the register file, so that two programs are resident
+COOP_VALUES_SM80 = 8      # before Hopper, values a thread of it holds: ptxas for sm_80 needs
+                          # more registers for 16 and would spill (python -m normbook.kernels.report)
 FWD_CHUNK_BYTES = 16384   # chunk of the wide-row forward past its held head: 8192 bf16 or
                           # 4096 fp32 values, two chunks (32 KB) in flight ahead
 CHUNK_WARPS = 8
@@ -46,6 +56,8 @@ TILE_ELEMS = 4096         # target elements per tile when several small rows sha
 MAX_ROWS = 32             # at most this many rows per tile
 MIN_BLOCK_D = 16          # narrower blocks only waste the 128-bit loads
 CPU_PROGRAMS = 4          # persistent grid size in the interpreter (any fixed number is deterministic)
+CPU_SLICES = 64           # the interpreter's wide backward exchanges sums up to this many slices
+                          # a row (a GPU: as many as it holds programs), past it reads x twice
 
 
 def next_power_of_2(n: int) -> int:
@@ -63,6 +75,7 @@ class Config(NamedTuple):
     num_warps: int
     maxnreg: int    # register cap: the whole register file for one program (see below)
     HOLD: int = 0   # chunked forward: the row's first HOLD columns stay in registers
+    SLICES: int = 0  # wide backward: next_power_of_2(slices per row), 0 without the exchange
 
     def launch(self) -> dict:
         """Launch options. ``maxnreg`` stops ptxas from squeezing a kernel that needs, say,
@@ -75,6 +88,8 @@ class Config(NamedTuple):
         out = dict(constexprs, BLOCK_D=self.BLOCK_D, **self.launch())
         if self.HOLD:
             out["HOLD"] = self.HOLD
+        if self.SLICES:
+            out["SLICES"] = self.SLICES
         if not self.chunked:
             out.update(ROWS=self.ROWS, NUM_STAGES=stages)
         return out
@@ -150,23 +165,37 @@ def forward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool,
 def backward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool, has_dh: bool,
                   has_weight: bool, has_bias: bool, strides: int = 0) -> tuple[Config, int, dict]:
     """(config, persistent programs, launch keywords) of the backward on a device, cached as
-    :func:`forward_plan`."""
-    cfg = backward_config(M, D, narrow_loads(D, itemsize, strides))
+    :func:`forward_plan`. With ``cfg.SLICES`` the programs are groups of S cooperating
+    programs (the grid is programs x S, launched cooperatively: all resident at once, or the
+    launch fails instead of waiting forever), each group one row of partial sums."""
+    cfg = backward_config(M, D, narrow_loads(D, itemsize, strides), itemsize, arch(device_index))
+    flags = dict(IS_RMS=is_rms, HAS_DH=has_dh, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias,
+                 VEC=vec(D, itemsize, strides))
+    if cfg.SLICES:      # programs = groups of S programs, one group per row at a time
+        slices = -(-D // cfg.BLOCK_D)
+        if device_index < 0:       # the interpreter runs programs one after another
+            if slices <= CPU_SLICES:
+                return cfg, min(M, CPU_PROGRAMS), cfg.flags(**flags, SELF_COMPUTE=True)
+        else:
+            resident = persistent_programs(1 << 62, device_index, resident_per_sm(cfg))
+            if slices <= resident:
+                return cfg, max(1, min(M, resident // slices)), cfg.flags(
+                    **flags, SELF_COMPUTE=False, launch_cooperative_grid=True)
+        cfg = cfg._replace(BLOCK_D=CHUNK_D, maxnreg=maxnreg_for(CHUNK_WARPS), SLICES=0)
     programs = persistent_programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg))
-    return cfg, programs, cfg.flags(num_stages(cfg, itemsize, 3 if has_dh else 2), IS_RMS=is_rms,
-                                    HAS_DH=has_dh, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias,
-                                    VEC=vec(D, itemsize, strides))
+    return cfg, programs, cfg.flags(num_stages(cfg, itemsize, 3 if has_dh else 2), **flags)
 
 
 def resident_per_sm(cfg: Config) -> int:
     """Programs of a persistent rows kernel that one SM holds, which sizes its grid.
 
     At most 255 registers per thread (the launch's maxnreg) means a 4-warp program takes at
-    most 32K of the 64K registers, so two fit; an 8-warp program or wider, one. Pipelined
+    most 32K of the 64K registers, so two fit; an 8-warp program or wider, one (two of the
+    wide backward's, capped at COOP_MAXNREG). Pipelined
     tiles take at most SMEM_PER_PROGRAM of shared memory each. The compile report checks it
     against the registers and shared memory each kernel really needs.
     """
-    return max(1, 8 // cfg.num_warps)
+    return max(1, min(64 // cfg.num_warps, 65536 // (cfg.maxnreg * 32 * cfg.num_warps)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -187,11 +216,31 @@ def num_stages(cfg: Config, itemsize: int, inputs: int) -> int:
     return min(MAX_STAGES, 1 + SMEM_PER_PROGRAM // tile)
 
 
+@functools.lru_cache(maxsize=64)
+def arch(device_index: int) -> int:
+    """Compute capability of CUDA device ``device_index`` as 80, 90, ...; 90 for the
+    interpreter (-1), whose launch shapes are those of the goal's GPU."""
+    if device_index < 0:
+        return 90
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return 10 * major + minor
+
+
 @functools.lru_cache(maxsize=4096)
-def backward_config(M: int, D: int, narrow: bool = False) -> Config:
+def backward_config(M: int, D: int, narrow: bool = False, itemsize: int = 2,
+                    arch: int = 90) -> Config:
     """Block shape of the backward for M rows of length D (cached: called on every launch).
     ``narrow``: loads narrower than 16 bytes (:func:`narrow_loads`), which take more registers
-    per value: half as many values per thread, twice the warps, then."""
+    per value: half as many values per thread, twice the warps, then. Wider rows than
+    MAX_FUSED_D_BWD: slices of COOP_BYTES (half that with narrow loads) that exchange their
+    sums (``SLICES``); :func:`backward_plan` falls back to the two-read kernels when a row has
+    more slices than the GPU holds programs. ``arch``: the compute capability (see :func:`arch`)."""
+    if D > MAX_FUSED_D_BWD:
+        block = COOP_BYTES // itemsize // (2 if narrow else 1)
+        if arch < 90:
+            block = min(block, COOP_VALUES_SM80 * 32 * COOP_WARPS)
+        return Config(True, block, 1, COOP_WARPS, COOP_MAXNREG,
+                      SLICES=next_power_of_2(-(-D // block)))
     return _config(M, D, MAX_FUSED_D_BWD, ELEMS_BWD // 2 if narrow else ELEMS_BWD)
 
 

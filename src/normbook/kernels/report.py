@@ -37,7 +37,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from normbook.bench import bytemodel, model  # noqa: E402
 from normbook.kernels import _backward, _forward  # noqa: E402
 from normbook.kernels._config import (  # noqa: E402
-    MAX_FUSED_D_FWD, MAX_WARPS, Config, backward_config, forward_config, narrow_loads, num_stages,
+    COOP_MAXNREG, MAX_FUSED_D_FWD, MAX_WARPS, Config, backward_config, forward_config, narrow_loads, num_stages,
     resident_per_sm, vec)
 
 M_REPORT = 32768                                   # the batch of the performance goal
@@ -55,14 +55,14 @@ def _jit(kernel):
     return kernel if isinstance(kernel, triton.runtime.JITFunction) else triton.JITFunction(kernel.fn)
 
 
-def launches(D: int, is_rms: bool, residual: bool, dtype: str = "bf16"):
+def launches(D: int, is_rms: bool, residual: bool, dtype: str = "bf16", arch: int = 90):
     """(kernel, constexprs, launch options) of every kernel that one forward and one backward run."""
     flags = dict(IS_RMS=is_rms, HAS_WEIGHT=True)
     fwd_flags = dict(flags, HAS_RESIDUAL=residual, HAS_BIAS=not is_rms)
     bwd_flags = dict(flags, HAS_DH=residual, HAS_BIAS=not is_rms)
     e = bytemodel.itemsize(dtype)
     fwd = forward_config(M_REPORT, D, residual, e)
-    bwd = backward_config(M_REPORT, D, narrow_loads(D, e))
+    bwd = backward_config(M_REPORT, D, narrow_loads(D, e), e, arch)
     flags["VEC"] = fwd_flags["VEC"] = bwd_flags["VEC"] = vec(D, e)     # contiguous rows
     out = []
     if fwd.chunked:
@@ -71,7 +71,10 @@ def launches(D: int, is_rms: bool, residual: bool, dtype: str = "bf16"):
     else:
         rows = dict(ROWS=fwd.ROWS, BLOCK_D=fwd.BLOCK_D, NUM_STAGES=num_stages(fwd, e, 1 + residual))
         out.append((_forward.norm_fwd_rows_kernel, dict(fwd_flags, **rows), fwd, "fwd"))
-    if bwd.chunked:
+    if bwd.SLICES and -(-D // bwd.BLOCK_D) <= resident_per_sm(bwd) * model.H200["sms"]:
+        out.append((_backward.norm_bwd_coop_kernel,
+                    dict(bwd_flags, BLOCK_D=bwd.BLOCK_D, SLICES=bwd.SLICES, SELF_COMPUTE=False), bwd, "bwd"))
+    elif bwd.chunked:
         out.append((_backward.norm_bwd_stats_kernel, dict(flags, BLOCK_D=bwd.BLOCK_D), bwd, "bwd"))
         out.append((_backward.norm_bwd_chunked_kernel, dict(bwd_flags, BLOCK_D=bwd.BLOCK_D), bwd, "bwd"))
     else:
@@ -87,7 +90,7 @@ def launches(D: int, is_rms: bool, residual: bool, dtype: str = "bf16"):
 
 
 def traffic(kernel: str, D: int, dtype: str, is_rms: bool, residual: bool, cfg, M: int = M_REPORT,
-            sms: int = model.H200["sms"]) -> dict:
+            sms: int = model.H200["sms"], arch: int = 90) -> dict:
     """What one kernel moves, counted from its code: HBM bytes per row of the problem, the bytes
     of loads one program issues per step of its loop (its tile), and its grid."""
     e = bytemodel.itemsize(dtype)
@@ -95,8 +98,11 @@ def traffic(kernel: str, D: int, dtype: str, is_rms: bool, residual: bool, cfg, 
     n_stats = 4 * (1 if is_rms else 2)                  # fp32 (mean,) rstd per row
     res = int(residual)
     row = D * e
-    rows_bwd = backward_config(M, D, narrow_loads(D, e))
+    rows_bwd = backward_config(M, D, narrow_loads(D, e), e, arch)
     programs = min(resident_per_sm(rows_bwd) * sms, -(-M // rows_bwd.ROWS))   # persistent grid
+    slices = -(-D // rows_bwd.BLOCK_D)
+    if rows_bwd.SLICES:                                 # groups of S programs, one row each
+        programs = min(M, programs // slices)
     partials = 4 * D * n_par * programs / M             # fp32 partials per row, written once
     params = row * n_par / M                            # weights: from HBM once, then L2
     if kernel == "norm_fwd_rows_kernel":                # x (and r) in; y (and h) out
@@ -110,6 +116,12 @@ def traffic(kernel: str, D: int, dtype: str, is_rms: bool, residual: bool, cfg, 
     if kernel == "norm_bwd_rows_kernel":                # x, dy (dh) in; dx out; partials
         return dict(bytes_per_row=row * (2 + res) + row + n_stats + partials + params / n_par,
                     tile_bytes=cfg.ROWS * row * (2 + res), grid=programs)
+    if kernel == "norm_bwd_coop_kernel":   # x, dy (dh) once; dx out; slots; partials
+        # a slot per slice of a row: zeroed, then exchanged at L2 (written back at most once)
+        tile = cfg.BLOCK_D * e * 2                      # the next row's x and dy, in flight
+        return dict(bytes_per_row=row * (2 + res) + row + n_stats + 16 * slices + partials
+                    + params / n_par, tile_bytes=tile, grid=programs * slices,
+                    step_bytes=cfg.BLOCK_D * e * (3 + res))
     if kernel == "norm_bwd_stats_kernel":               # x, dy in; c1, c2 out
         return dict(bytes_per_row=2 * row + n_stats + 8, tile_bytes=cfg.BLOCK_D * e * 2, grid=M)
     if kernel == "norm_bwd_chunked_kernel":             # x, dy (dh) again; dx out; partials
@@ -156,6 +168,8 @@ def signature(fn, dtype: str, constexprs: dict, D: int = 1024):
             sig[name] = f"*{dtype}"
         elif name in FP32_TENSORS:
             sig[name] = "*fp32"
+        elif name == "Slots":
+            sig[name] = "*i64"                           # the backward's exchange slots
         elif name == "eps":
             sig[name] = "fp32"
         else:
@@ -199,11 +213,26 @@ def compile_one(kernel, constexprs, options: dict, dtype, arch, D: int = 1024) -
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     registers, spills = ptxas_info(compiled.asm["ptx"], arch)
-    # a loop is software-pipelined when the compiler turned its loads into async copies
-    pipelined = "async_copy" in compiled.asm["ttgir"]
-    return dict(registers=registers, spill_bytes=spills, load_bits=load_bits(compiled.asm["ptx"]),
+    # a loop is software-pipelined when the compiler turned its loads into async copies, or
+    # when it issues the next row's loads before it waits for the other programs' sums
+    ptx = compiled.asm["ptx"]
+    ahead = prefetched_loads(ptx)
+    pipelined = "async_copy" in compiled.asm["ttgir"] or ahead > 0
+    return dict(registers=registers, spill_bytes=spills, load_bits=load_bits(ptx),
                 shared_bytes=compiled.metadata.shared, pipelined=pipelined,
-                num_stages=constexprs.get("NUM_STAGES", compiled.metadata.num_stages))
+                num_stages=constexprs.get("NUM_STAGES", 2 if ahead else compiled.metadata.num_stages),
+                **({"prefetched_loads": ahead} if ahead else {}))
+
+
+def prefetched_loads(ptx: str) -> int:
+    """128-bit global loads a loop issues before it first polls another program's slot (an
+    ``ld.volatile``), counted from the loop's header: loads in flight while it waits. 0 when
+    the kernel never polls."""
+    wait = ptx.find("ld.volatile.global")
+    if wait < 0:
+        return 0
+    header = ptx.rfind("Loop Header", 0, wait)
+    return len(re.findall(r"ld\.global(?:\.[a-z]\w*)*\.v4\.b32", ptx[header:wait])) if header >= 0 else 0
 
 
 def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None) -> list[dict]:
@@ -216,14 +245,15 @@ def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None) -> list[dict]:
             for D in ds:
                 for is_rms in (False, True):
                     for residual in (False, True) if residual_d in (None, D) else (False,):
-                        for kernel, constexprs, cfg, direction in launches(D, is_rms, residual, dtype):
+                        for kernel, constexprs, cfg, direction in launches(D, is_rms, residual, dtype,
+                                                                           arch):
                             name = kernel.fn.__name__
                             row = dict(kernel=name, direction=direction,
                                        arch=f"sm_{arch}", dtype=dtype, D=D,
                                        norm="rms" if is_rms else "layer", residual=residual,
                                        num_warps=cfg.num_warps, ROWS=constexprs.get("ROWS", 1),
                                        BLOCK_D=constexprs["BLOCK_D"], triton=triton.__version__,
-                                       **traffic(name, D, dtype, is_rms, residual, cfg))
+                                       **traffic(name, D, dtype, is_rms, residual, cfg, arch=arch))
                             try:
                                 row.update(compile_one(kernel, constexprs, cfg.launch(), dtype, arch, D))
                             except Exception as e:  # noqa: BLE001 - reported, and the exit code says so
@@ -259,8 +289,10 @@ def problems(row: dict) -> list[str]:
     wide_possible = not narrow_loads(row["D"], bytemodel.itemsize(row["dtype"]))
     if row["D"] >= 256 and wide_possible and row["load_bits"] < 128:
         out.append(f"widest load {row['load_bits']} bits, expected 128")
-    if row["kernel"] in ("norm_fwd_rows_kernel", "norm_bwd_rows_kernel"):  # sizes the persistent grid
-        cfg = Config(False, row["BLOCK_D"], row["ROWS"], row["num_warps"], 255)
+    if row["kernel"] in ("norm_fwd_rows_kernel", "norm_bwd_rows_kernel", "norm_bwd_coop_kernel"):
+        # sizes the persistent grid; the cooperative launch fails if the programs are not resident
+        cfg = Config(False, row["BLOCK_D"], row["ROWS"], row["num_warps"],
+                     COOP_MAXNREG if row["kernel"] == "norm_bwd_coop_kernel" else 255)
         need = resident_per_sm(cfg)
         have = model.programs_per_sm(row["registers"], row["num_warps"], row["shared_bytes"])
         if have < need:
