@@ -35,7 +35,7 @@ import triton.language as tl
 
 from normbook.kernels import _config
 from normbook.kernels._config import Config, backward_plan, maxnreg_for
-from normbook.kernels._forward import multiple
+from normbook.kernels._forward import _pack, _unpack, multiple
 
 CHUNK_STAGES = tl.constexpr(_config.CHUNK_STAGES)   # chunk and row loops of wide rows
 
@@ -278,25 +278,6 @@ def norm_bwd_chunked_kernel(
         tl.store(DW + pid * D + c, dw.to(DW.dtype.element_ty), mask=mask)
     if HAS_BIAS:
         tl.store(DB + pid * D + c, db.to(DB.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _pack(a, b):
-    """Two fp32 values as one int64 (a in the low word), never 0: 0 marks
-    an empty slot, so a pair of +0.0 is stored as (+0.0, -0.0), equal in
-    every sum."""
-    ai = a.to(tl.int32, bitcast=True)
-    bi = b.to(tl.int32, bitcast=True)
-    bi = tl.where((ai | bi) == 0, -2147483648, bi)
-    return (bi.to(tl.int64) << 32) | (ai.to(tl.int64) & 0xFFFFFFFF)
-
-
-@triton.jit
-def _unpack(v, high: tl.constexpr):
-    """One of the two fp32 values of :func:`_pack` (``high``: b)."""
-    if high:
-        v = v >> 32
-    return (v & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit

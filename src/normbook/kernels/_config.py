@@ -8,13 +8,14 @@ on 16-byte-aligned pointers and strides: that is what lets the loads be 128 bits
 - D <= MAX_FUSED_D_FWD (forward) or MAX_FUSED_D_BWD (backward): the whole row lives in
   registers; statistics take two passes over those registers and HBM is read once. When D is
   small a program takes several rows (ROWS), so each program still moves a useful number of bytes.
-- wider rows: processed in chunks (a loop), never refused. The forward holds the row's first
-  HOLD columns in registers (MAX_FUSED_D_FWD of them, half that in fp32 or with the residual
-  add) and reads only the columns past them twice, once for the statistics and once to
-  normalize. The backward splits each row into S slices of COOP_BYTES of x, one program per
-  slice, and the S programs of a row exchange their partial sums of c1, c2 (a cooperative
-  launch keeps them all resident), so x and dy are read once; rows too wide for that (more
-  slices than the GPU holds programs) read x and dy once for c1, c2 and again for dx.
+- wider rows (never refused): each row is split into S slices, one program per slice holding
+  it in registers (``SLICES``: COOP_FWD_BYTES of loads in the forward, COOP_BYTES of x in the
+  backward), and the S programs of a row exchange their partial sums (forward: mean and M2;
+  backward: the shares of c1, c2) through 64-bit slots, launched cooperatively so that all are
+  resident: the row is read once. Rows with more slices than the GPU holds programs go to
+  kernels that read a row twice: the forward holds its first HOLD columns
+  (:func:`chunked_forward_config`) and reads the rest twice; the backward reads x and dy once
+  for c1, c2 and again for dx.
 - The backward's cap is a quarter of the forward's because it keeps four row-sized fp32 tensors live
   (x, dy and the dweight, dbias partials): at D = 16384 that is about 160 registers per thread
   at 16 warps, over the 128 available, and ptxas spills (see ``python -m normbook.kernels.report``).
@@ -45,6 +46,9 @@ CHUNK_D = 4096            # chunk width of the wide-row backward (rows too wide 
 COOP_BYTES = 8192         # slice of x per program of the wide-row backward: 4096 bf16 or 2048
                           # fp32 values; its x and dy for the next row (16 KB) are in flight
                           # while it waits for the row's sums, two programs per SM: 32 KB
+COOP_FWD_BYTES = 16384    # the wide forward's loads per program and row: 8192 bf16 values of
+                          # x, or 4096 of x and of the residual; next row's in flight: two
+                          # programs per SM keep 32 KB in flight
 COOP_WARPS = 8            # 256 threads, 16 values each (bf16 on sm_90): about 123 registers
 COOP_MAXNREG = 128        # half the register file, so that two programs are resident
 COOP_VALUES_SM80 = 8      # before Hopper, values a thread of it holds: ptxas for sm_80 needs
@@ -109,18 +113,53 @@ def maxnreg_for(num_warps: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def forward_config(M: int, D: int, has_residual: bool = False, itemsize: int = 2) -> Config:
+def forward_config(M: int, D: int, has_residual: bool = False, itemsize: int = 2,
+                   arch: int = 90) -> Config:
     """Block shape of the forward for M rows of length D (cached: called on every launch).
     With the fused residual add a thread loads two values per element of its share; in fp32
     those are 64 registers, all a 32-warp thread has, so fp32 rows with the add are held in
-    registers only up to MAX_FUSED_D_ADD_FP32."""
+    registers only up to MAX_FUSED_D_ADD_FP32. Wider rows: slices whose loads are
+    COOP_FWD_BYTES (x, and the residual) that exchange their statistics (``SLICES``);
+    :func:`forward_plan` falls back to :func:`chunked_forward_config` when a row has more
+    slices than the GPU holds programs. ``arch``: the compute capability (see :func:`arch`)."""
     wide_add = has_residual and itemsize > 2
     max_fused = MAX_FUSED_D_ADD_FP32 if wide_add else MAX_FUSED_D_FWD
-    if D > max_fused:   # chunked, holding as much of the row as one program can without spills
-        hold = MAX_FUSED_D_FWD if itemsize <= 2 and not has_residual else MAX_FUSED_D_FWD // 2
-        return Config(True, FWD_CHUNK_BYTES // itemsize, 1, MAX_WARPS, maxnreg_for(MAX_WARPS),
-                      HOLD=hold)
+    if D > max_fused:
+        block = COOP_FWD_BYTES // itemsize // (2 if has_residual else 1)
+        if arch < 90:
+            block = min(block, COOP_VALUES_SM80 * 32 * COOP_WARPS)
+        return Config(True, block, 1, COOP_WARPS, COOP_MAXNREG,
+                      SLICES=next_power_of_2(-(-D // block)))
     return _config(M, D, max_fused, ELEMS_FWD)
+
+
+def chunked_forward_config(has_residual: bool, itemsize: int) -> Config:
+    """The one-program-per-row forward for rows too wide to share: it holds as much of the row
+    as one program can without spills (HOLD columns) and streams the rest twice."""
+    hold = MAX_FUSED_D_FWD if itemsize <= 2 and not has_residual else MAX_FUSED_D_FWD // 2
+    return Config(True, FWD_CHUNK_BYTES // itemsize, 1, MAX_WARPS, maxnreg_for(MAX_WARPS),
+                  HOLD=hold)
+
+
+def coop_groups(M: int, D: int, cfg: Config, device_index: int) -> int:
+    """Groups of S = cdiv(D, BLOCK_D) programs that a wide kernel exchanging sums launches
+    (grid: groups x S), or 0 when a row has more slices than can run at once: every program
+    of a GPU's grid must be resident (the interpreter, which runs them one by one, takes up to
+    CPU_SLICES slices and CPU_PROGRAMS groups)."""
+    slices = -(-D // cfg.BLOCK_D)
+    if device_index < 0:
+        return min(M, CPU_PROGRAMS) if slices <= CPU_SLICES else 0
+    resident = persistent_programs(1 << 62, device_index, resident_per_sm(cfg))
+    return max(1, min(M, resident // slices)) if slices <= resident else 0
+
+
+def coop_flags(device_index: int) -> dict:
+    """How a kernel exchanging sums is launched: cooperatively on a GPU (all programs resident
+    at once, or the launch fails instead of waiting forever); in the interpreter a program
+    computes a slot not yet published itself."""
+    if device_index < 0:
+        return dict(SELF_COMPUTE=True)
+    return dict(SELF_COMPUTE=False, launch_cooperative_grid=True)
 
 
 def vec(D: int, itemsize: int, strides: int = 0) -> int:
@@ -151,14 +190,20 @@ def forward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool,
     the CPU), cached: a launch computes and builds nothing. Rows in registers: a persistent
     grid of what the GPU holds, with the row loop's pipeline stages. ``strides``: the low four
     bits of the row strides ORed (see :func:`vec`)."""
-    cfg = forward_config(M, D, has_residual, itemsize)
+    cfg = forward_config(M, D, has_residual, itemsize, arch(device_index))
+    flags = dict(IS_RMS=is_rms, HAS_RESIDUAL=has_residual, HAS_WEIGHT=has_weight,
+                 HAS_BIAS=has_bias, VEC=vec(D, itemsize, strides))
+    if cfg.SLICES:
+        groups = coop_groups(M, D, cfg, device_index)
+        if groups:
+            return cfg, (groups * -(-D // cfg.BLOCK_D),), cfg.flags(**flags,
+                                                                   **coop_flags(device_index))
+        cfg = chunked_forward_config(has_residual, itemsize)
     if cfg.chunked:
         grid = (M,)
     else:
         grid = (persistent_programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg)),)
-    return cfg, grid, cfg.flags(num_stages(cfg, itemsize, 2 if has_residual else 1), IS_RMS=is_rms,
-                                HAS_RESIDUAL=has_residual, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias,
-                                VEC=vec(D, itemsize, strides))
+    return cfg, grid, cfg.flags(num_stages(cfg, itemsize, 2 if has_residual else 1), **flags)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -172,15 +217,9 @@ def backward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool
     flags = dict(IS_RMS=is_rms, HAS_DH=has_dh, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias,
                  VEC=vec(D, itemsize, strides))
     if cfg.SLICES:      # programs = groups of S programs, one group per row at a time
-        slices = -(-D // cfg.BLOCK_D)
-        if device_index < 0:       # the interpreter runs programs one after another
-            if slices <= CPU_SLICES:
-                return cfg, min(M, CPU_PROGRAMS), cfg.flags(**flags, SELF_COMPUTE=True)
-        else:
-            resident = persistent_programs(1 << 62, device_index, resident_per_sm(cfg))
-            if slices <= resident:
-                return cfg, max(1, min(M, resident // slices)), cfg.flags(
-                    **flags, SELF_COMPUTE=False, launch_cooperative_grid=True)
+        groups = coop_groups(M, D, cfg, device_index)
+        if groups:
+            return cfg, groups, cfg.flags(**flags, **coop_flags(device_index))
         cfg = cfg._replace(BLOCK_D=CHUNK_D, maxnreg=maxnreg_for(CHUNK_WARPS), SLICES=0)
     programs = persistent_programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg))
     return cfg, programs, cfg.flags(num_stages(cfg, itemsize, 3 if has_dh else 2), **flags)

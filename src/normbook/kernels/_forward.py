@@ -4,10 +4,14 @@ One kernel family serves both norms: ``IS_RMS`` drops the mean, and that is the 
 difference between LayerNorm and RMSNorm. ``HAS_RESIDUAL`` fuses h = x + residual in front of
 the norm, so x and the residual are each read once and h is written once.
 
-Two kernels, chosen by row length (see ``_config``):
+Kernels, chosen by row length (see ``_config``):
 - ``norm_fwd_rows_kernel``: rows held in registers, ROWS at a time, on a persistent grid whose
   row loop is software-pipelined (the next tiles' loads in flight while one is normalized).
-- ``norm_fwd_chunked_kernel``: one row per program for rows too wide for the registers: the
+- ``norm_fwd_coop_kernel``: rows too wide for one program's registers, shared by S programs, a
+  column slice each, held in registers; the slices' means and M2 are exchanged through 64-bit
+  slots and merged by (kern-chan), so the row is read once.
+- ``norm_fwd_chunked_kernel``: rows with more slices than the GPU holds programs, one per
+  program: the
   first HOLD columns held in registers, the rest in chunks read once per pass; the statistics
   of the held head and of each chunk are merged with Chan's formula, equation (kern-chan) of
   "Kernels" (never the cancelling E[x^2] - E[x]^2 of (kern-naive-var)).
@@ -41,6 +45,25 @@ def multiple(n, VEC: tl.constexpr):
     if VEC > 1:
         n = n // VEC * VEC
     return n
+
+
+@triton.jit
+def _pack(a, b):
+    """Two fp32 values as one int64 (a in the low word), never 0: 0 marks
+    an empty slot, so a pair of +0.0 is stored as (+0.0, -0.0), equal in
+    every sum."""
+    ai = a.to(tl.int32, bitcast=True)
+    bi = b.to(tl.int32, bitcast=True)
+    bi = tl.where((ai | bi) == 0, -2147483648, bi)
+    return (bi.to(tl.int64) << 32) | (ai.to(tl.int64) & 0xFFFFFFFF)
+
+
+@triton.jit
+def _unpack(v, high: tl.constexpr):
+    """One of the two fp32 values of :func:`_pack` (``high``: b)."""
+    if high:
+        v = v >> 32
+    return (v & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -306,6 +329,154 @@ def norm_fwd_chunked_kernel(
         _normalize_store(Y, W, B, row, D, c, mask, x, mean, rstd, IS_RMS, HAS_WEIGHT, HAS_BIAS)
 
 
+@triton.jit
+def _slice_moments(x, mask, n, IS_RMS: tl.constexpr):
+    """One slice's share of the statistics, packed: its mean and M2 (the
+    sum of squared deviations from that mean; RMSNorm: 0 and the sum of
+    squares). An M2 that overflows (values past about 1e19) is sent as
+    minus its square root, taken on the slice scaled by its max |x|."""
+    if IS_RMS:
+        m = tl.sum(x, axis=0) * 0.0
+        xc = x
+    else:
+        m = tl.sum(x, axis=0) / n
+        xc = tl.where(mask, x - m, 0.0)
+    m2 = tl.sum(xc * xc, axis=0)
+    if m2 > FP32_MAX:
+        amax = tl.max(tl.abs(xc), axis=0)
+        u = xc / amax
+        m2 = -tl.sqrt(tl.sum(u * u, axis=0)) * amax
+    return _pack(m, m2)
+
+
+@triton.jit
+def _row_statistics(got, t, S, D, BLOCK_D: tl.constexpr, eps,
+                    IS_RMS: tl.constexpr):
+    """mean and rstd of a row from its S slices' (mean, M2), in slice
+    order (kern-chan, all blocks at once):
+    mean = sum_j n_j m_j / D,  M2 = sum_j M2_j + sum_j n_j (m_j - mean)^2.
+    Every term is non-negative: no cancellation. If a slice overflowed,
+    or the sum does, the same sums are taken scaled by their largest root,
+    which comes back out of the square root."""
+    valid = t < S
+    n = tl.where(valid, tl.minimum(D - t * BLOCK_D, BLOCK_D), 0).to(
+        tl.float32)
+    m = tl.where(valid, _unpack(got, False), 0.0)
+    m2 = tl.where(valid, _unpack(got, True), 0.0)
+    if IS_RMS:
+        mean = 0.0
+    else:
+        mean = tl.sum(m * (n / D), axis=0)                  # (ln-mean)
+    dev = tl.where(valid, m - mean, 0.0)
+    var = tl.sum(m2 + n * dev * dev, axis=0) / D           # (ln-var)
+    rstd = tl.math.rsqrt(_clamp_tiny(var + eps))           # (ln-rstd)
+    if (tl.min(m2, axis=0) < 0) | (var > FP32_MAX):
+        s = tl.where(m2 >= 0, tl.sqrt(m2), -m2)
+        u = tl.sqrt(n) * tl.abs(dev)
+        a = tl.maximum(tl.max(s, axis=0), tl.max(u, axis=0))
+        q = tl.sum((s / a) * (s / a) + (u / a) * (u / a), axis=0)
+        rstd = tl.math.rsqrt(q / D) / a
+    return mean, rstd
+
+
+@triton.jit
+def norm_fwd_coop_kernel(
+    X,                       # (M, D) input, rows stride_x apart
+    R,                       # (M, D) residual, rows stride_r apart
+                             # (read if HAS_RESIDUAL)
+    H,                       # (M, D) output h = x + residual, contiguous
+                             # (if HAS_RESIDUAL)
+    Y,                       # (M, D) output y, contiguous
+    W,                       # (D,) weight gamma (if HAS_WEIGHT)
+    B,                       # (D,) bias beta (if HAS_BIAS)
+    Stats,                   # (2, M) fp32 output: mean [0], rstd [1];
+                             # RMSNorm (1, M): rstd
+    Slots,                   # (M, S) int64, zeroed: slice j of row n
+                             # publishes its mean and M2 at [n, j]
+    stride_x,                # row stride of X, in elements
+    stride_r,                # row stride of R, in elements
+    M,                       # number of rows
+    D,                       # row length, any size
+    eps,                     # fp32, added inside the square root
+    IS_RMS: tl.constexpr,    # RMSNorm: no mean, no bias
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_D: tl.constexpr,   # slice width: the columns a program owns
+    SLICES: tl.constexpr,    # next_power_of_2(S), S = cdiv(D, BLOCK_D)
+    VEC: tl.constexpr,       # D and the strides are multiples of VEC
+                             # (see _config.vec)
+    SELF_COMPUTE: tl.constexpr,  # the interpreter: compute a missing
+                                 # slot instead of waiting for it
+):
+    """(ln-mean) to (ln-y), (rms-ms), (rms-y) for wide rows, each read
+    once: S programs share each row, a slice of columns each, and
+    exchange their slices' mean and M2 (kern-chan), as the wide backward
+    exchanges its sums (see norm_bwd_coop_kernel). Each program holds its
+    slice in registers from the statistics to the normalization."""
+    D = multiple(D, VEC)
+    stride_x = multiple(stride_x, VEC)
+    stride_r = multiple(stride_r, VEC)
+    S = tl.cdiv(D, BLOCK_D)
+    pid = tl.program_id(0)
+    j = pid % S                                   # this program's slice
+    groups = tl.num_programs(0) // S
+    cols = tl.arange(0, BLOCK_D)
+    c = j * BLOCK_D + cols
+    mask = c < D
+    n_j = tl.minimum(D - j * BLOCK_D, BLOCK_D).to(tl.float32)
+    t = tl.arange(0, SLICES)                      # (SLICES,) slice index
+    others = (t < S) & (t != j)
+    first = tl.minimum((pid // S).to(tl.int64), M - 1)
+    x_next = tl.load(X + first * stride_x + c, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r_next = tl.load(R + first * stride_r + c, mask=mask, other=0.0)
+    for row in range(first, M, groups):
+        x = x_next.to(tl.float32)
+        if HAS_RESIDUAL:
+            # h in the input dtype, stored; the norm sees that h
+            h = (x + r_next.to(tl.float32)).to(H.dtype.element_ty)
+            tl.store(H + row * D + c, h, mask=mask)
+            x = h.to(tl.float32)
+        own = _slice_moments(x, mask, n_j, IS_RMS)
+        tl.atomic_xchg(Slots + row * S + j, own, sem="relaxed")  # publish
+        # the next row, in flight while we wait (past the end: the last)
+        nxt = tl.minimum(row + groups, M - 1)
+        x_next = tl.load(X + nxt * stride_x + c, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r_next = tl.load(R + nxt * stride_r + c, mask=mask, other=0.0)
+        slots = Slots + row * S + t
+        got = tl.load(slots, mask=others, other=1, volatile=True)
+        if SELF_COMPUTE:
+            for u in range(0, S):        # compute the slots still empty
+                empty = ((t == u) & (got == 0)).to(tl.int32)
+                if tl.sum(empty, axis=0) > 0:
+                    cu = u * BLOCK_D + cols
+                    mu = cu < D
+                    xu = tl.load(X + row * stride_x + cu, mask=mu,
+                                 other=0.0).to(tl.float32)
+                    if HAS_RESIDUAL:
+                        ru = tl.load(R + row * stride_r + cu, mask=mu,
+                                     other=0.0).to(tl.float32)
+                        xu = (xu + ru).to(H.dtype.element_ty).to(tl.float32)
+                    n_u = tl.minimum(D - u * BLOCK_D, BLOCK_D).to(tl.float32)
+                    got = tl.where(t == u, _slice_moments(xu, mu, n_u, IS_RMS),
+                                   got)
+        else:
+            while tl.sum((got == 0).to(tl.int32), axis=0) > 0:   # wait
+                got = tl.load(slots, mask=others, other=1, volatile=True)
+        got = tl.where(t == j, own, got)
+        mean, rstd = _row_statistics(got, t, S, D, BLOCK_D, eps, IS_RMS)
+        if j == 0:
+            if IS_RMS:
+                tl.store(Stats + row, rstd)
+            else:
+                tl.store(Stats + row, mean)
+                tl.store(Stats + M + row, rstd)
+        _normalize_store(Y, W, B, row, D, c, mask, x, mean, rstd, IS_RMS,
+                         HAS_WEIGHT, HAS_BIAS)
+
+
 def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     """(ln-y) and (rms-y), with the residual add: launch the forward on (M, D) rows, last dim contiguous.
 
@@ -329,7 +500,10 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
                                     (stride_x | stride_r) & 15)
     args = (x, r, h if h is not None else y, y, weight if weight is not None else x,
             bias if bias is not None else x, stats, stride_x, stride_r, M, D, eps)
-    if cfg.chunked:
+    if cfg.SLICES:          # groups of S programs, one per slice of a row, exchanging sums
+        slots = torch.zeros((M, -(-D // cfg.BLOCK_D)), dtype=torch.int64, device=x.device)
+        norm_fwd_coop_kernel[grid](*args[:7], slots, *args[7:], **flags)
+    elif cfg.chunked:
         norm_fwd_chunked_kernel[grid](*args, **flags)
     else:
         norm_fwd_rows_kernel[grid](*args, **flags)

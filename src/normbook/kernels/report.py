@@ -37,7 +37,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from normbook.bench import bytemodel, model  # noqa: E402
 from normbook.kernels import _backward, _forward  # noqa: E402
 from normbook.kernels._config import (  # noqa: E402
-    COOP_MAXNREG, MAX_FUSED_D_FWD, MAX_WARPS, Config, backward_config, forward_config, narrow_loads, num_stages,
+    COOP_MAXNREG, MAX_FUSED_D_FWD, MAX_WARPS, Config, backward_config, chunked_forward_config, forward_config, narrow_loads, num_stages,
     resident_per_sm, vec)
 
 M_REPORT = 32768                                   # the batch of the performance goal
@@ -61,11 +61,15 @@ def launches(D: int, is_rms: bool, residual: bool, dtype: str = "bf16", arch: in
     fwd_flags = dict(flags, HAS_RESIDUAL=residual, HAS_BIAS=not is_rms)
     bwd_flags = dict(flags, HAS_DH=residual, HAS_BIAS=not is_rms)
     e = bytemodel.itemsize(dtype)
-    fwd = forward_config(M_REPORT, D, residual, e)
+    fwd = forward_config(M_REPORT, D, residual, e, arch)
     bwd = backward_config(M_REPORT, D, narrow_loads(D, e), e, arch)
     flags["VEC"] = fwd_flags["VEC"] = bwd_flags["VEC"] = vec(D, e)     # contiguous rows
     out = []
-    if fwd.chunked:
+    if fwd.SLICES and -(-D // fwd.BLOCK_D) <= resident_per_sm(fwd) * model.H200["sms"]:
+        out.append((_forward.norm_fwd_coop_kernel,
+                    dict(fwd_flags, BLOCK_D=fwd.BLOCK_D, SLICES=fwd.SLICES, SELF_COMPUTE=False), fwd, "fwd"))
+    elif fwd.chunked:
+        fwd = chunked_forward_config(residual, e)
         out.append((_forward.norm_fwd_chunked_kernel, dict(fwd_flags, BLOCK_D=fwd.BLOCK_D, HOLD=fwd.HOLD),
                     fwd, "fwd"))
     else:
@@ -109,6 +113,12 @@ def traffic(kernel: str, D: int, dtype: str, is_rms: bool, residual: bool, cfg, 
         grid = min(resident_per_sm(cfg) * sms, -(-M // cfg.ROWS))   # persistent
         return dict(bytes_per_row=row * (1 + res) * 2 + n_stats + params,
                     tile_bytes=cfg.ROWS * row * (1 + res), grid=grid)
+    if kernel == "norm_fwd_coop_kernel":     # x (r) once; y (h) out; slots
+        slices = -(-D // cfg.BLOCK_D)
+        groups = min(M, resident_per_sm(cfg) * sms // slices)
+        return dict(bytes_per_row=row * (1 + res) * 2 + n_stats + 16 * slices + params,
+                    tile_bytes=cfg.BLOCK_D * e * (1 + res), grid=groups * slices,
+                    step_bytes=cfg.BLOCK_D * e * (1 + res) * 2)
     if kernel == "norm_fwd_chunked_kernel":   # pass 1 reads x (r), writes h; pass 2 re-reads past HOLD
         again = (D - cfg.HOLD) * e                      # x, or h with the residual
         return dict(bytes_per_row=row * (1 + res) + again + row * res + row + n_stats + 2 * params,
@@ -289,10 +299,10 @@ def problems(row: dict) -> list[str]:
     wide_possible = not narrow_loads(row["D"], bytemodel.itemsize(row["dtype"]))
     if row["D"] >= 256 and wide_possible and row["load_bits"] < 128:
         out.append(f"widest load {row['load_bits']} bits, expected 128")
-    if row["kernel"] in ("norm_fwd_rows_kernel", "norm_bwd_rows_kernel", "norm_bwd_coop_kernel"):
+    coop = row["kernel"] in ("norm_fwd_coop_kernel", "norm_bwd_coop_kernel")
+    if coop or row["kernel"] in ("norm_fwd_rows_kernel", "norm_bwd_rows_kernel"):
         # sizes the persistent grid; the cooperative launch fails if the programs are not resident
-        cfg = Config(False, row["BLOCK_D"], row["ROWS"], row["num_warps"],
-                     COOP_MAXNREG if row["kernel"] == "norm_bwd_coop_kernel" else 255)
+        cfg = Config(False, row["BLOCK_D"], row["ROWS"], row["num_warps"], COOP_MAXNREG if coop else 255)
         need = resident_per_sm(cfg)
         have = model.programs_per_sm(row["registers"], row["num_warps"], row["shared_bytes"])
         if have < need:
