@@ -196,8 +196,8 @@ def test_rms_norm_scale_identity_on_kernel_dx(M, D):
 def test_wide_rows_without_the_exchange(monkeypatch, norm, dtype):
     """Rows with more slices than the GPU holds programs take the kernels that read a row
     twice (the forward one program per row, holding its head; the backward c1, c2 first,
-    then dx): forced here at D = 40000 by allowing one slice, against float64 and against the
-    exchanging kernels' result."""
+    then dx), and so do all wide rows with NORMBOOK_SHARED_ROWS=0: forced here at D = 40000,
+    against float64 and against the exchanging kernels' result."""
     M, D = 3, 40000
     x, w, b, dy = make(M, D, dtype)
     norm_fn = ((lambda x, w, b: K.layer_norm(x, (D,), w, b, EPS)) if norm == "layer"
@@ -209,7 +209,7 @@ def test_wide_rows_without_the_exchange(monkeypatch, norm, dtype):
                                            True, norm == "layer")[0])
     assert all(plan().SLICES for plan in plans)
     exchanged = grads(norm_fn, dy, x, w, b)
-    monkeypatch.setattr(_config, "CPU_SLICES", 1)
+    monkeypatch.setattr(_config, "SHARED_ROWS", False)       # as NORMBOOK_SHARED_ROWS=0 does
     _config.forward_plan.cache_clear()
     _config.backward_plan.cache_clear()
     try:

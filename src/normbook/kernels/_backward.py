@@ -35,7 +35,7 @@ import triton.language as tl
 
 from normbook.kernels import _config
 from normbook.kernels._config import Config, backward_plan, maxnreg_for
-from normbook.kernels._forward import _pack, _unpack, multiple
+from normbook.kernels._forward import _pack, _slot_empty, _unpack, _wait_for_slots, multiple
 
 CHUNK_STAGES = tl.constexpr(_config.CHUNK_STAGES)   # chunk and row loops of wide rows
 
@@ -394,8 +394,7 @@ def norm_bwd_coop_kernel(
         got = tl.load(slots, mask=others, other=1, volatile=True)
         if SELF_COMPUTE:
             for u in range(0, S):        # compute the slots still empty
-                empty = ((t == u) & (got == 0)).to(tl.int32)
-                if tl.sum(empty, axis=0) > 0:
+                if _slot_empty(got, t, u):
                     cu = u * BLOCK_D + cols
                     mu = cu < D
                     xu = tl.load(X + row * stride_x + cu, mask=mu,
@@ -407,8 +406,7 @@ def norm_bwd_coop_kernel(
                     got = tl.where(t == u, _slice_sums(xhat_u, ghat_u),
                                    got)
         else:
-            while tl.sum((got == 0).to(tl.int32), axis=0) > 0:   # wait
-                got = tl.load(slots, mask=others, other=1, volatile=True)
+            got = _wait_for_slots(slots, others, got)           # wait
         got = tl.where(t == j, own, got)
         valid = t < S
         c2 = tl.sum(tl.where(valid, _unpack(got, True), 0.0), axis=0) / D

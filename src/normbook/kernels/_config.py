@@ -26,6 +26,7 @@ on 16-byte-aligned pointers and strides: that is what lets the loads be 128 bits
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -60,6 +61,9 @@ TILE_ELEMS = 4096         # target elements per tile when several small rows sha
 MAX_ROWS = 32             # at most this many rows per tile
 MIN_BLOCK_D = 16          # narrower blocks only waste the 128-bit loads
 CPU_PROGRAMS = 4          # persistent grid size in the interpreter (any fixed number is deterministic)
+# NORMBOOK_SHARED_ROWS=0 in the environment turns the row sharing off: wide rows then take the
+# kernels that read a row twice (a way around it should a GPU or driver refuse cooperative launches)
+SHARED_ROWS = os.environ.get("NORMBOOK_SHARED_ROWS", "1") != "0"
 CPU_SLICES = 64           # the interpreter's wide backward exchanges sums up to this many slices
                           # a row (a GPU: as many as it holds programs), past it reads x twice
 
@@ -125,12 +129,16 @@ def forward_config(M: int, D: int, has_residual: bool = False, itemsize: int = 2
     wide_add = has_residual and itemsize > 2
     max_fused = MAX_FUSED_D_ADD_FP32 if wide_add else MAX_FUSED_D_FWD
     if D > max_fused:
-        block = COOP_FWD_BYTES // itemsize // (2 if has_residual else 1)
-        if arch < 90:
-            block = min(block, COOP_VALUES_SM80 * 32 * COOP_WARPS)
-        return Config(True, block, 1, COOP_WARPS, COOP_MAXNREG,
-                      SLICES=next_power_of_2(-(-D // block)))
+        return _shared_config(D, COOP_FWD_BYTES // itemsize // (2 if has_residual else 1), arch)
     return _config(M, D, max_fused, ELEMS_FWD)
+
+
+def _shared_config(D: int, block: int, arch: int) -> Config:
+    """Slices of ``block`` columns (fewer values a thread before Hopper, see COOP_VALUES_SM80)
+    for the kernels that share a row among S programs."""
+    if arch < 90:
+        block = min(block, COOP_VALUES_SM80 * 32 * COOP_WARPS)
+    return Config(True, block, 1, COOP_WARPS, COOP_MAXNREG, SLICES=next_power_of_2(-(-D // block)))
 
 
 def chunked_forward_config(has_residual: bool, itemsize: int) -> Config:
@@ -145,8 +153,10 @@ def coop_groups(M: int, D: int, cfg: Config, device_index: int) -> int:
     """Groups of S = cdiv(D, BLOCK_D) programs that a wide kernel exchanging sums launches
     (grid: groups x S), or 0 when a row has more slices than can run at once: every program
     of a GPU's grid must be resident (the interpreter, which runs them one by one, takes up to
-    CPU_SLICES slices and CPU_PROGRAMS groups)."""
+    CPU_SLICES slices and CPU_PROGRAMS groups). 0 as well when SHARED_ROWS is off."""
     slices = -(-D // cfg.BLOCK_D)
+    if not SHARED_ROWS:
+        return 0
     if device_index < 0:
         return min(M, CPU_PROGRAMS) if slices <= CPU_SLICES else 0
     resident = persistent_programs(1 << 62, device_index, resident_per_sm(cfg))
@@ -275,11 +285,7 @@ def backward_config(M: int, D: int, narrow: bool = False, itemsize: int = 2,
     sums (``SLICES``); :func:`backward_plan` falls back to the two-read kernels when a row has
     more slices than the GPU holds programs. ``arch``: the compute capability (see :func:`arch`)."""
     if D > MAX_FUSED_D_BWD:
-        block = COOP_BYTES // itemsize // (2 if narrow else 1)
-        if arch < 90:
-            block = min(block, COOP_VALUES_SM80 * 32 * COOP_WARPS)
-        return Config(True, block, 1, COOP_WARPS, COOP_MAXNREG,
-                      SLICES=next_power_of_2(-(-D // block)))
+        return _shared_config(D, COOP_BYTES // itemsize // (2 if narrow else 1), arch)
     return _config(M, D, MAX_FUSED_D_BWD, ELEMS_BWD // 2 if narrow else ELEMS_BWD)
 
 

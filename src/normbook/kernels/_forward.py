@@ -67,6 +67,21 @@ def _unpack(v, high: tl.constexpr):
 
 
 @triton.jit
+def _slot_empty(got, t, u):
+    """Whether slot u of the slots read, ``got``, is still empty (0)."""
+    return tl.sum(((t == u) & (got == 0)).to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def _wait_for_slots(slots, others, got):
+    """Read the ``others`` slots until none is empty: the other programs of the row have all
+    published (they are resident, and each publishes before it waits)."""
+    while tl.sum((got == 0).to(tl.int32), axis=0) > 0:
+        got = tl.load(slots, mask=others, other=1, volatile=True)
+    return got
+
+
+@triton.jit
 def _load_add(X, R, H, row, stride_x, stride_r, D, c, mask, HAS_RESIDUAL: tl.constexpr):
     """Columns c of one row of the norm's input, fp32, in the chunked forward's first pass: x,
     or h = x + residual, stored to H in its dtype and used as stored."""
@@ -449,8 +464,7 @@ def norm_fwd_coop_kernel(
         got = tl.load(slots, mask=others, other=1, volatile=True)
         if SELF_COMPUTE:
             for u in range(0, S):        # compute the slots still empty
-                empty = ((t == u) & (got == 0)).to(tl.int32)
-                if tl.sum(empty, axis=0) > 0:
+                if _slot_empty(got, t, u):
                     cu = u * BLOCK_D + cols
                     mu = cu < D
                     xu = tl.load(X + row * stride_x + cu, mask=mu,
@@ -463,8 +477,7 @@ def norm_fwd_coop_kernel(
                     got = tl.where(t == u, _slice_moments(xu, mu, n_u, IS_RMS),
                                    got)
         else:
-            while tl.sum((got == 0).to(tl.int32), axis=0) > 0:   # wait
-                got = tl.load(slots, mask=others, other=1, volatile=True)
+            got = _wait_for_slots(slots, others, got)
         got = tl.where(t == j, own, got)
         mean, rstd = _row_statistics(got, t, S, D, BLOCK_D, eps, IS_RMS)
         if j == 0:

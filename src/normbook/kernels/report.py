@@ -228,6 +228,8 @@ def compile_one(kernel, constexprs, options: dict, dtype, arch, D: int = 1024) -
     ptx = compiled.asm["ptx"]
     ahead = prefetched_loads(ptx)
     pipelined = "async_copy" in compiled.asm["ttgir"] or ahead > 0
+    if options.get("launch_cooperative_grid"):   # the option reached the launcher's metadata
+        assert compiled.metadata.launch_cooperative_grid, "launch_cooperative_grid was dropped"
     return dict(registers=registers, spill_bytes=spills, load_bits=load_bits(ptx),
                 shared_bytes=compiled.metadata.shared, pipelined=pipelined,
                 num_stages=constexprs.get("NUM_STAGES", 2 if ahead else compiled.metadata.num_stages),
@@ -265,7 +267,10 @@ def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None) -> list[dict]:
                                        BLOCK_D=constexprs["BLOCK_D"], triton=triton.__version__,
                                        **traffic(name, D, dtype, is_rms, residual, cfg, arch=arch))
                             try:
-                                row.update(compile_one(kernel, constexprs, cfg.launch(), dtype, arch, D))
+                                # the kernels that share rows are launched cooperatively
+                                options = dict(cfg.launch(), **({"launch_cooperative_grid": True}
+                                                                if "SLICES" in constexprs else {}))
+                                row.update(compile_one(kernel, constexprs, options, dtype, arch, D))
                             except Exception as e:  # noqa: BLE001 - reported, and the exit code says so
                                 row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
                             rows.append(row)
