@@ -13,12 +13,13 @@
 #   host       python -m normbook.bench host: host time per call, launches stubbed
 #   bench_*    bf16: 4 ops x fwd/bwd, normbook, torch, liger; fp32 layer_norm with compile;
 #              bf16 torch.compile in the time left
-#   merge, summary, plots
+#   merge, summary, plots, model (the report's predictions against the measurement)
 # What comes back is at most 8 files, none in a folder (the device tool returns no more):
 #   $OUT/results.json   every benchmark row, merged, with provenance
 #   $OUT/summary.txt    steps, host times, the tables and the goal check
 #   $OUT/report.json    the compile report of this machine
 #   $OUT/overview.png   fraction of copy bandwidth, every op, bf16
+#   $OUT/model.png      the performance model's prediction against the measurement, bf16
 #   $OUT/logs.tar.gz    every log, every per-run JSON, every plot
 # DRY_RUN=1: the same steps on the CPU (Triton's interpreter, M = 64, small D, torch.compile's
 # aot_eager backend), in under 3 minutes: `make test` runs it, so a broken step shows here.
@@ -119,6 +120,8 @@ if [ -n "$results" ]; then
   step summary 30 "$PY" -m normbook.bench --summary "$OUT/results.json"
   step plots 60 "$PY" -m normbook.bench --plot $results --out "$WORK/plots"
   step overview 30 "$PY" -m normbook.bench --overview "$OUT/results.json" --out "$OUT/overview.png"
+  [ -f "$WORK/report.json" ] && step model 30 "$PY" -m normbook.bench --model-check "$OUT/results.json" \
+    --report "$WORK/report.json" --out "$OUT/model.png"
 else
   echo "no benchmark results: nothing to merge, summarize or plot" | tee -a "$LOGS/steps.txt"
 fi
@@ -132,6 +135,7 @@ fi
   echo; echo "== compile report"; tail -n 1 "$LOGS/report.txt" 2>/dev/null
   echo; echo "== host time per call"; cat "$LOGS/host.txt" 2>/dev/null
   echo; echo "== benchmark"; cat "$LOGS/summary.txt" 2>/dev/null || echo "no benchmark results"
+  echo; echo "== the model against measurement"; cat "$LOGS/model.txt" 2>/dev/null || echo "not compared"
 } > "$OUT/summary.txt"
 
 cp "$OUT/summary.txt" "$WORK/"

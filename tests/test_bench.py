@@ -156,6 +156,38 @@ def test_plot_from_synthetic_json(tmp_path):
     assert line.startswith("SYNTHETIC") and "SYNTHETIC GPU" in line and "\n" not in line
 
 
+def test_model_against_synthetic_measurements(tmp_path, capsys):
+    """The join of measured rows with the report's paths: normbook's rows at the report's M only,
+    matched on (norm, residual, direction, dtype, D); the ratio says how far the model is off."""
+    report = {"m": 32768, "paths": [
+        dict(arch="sm_90", dtype="bf16", norm="rms", residual=False, direction=d, D=D,
+             predicted_fraction=pred)
+        for d, D, pred in (("fwd", 1024, 1.0), ("bwd", 1024, 0.95), ("fwd", 4096, 0.9),
+                           ("bwd", 4096, 0.8))]
+        + [dict(arch="sm_80", dtype="bf16", norm="rms", residual=False, direction="fwd", D=1024,
+                predicted_fraction=0.5)]}
+    rows = plot.model_vs_measured([_synthetic_result()], report)
+    # normbook measured 0.9 everywhere; (1 << 20, 128) has another M; sm_80 is not joined
+    assert [(r["mode"], r["D"]) for r in rows] == [("bwd", 1024), ("bwd", 4096), ("fwd", 1024),
+                                                    ("fwd", 4096)]
+    assert all(r["measured"] == 0.9 and r["op"] == "rms_norm" for r in rows)
+    assert [round(r["ratio"], 3) for r in rows] == [round(0.9 / 0.95, 3), 1.125, 0.9, 1.0]
+    table = plot.model_table(rows)
+    assert "largest shortfall against the model: rms_norm fwd bf16 D = 1024" in table
+    path = plot.plot_model_vs_measured(rows, tmp_path / "model.png", caption="SYNTHETIC")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "no measured row" in plot.model_table([])
+    assert plot.plot_model_vs_measured([], tmp_path / "none.png").exists()   # a dry run's M
+    # the command gpu_check.sh runs
+    (tmp_path / "results.json").write_text(json.dumps(_synthetic_result()))
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    assert cli.main(["--model-check", str(tmp_path / "results.json"), "--report",
+                     str(tmp_path / "report.json"), "--out", str(tmp_path / "m.png")]) == 0
+    assert "largest shortfall" in capsys.readouterr().out and (tmp_path / "m.png").exists()
+    with pytest.raises(ValueError, match="not a compile report"):
+        plot.model_vs_measured([_synthetic_result()], {"rows": []})
+
+
 def test_plot_rejects_foreign_json(tmp_path):
     (tmp_path / "x.json").write_text("{}")
     with pytest.raises(ValueError, match="not a normbook.bench result"):

@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "into one file, --out FILE")
     p.add_argument("--summary", nargs="+", metavar="SRC",
                    help="do not run: print the tables and the goal check of recorded JSON")
+    p.add_argument("--model-check", nargs="+", metavar="SRC",
+                   help="do not run: recorded JSON against the performance model of --report "
+                   "(a compile report's JSON): a table, and a PNG to --out FILE")
+    p.add_argument("--report", metavar="JSON", help="with --model-check: the compile report")
     return p
 
 
@@ -209,6 +213,18 @@ def main(argv=None) -> int:
             print(plot_overview(args.overview, args.out))
         except (FileNotFoundError, ValueError, ImportError) as e:
             parser.error(f"--overview: {e}")
+        return 0
+    if args.model_check:
+        from normbook.bench.plot import model_table, model_vs_measured, plot_model_vs_measured
+
+        if not (args.report and args.out):
+            parser.error("--model-check: also give --report REPORT.json and --out FILE.png")
+        try:
+            rows = model_vs_measured(args.model_check, args.report)
+        except (FileNotFoundError, ValueError) as e:
+            parser.error(f"--model-check: {e}")
+        print(model_table(rows))
+        print(plot_model_vs_measured(rows, args.out))
         return 0
     if args.merge:
         from normbook.bench.plot import load_results

@@ -12,9 +12,13 @@ import glob
 import json
 from pathlib import Path
 
-__all__ = ["load_results", "plot_results", "plot_overview", "provenance_line"]
+__all__ = ["load_results", "plot_results", "plot_overview", "provenance_line", "model_vs_measured",
+           "model_table", "plot_model_vs_measured"]
 
 _MODE_TITLE = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
+# benchmark op -> (norm, residual) of the compile report's paths
+_OP_PATH = {"layer_norm": ("layer", False), "rms_norm": ("rms", False),
+            "add_layer_norm": ("layer", True), "add_rms_norm": ("rms", True)}
 _STYLE = {"normbook": ("C3", "o"), "torch": ("C0", "s"), "compile": ("C2", "^"),
           "naive": ("C7", "x"), "reference": ("C5", "d"), "liger": ("C1", "v"),
           "quack": ("C4", "P")}
@@ -188,3 +192,86 @@ def _panel(ax_gbps, ax_frac, rows, by_device: bool) -> None:
     ax_frac.axhline(1.0, color="k", linewidth=0.8, linestyle="--")
     ax_frac.set_xlabel(f"D (M = {main_M}; hollow markers: other M)"
                        if len(set(Ms)) > 1 else f"D (M = {main_M})")
+
+
+def model_vs_measured(sources, report, arch: str = "sm_90", provider: str = "normbook") -> list[dict]:
+    """The performance model's prediction beside the measurement, per (op, mode, dtype, D).
+
+    ``sources``: benchmark results (see :func:`load_results`); ``report``: the compile report's
+    JSON (``python -m normbook.kernels.report --json``; a dict or a path), best the one compiled
+    on the machine that measured. Joins ``provider``'s rows (fwd and bwd, at the report's M)
+    with the report's paths for ``arch``. Each row: op, mode, dtype, D, predicted, measured
+    (fractions of copy bandwidth) and measured / predicted, where the model is wrong by how much.
+    """
+    rep = report if isinstance(report, dict) else json.loads(Path(report).read_text())
+    if "paths" not in rep:
+        raise ValueError(f"report: not a compile report (no 'paths'; keys {sorted(rep)[:8]})")
+    predicted = {(p["norm"], p["residual"], p["direction"], p["dtype"], p["D"]): p["predicted_fraction"]
+                 for p in rep["paths"] if p["arch"] == arch and "error" not in p}
+    out = []
+    for result in load_results(sources):
+        for row in result["rows"]:
+            if (row["provider"] != provider or row["op"] not in _OP_PATH or row["mode"] not in ("fwd", "bwd")
+                    or row["M"] != rep.get("m", row["M"])):
+                continue
+            want = predicted.get((*_OP_PATH[row["op"]], row["mode"], row["dtype"], row["D"]))
+            if want:
+                out.append(dict(op=row["op"], mode=row["mode"], dtype=row["dtype"], D=row["D"],
+                                predicted=want, measured=row["frac_copy"],
+                                ratio=row["frac_copy"] / want))
+    return sorted(out, key=lambda r: (r["op"], r["mode"], r["dtype"], r["D"]))
+
+
+def model_table(rows: list[dict]) -> str:
+    """:func:`model_vs_measured`'s rows as text, with the worst miss named."""
+    if not rows:
+        return "model against measurement: no measured row at the report's M and D"
+    lines = [f"{'op':16} {'mode':4} {'dtype':5} {'D':>7} {'predicted':>9} {'measured':>8} {'ratio':>6}"]
+    lines += [f"{r['op']:16} {r['mode']:4} {r['dtype']:5} {r['D']:7} {r['predicted']:9.2f} "
+              f"{r['measured']:8.2f} {r['ratio']:6.2f}" for r in rows]
+    worst = min(rows, key=lambda r: r["ratio"])
+    lines.append(f"largest shortfall against the model: {worst['op']} {worst['mode']} {worst['dtype']} "
+                 f"D = {worst['D']}, measured {worst['ratio']:.2f} of the prediction")
+    return "\n".join(lines)
+
+
+def plot_model_vs_measured(rows: list[dict], path, dtype: str = "bf16", caption: str = "") -> Path:
+    """One figure: fraction of copy bandwidth against D, measured (solid) and predicted by the
+    model (dashed), one column per op, forward on top and backward below, in ``dtype``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["dtype"] == dtype]
+    ops = list(dict.fromkeys(r["op"] for r in rows)) or ["(no rows)"]
+    fig, axes = plt.subplots(2, len(ops), figsize=(4.2 * len(ops), 6.5), squeeze=False, sharex=True)
+    for j, op in enumerate(ops):
+        for i, mode in enumerate(("fwd", "bwd")):
+            ax = axes[i, j]
+            sel = sorted((r for r in rows if r["op"] == op and r["mode"] == mode), key=lambda r: r["D"])
+            D = [r["D"] for r in sel]
+            ax.plot(D, [r["measured"] for r in sel], "o-", color="C3", markersize=4, label="measured")
+            ax.plot(D, [r["predicted"] for r in sel], "s--", color="C7", markersize=4, label="model")
+            ax.axhline(1.0, color="k", linewidth=0.8, linestyle=":")
+            if sel:
+                ax.set_xscale("log", base=2)
+            else:
+                ax.text(0.5, 0.5, "no measured row at the report's M and D", ha="center",
+                        va="center", transform=ax.transAxes, fontsize=8)
+            ax.set_ylim(0, 1.1)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.set_title(f"{op} {_MODE_TITLE[mode]}", fontsize=9)
+        axes[1, j].set_xlabel("D")
+    for i in range(2):
+        axes[i, 0].set_ylabel("fraction of copy bandwidth")
+    axes[0, -1].legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"normbook: the performance model against measurement, {dtype}")
+    if caption:
+        fig.text(0.5, 0.005, caption, ha="center", va="bottom", fontsize=7)
+    fig.tight_layout(rect=(0, 0.03 if caption else 0, 1, 0.96))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
