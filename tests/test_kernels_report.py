@@ -47,12 +47,13 @@ def test_quick_report_compiles_without_spills(tmp_path):
     wide = next(p for p in paths if p["D"] == 65536 and p["direction"] == "bwd" and p["norm"] == "rms")
     assert 1.0 < wide["hbm_bytes_per_row"] / wide["min_bytes_per_row"] < 1.01
     # ... and its loop issues the next row's x and dy (two 128-bit loads each per thread, 16
-    # bf16 values) before it polls the other programs' sums: counted as one tile ahead; the
-    # forward's, the next row's x (four loads, 32 values)
+    # bf16 values; the weight its sums need is loaded there too) before it polls the other
+    # programs' sums: counted as one tile ahead; the forward's, the next row's x (four loads,
+    # 32 values; its weight comes after the wait)
     for r in rows:
         if r["kernel"] in ("norm_fwd_coop_kernel", "norm_bwd_coop_kernel"):
             per_thread = r["BLOCK_D"] // (32 * r["num_warps"])
-            tensors = 1 if r["kernel"] == "norm_fwd_coop_kernel" else 2
+            tensors = 1 if r["kernel"] == "norm_fwd_coop_kernel" else 3     # bwd: x, dy, w
             assert r["pipelined"] and r["prefetched_loads"] >= tensors * per_thread // 8, r
             assert r["registers"] <= 128, r                 # two programs per SM, all resident
     # so does the wide forward: x once, y once, and the slots
@@ -108,9 +109,9 @@ def test_kernels_for_rows_too_wide_to_share_compile(residual):
     code = f"""
 import json
 from normbook.kernels import _backward, _forward, report
-from normbook.kernels._config import CHUNK_D, Config, chunked_forward_config, maxnreg_for
+from normbook.kernels._config import chunked_backward_config, chunked_forward_config
 fwd = chunked_forward_config({residual}, 2)
-bwd = Config(True, CHUNK_D, 1, 8, maxnreg_for(8))
+bwd = chunked_backward_config()
 flags = dict(IS_RMS=False, HAS_WEIGHT=True, VEC=1)
 out = [report.compile_one(_forward.norm_fwd_chunked_kernel,
                           dict(flags, HAS_RESIDUAL={residual}, HAS_BIAS=True, BLOCK_D=fwd.BLOCK_D,

@@ -14,7 +14,7 @@ at most the copy bandwidth, and falls short of it for two reasons the model coun
    before the program waits, one tile ahead), about half of the time when it is not (load,
    then reduce and store, then load again). Efficiency: min(1, in flight / LITTLE_BYTES).
 
-3. **Exchange.** The wide backward's programs share a row and wait, once per row, for each
+3. **Exchange.** The wide kernels' programs share a row and wait, once per row, for each
    other's partial sums: a 64-bit atomic store to L2 and polls that read it back. The loads
    of the next row are in flight meanwhile (counted above as one tile ahead), so the wait
    costs nothing as long as a step's bytes (loads and stores of every resident program) take

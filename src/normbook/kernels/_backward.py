@@ -364,8 +364,10 @@ def norm_bwd_coop_kernel(
     others = (t < S) & (t != j)
     dw = tl.zeros((BLOCK_D,), dtype=tl.float32)   # partial sum_n dy*xhat
     db = tl.zeros((BLOCK_D,), dtype=tl.float32)   # partial sum_n dy
-    first = (pid // S).to(tl.int64)
-    start = tl.minimum(first, M - 1)              # a group without rows
+    first = (pid // S).to(tl.int64)               # < M: groups <= M
+    # clamped all the same: without it Triton 3.6 spills 16 bytes (LayerNorm
+    # with dh, sm_90), although the clamp changes no value
+    start = tl.minimum(first, M - 1)
     x_next = tl.load(X + start * stride_x + c, mask=mask, other=0.0)
     dy_next = tl.load(DY + start * stride_dy + c, mask=mask, other=0.0)
     for row in range(first, M, groups):

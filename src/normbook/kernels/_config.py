@@ -149,17 +149,28 @@ def chunked_forward_config(has_residual: bool, itemsize: int) -> Config:
                   HOLD=hold)
 
 
+def chunked_backward_config() -> Config:
+    """The two-read backward for rows too wide to share: c1, c2 chunk by chunk, then dx on a
+    grid of (programs, chunks of CHUNK_D)."""
+    return Config(True, CHUNK_D, 1, CHUNK_WARPS, maxnreg_for(CHUNK_WARPS))
+
+
 def coop_groups(M: int, D: int, cfg: Config, device_index: int) -> int:
     """Groups of S = cdiv(D, BLOCK_D) programs that a wide kernel exchanging sums launches
     (grid: groups x S), or 0 when a row has more slices than can run at once: every program
     of a GPU's grid must be resident (the interpreter, which runs them one by one, takes up to
     CPU_SLICES slices and CPU_PROGRAMS groups). 0 as well when SHARED_ROWS is off."""
-    slices = -(-D // cfg.BLOCK_D)
     if not SHARED_ROWS:
         return 0
     if device_index < 0:
-        return min(M, CPU_PROGRAMS) if slices <= CPU_SLICES else 0
-    resident = persistent_programs(1 << 62, device_index, resident_per_sm(cfg))
+        return min(M, CPU_PROGRAMS) if -(-D // cfg.BLOCK_D) <= CPU_SLICES else 0
+    return shared_groups(M, D, cfg, persistent_programs(1 << 62, device_index, resident_per_sm(cfg)))
+
+
+def shared_groups(M: int, D: int, cfg: Config, resident: int) -> int:
+    """Groups of S = cdiv(D, BLOCK_D) programs when ``resident`` programs run at once (all of
+    a cooperative grid must): as many as fit, at most one per row; 0 when S > resident."""
+    slices = -(-D // cfg.BLOCK_D)
     return max(1, min(M, resident // slices)) if slices <= resident else 0
 
 
@@ -230,7 +241,7 @@ def backward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool
         groups = coop_groups(M, D, cfg, device_index)
         if groups:
             return cfg, groups, cfg.flags(**flags, **coop_flags(device_index))
-        cfg = cfg._replace(BLOCK_D=CHUNK_D, maxnreg=maxnreg_for(CHUNK_WARPS), SLICES=0)
+        cfg = chunked_backward_config()
     programs = persistent_programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg))
     return cfg, programs, cfg.flags(num_stages(cfg, itemsize, 3 if has_dh else 2), **flags)
 

@@ -345,13 +345,19 @@ def norm_fwd_chunked_kernel(
 
 
 @triton.jit
+def _slice_count(D, u, BLOCK_D: tl.constexpr):
+    """Columns of a row in slice(s) u of BLOCK_D (the last may be ragged; none past D), fp32."""
+    return tl.maximum(tl.minimum(D - u * BLOCK_D, BLOCK_D), 0).to(tl.float32)
+
+
+@triton.jit
 def _slice_moments(x, mask, n, IS_RMS: tl.constexpr):
     """One slice's share of the statistics, packed: its mean and M2 (the
     sum of squared deviations from that mean; RMSNorm: 0 and the sum of
     squares). An M2 that overflows (values past about 1e19) is sent as
     minus its square root, taken on the slice scaled by its max |x|."""
     if IS_RMS:
-        m = tl.sum(x, axis=0) * 0.0
+        m = tl.full((), 0.0, tl.float32)
         xc = x
     else:
         m = tl.sum(x, axis=0) / n
@@ -374,8 +380,7 @@ def _row_statistics(got, t, S, D, BLOCK_D: tl.constexpr, eps,
     or the sum does, the same sums are taken scaled by their largest root,
     which comes back out of the square root."""
     valid = t < S
-    n = tl.where(valid, tl.minimum(D - t * BLOCK_D, BLOCK_D), 0).to(
-        tl.float32)
+    n = _slice_count(D, t, BLOCK_D)
     m = tl.where(valid, _unpack(got, False), 0.0)
     m2 = tl.where(valid, _unpack(got, True), 0.0)
     if IS_RMS:
@@ -439,10 +444,10 @@ def norm_fwd_coop_kernel(
     cols = tl.arange(0, BLOCK_D)
     c = j * BLOCK_D + cols
     mask = c < D
-    n_j = tl.minimum(D - j * BLOCK_D, BLOCK_D).to(tl.float32)
+    n_j = _slice_count(D, j, BLOCK_D)
     t = tl.arange(0, SLICES)                      # (SLICES,) slice index
     others = (t < S) & (t != j)
-    first = tl.minimum((pid // S).to(tl.int64), M - 1)
+    first = (pid // S).to(tl.int64)               # < M: groups <= M
     x_next = tl.load(X + first * stride_x + c, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r_next = tl.load(R + first * stride_r + c, mask=mask, other=0.0)
@@ -467,13 +472,10 @@ def norm_fwd_coop_kernel(
                 if _slot_empty(got, t, u):
                     cu = u * BLOCK_D + cols
                     mu = cu < D
-                    xu = tl.load(X + row * stride_x + cu, mask=mu,
-                                 other=0.0).to(tl.float32)
-                    if HAS_RESIDUAL:
-                        ru = tl.load(R + row * stride_r + cu, mask=mu,
-                                     other=0.0).to(tl.float32)
-                        xu = (xu + ru).to(H.dtype.element_ty).to(tl.float32)
-                    n_u = tl.minimum(D - u * BLOCK_D, BLOCK_D).to(tl.float32)
+                    # (h stored again: the bits its owner stores)
+                    xu = _load_add(X, R, H, row, stride_x, stride_r, D, cu,
+                                   mu, HAS_RESIDUAL)
+                    n_u = _slice_count(D, u, BLOCK_D)
                     got = tl.where(t == u, _slice_moments(xu, mu, n_u, IS_RMS),
                                    got)
         else:

@@ -37,8 +37,9 @@ from triton.compiler import ASTSource  # noqa: E402
 from normbook.bench import bytemodel, model  # noqa: E402
 from normbook.kernels import _backward, _forward  # noqa: E402
 from normbook.kernels._config import (  # noqa: E402
-    COOP_MAXNREG, MAX_FUSED_D_FWD, MAX_WARPS, Config, backward_config, chunked_forward_config, forward_config, narrow_loads, num_stages,
-    resident_per_sm, vec)
+    COOP_MAXNREG, MAX_FUSED_D_FWD, MAX_WARPS, Config, backward_config, chunked_backward_config,
+    chunked_forward_config, forward_config, narrow_loads, num_stages, resident_per_sm,
+    shared_groups, vec)
 
 M_REPORT = 32768                                   # the batch of the performance goal
 ARCHS = (80, 90)
@@ -65,7 +66,7 @@ def launches(D: int, is_rms: bool, residual: bool, dtype: str = "bf16", arch: in
     bwd = backward_config(M_REPORT, D, narrow_loads(D, e), e, arch)
     flags["VEC"] = fwd_flags["VEC"] = bwd_flags["VEC"] = vec(D, e)     # contiguous rows
     out = []
-    if fwd.SLICES and -(-D // fwd.BLOCK_D) <= resident_per_sm(fwd) * model.H200["sms"]:
+    if fwd.SLICES and _groups(fwd, D):
         out.append((_forward.norm_fwd_coop_kernel,
                     dict(fwd_flags, BLOCK_D=fwd.BLOCK_D, SLICES=fwd.SLICES, SELF_COMPUTE=False), fwd, "fwd"))
     elif fwd.chunked:
@@ -75,10 +76,11 @@ def launches(D: int, is_rms: bool, residual: bool, dtype: str = "bf16", arch: in
     else:
         rows = dict(ROWS=fwd.ROWS, BLOCK_D=fwd.BLOCK_D, NUM_STAGES=num_stages(fwd, e, 1 + residual))
         out.append((_forward.norm_fwd_rows_kernel, dict(fwd_flags, **rows), fwd, "fwd"))
-    if bwd.SLICES and -(-D // bwd.BLOCK_D) <= resident_per_sm(bwd) * model.H200["sms"]:
+    if bwd.SLICES and _groups(bwd, D):
         out.append((_backward.norm_bwd_coop_kernel,
                     dict(bwd_flags, BLOCK_D=bwd.BLOCK_D, SLICES=bwd.SLICES, SELF_COMPUTE=False), bwd, "bwd"))
     elif bwd.chunked:
+        bwd = chunked_backward_config()
         out.append((_backward.norm_bwd_stats_kernel, dict(flags, BLOCK_D=bwd.BLOCK_D), bwd, "bwd"))
         out.append((_backward.norm_bwd_chunked_kernel, dict(bwd_flags, BLOCK_D=bwd.BLOCK_D), bwd, "bwd"))
     else:
@@ -91,6 +93,11 @@ def launches(D: int, is_rms: bool, residual: bool, dtype: str = "bf16", arch: in
                      VEC=vec(D, 4)),
                 finish, "bwd"))
     return out
+
+
+def _groups(cfg, D: int, M: int = M_REPORT, sms: int = model.H200["sms"]) -> int:
+    """Groups of programs sharing rows on the model's GPU (:func:`shared_groups`), 0 if none."""
+    return shared_groups(M, D, cfg, resident_per_sm(cfg) * sms)
 
 
 def traffic(kernel: str, D: int, dtype: str, is_rms: bool, residual: bool, cfg, M: int = M_REPORT,
@@ -106,7 +113,7 @@ def traffic(kernel: str, D: int, dtype: str, is_rms: bool, residual: bool, cfg, 
     programs = min(resident_per_sm(rows_bwd) * sms, -(-M // rows_bwd.ROWS))   # persistent grid
     slices = -(-D // rows_bwd.BLOCK_D)
     if rows_bwd.SLICES:                                 # groups of S programs, one row each
-        programs = min(M, programs // slices)
+        programs = _groups(rows_bwd, D, M, sms)
     partials = 4 * D * n_par * programs / M             # fp32 partials per row, written once
     params = row * n_par / M                            # weights: from HBM once, then L2
     if kernel == "norm_fwd_rows_kernel":                # x (and r) in; y (and h) out
@@ -114,10 +121,10 @@ def traffic(kernel: str, D: int, dtype: str, is_rms: bool, residual: bool, cfg, 
         return dict(bytes_per_row=row * (1 + res) * 2 + n_stats + params,
                     tile_bytes=cfg.ROWS * row * (1 + res), grid=grid)
     if kernel == "norm_fwd_coop_kernel":     # x (r) once; y (h) out; slots
-        slices = -(-D // cfg.BLOCK_D)
-        groups = min(M, resident_per_sm(cfg) * sms // slices)
-        return dict(bytes_per_row=row * (1 + res) * 2 + n_stats + 16 * slices + params,
-                    tile_bytes=cfg.BLOCK_D * e * (1 + res), grid=groups * slices,
+        fwd_slices = -(-D // cfg.BLOCK_D)
+        return dict(bytes_per_row=row * (1 + res) * 2 + n_stats + 16 * fwd_slices + params,
+                    tile_bytes=cfg.BLOCK_D * e * (1 + res),
+                    grid=_groups(cfg, D, M, sms) * fwd_slices,
                     step_bytes=cfg.BLOCK_D * e * (1 + res) * 2)
     if kernel == "norm_fwd_chunked_kernel":   # pass 1 reads x (r), writes h; pass 2 re-reads past HOLD
         again = (D - cfg.HOLD) * e                      # x, or h with the residual
