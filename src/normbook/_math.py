@@ -20,20 +20,29 @@ def _rsqrt_ms(xc: torch.Tensor, eps) -> torch.Tensor:
     """1 / sqrt(mean(xc^2) + eps), (..., 1), finite where mean(xc^2) alone would overflow.
 
     fp32 values past about 1e19 square to inf, and the plain formula would then give rstd = 0
-    and an output of zeros. Such rows are rescaled by a power of two first (exact), and the
-    scale is taken back out of the root through ``ldexp``. Under torch.func transforms both
-    forms are computed and selected per row (no data-dependent branch).
+    and an output of zeros. Such rows are divided by their largest |value| a first (|u| <= 1,
+    nothing overflows) and a is taken back out of the root, as the kernels do:
+    1 / sqrt(a^2 mean(u^2) + eps) = (1/a) / sqrt(mean(u^2) + eps / a^2).
+    Where the values are not at hand (see :func:`_has_values`) both forms are computed and
+    selected per row, without a branch on the data; a is at least 1 there, so that neither
+    form of a zero row is 0/0 (whose NaN a second derivative through the unselected form would
+    pick up).
     """
     ms = (xc * xc).mean(-1, keepdim=True)
-    if not torch._C._are_functorch_transforms_active() and not torch.isinf(ms).any():
+    if _has_values(xc) and not torch.isinf(ms).any():
         return torch.rsqrt(ms + eps)
-    amax = xc.abs().amax(-1, keepdim=True)
-    _, e = torch.frexp(amax)
-    u = torch.ldexp(xc, -e)                             # exact rescaling by 2^-e
-    # 1/sqrt(2^2e mean(u^2) + eps) = 2^-e / sqrt(mean(u^2) + eps 2^-2e); eps 2^-2e underflows
-    # harmlessly, since these rows have 2^e > 1e19
-    safe = torch.ldexp(torch.rsqrt((u * u).mean(-1, keepdim=True)), -e)
+    a = xc.abs().amax(-1, keepdim=True).clamp_min(1.0)   # (..., 1)
+    u = xc / a                                           # |u| <= 1
+    safe = torch.rsqrt((u * u).mean(-1, keepdim=True) + eps / (a * a)) / a
     return torch.where(torch.isinf(ms), safe, torch.rsqrt(ms + eps))
+
+
+def _has_values(t: torch.Tensor) -> bool:
+    """Whether Python may branch on ``t``'s values: a plain eager tensor that holds data. Not
+    under torch.compile or torch.export (a branch would guard on data or break the graph), nor
+    torch.func transforms, nor for meta or fake tensors (no values), nor a subclass."""
+    return not (type(t) is not torch.Tensor or t.is_meta or torch.compiler.is_compiling()
+                or torch._C._are_functorch_transforms_active() or torch.jit.is_tracing())
 
 
 def stats(x: torch.Tensor, eps, is_rms: bool):

@@ -16,7 +16,6 @@ import math
 
 import torch
 from normbook import _math, _validate
-from normbook._function import Function
 
 __all__ = ["layer_norm", "rms_norm"]
 
@@ -35,18 +34,17 @@ def _use_kernels(input: torch.Tensor) -> bool:
             and importlib.util.find_spec("triton") is not None)
 
 
-class _NormFunction(Function):
-    """The CPU (and float64) path of both norms: forward, backward, jvp and vmap, in torch ops.
+class _NormFunction(torch.autograd.Function):
+    """The CPU (and float64) path of both norms: forward and backward, in torch ops.
 
     ``apply(x, weight, bias, eps, is_rms) -> (y, stats)`` with x (..., D) and stats
     (..., 2) = (mean, rstd) for LayerNorm, (..., 1) = rstd for RMSNorm, in the compute dtype
     (at least fp32). The backward is (ln-dx) / (rms-dx) and (ln-dparams) from the saved stats;
     when autograd is building a graph of the backward (``create_graph=True``) the stats are
-    recomputed from x inside it, so that second derivatives see how they depend on x. Written in
-    the modern form (setup_context, jvp, generated vmap rule), so torch.func transforms work.
+    recomputed from x inside it, so that second derivatives see how they depend on x. This is
+    the class torch.compile and torch.export trace (Dynamo refuses a Function with a custom
+    jvp); :class:`_NormFunctionAD` adds forward-mode AD and vmap for torch.func.
     """
-
-    generate_vmap_rule = True
 
     @staticmethod
     def forward(x, weight, bias, eps, is_rms):
@@ -87,6 +85,14 @@ class _NormFunction(Function):
         return (dx.to(ctx.saved_tensors[0].dtype), None if wdt is None else dweight.to(wdt),
                 None if bdt is None else dbias.to(bdt), None, None)
 
+
+
+class _NormFunctionAD(_NormFunction):
+    """:class:`_NormFunction` in torch.func's form: with the forward-mode tangent (jvp) and a
+    generated vmap rule, for forward-mode AD and torch.func transforms."""
+
+    generate_vmap_rule = True
+
     @staticmethod
     def jvp(ctx, tx, tw, tb, teps, tis_rms):
         xc, w, stats, eps, is_rms, wdt, bdt = _NormFunction._unpack(ctx)
@@ -95,6 +101,24 @@ class _NormFunction(Function):
         ty = _math.jvp(None if tx is None else tx.to(ct), None if tw is None else tw.to(ct),
                        None if tb is None else tb.to(ct), xc, w, mean, rstd)
         return ty.to(ctx.saved_tensors[0].dtype), None
+
+
+# torch's Function.apply binds its arguments with inspect.signature on every call (about 12 us
+# here) because the Function has setup_context; the C++ apply underneath does the same work
+# when every argument is given positionally, as it always is here. It also runs the jvp under
+# forward-mode AD.
+_fast_apply = super(torch.autograd.Function, _NormFunctionAD).apply
+
+
+def _apply(x, weight, bias, eps, is_rms):
+    """The norm's Function on (..., D) rows, by whichever ``apply`` the context needs: torch's,
+    of the jvp-free class, for torch.compile and torch.export (their tracers see the Function);
+    torch's, of :class:`_NormFunctionAD`, under torch.func transforms; the C++ one otherwise."""
+    if torch.compiler.is_compiling():
+        return _NormFunction.apply(x, weight, bias, eps, is_rms)
+    if torch._C._are_functorch_transforms_active():
+        return _NormFunctionAD.apply(x, weight, bias, eps, is_rms)
+    return _fast_apply(x, weight, bias, eps, is_rms)
 
 
 def _split(stats, is_rms):
@@ -157,7 +181,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
 
         y = kernels.layer_norm(x, (x.shape[-1],), w, b, eps)
     else:
-        y = _NormFunction.apply(x, w, b, eps, False)[0]
+        y = _apply(x, w, b, eps, False)[0]
     return y.reshape(input.shape)
 
 
@@ -193,5 +217,5 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
 
         y = kernels.rms_norm(x, (x.shape[-1],), w, eps)
     else:
-        y = _NormFunction.apply(x, w, None, eps, True)[0]
+        y = _apply(x, w, None, eps, True)[0]
     return y.reshape(input.shape)

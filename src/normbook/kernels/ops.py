@@ -26,7 +26,6 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from normbook import _math, _validate
-from normbook._function import Function
 from normbook.kernels import _backward, _forward
 
 __all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "NormFunction", "EagerNormFunction"]
@@ -163,7 +162,7 @@ def _op_grad(ctx, dy, dh, dstats):
 norm_forward.register_autograd(_op_grad, setup_context=_setup_context)
 
 
-class NormFunction(Function):
+class NormFunction(torch.autograd.Function):
     """The eager route: the same forward and backward as the custom ops, without the dispatcher.
 
     ``apply(x, residual, weight, bias, eps, is_rms) -> (y, h, stats)`` on (M, D) rows; h is

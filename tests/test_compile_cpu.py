@@ -1,0 +1,126 @@
+"""The CPU path (normbook.layer_norm / rms_norm and the modules on CPU tensors) under torch's
+compilers and tracers, as a user's model meets them: torch.compile (aot_eager, fullgraph, and
+the default inductor backend), torch.export, meta tensors and fake tensors. Each gives eager's
+numbers, forward and backward, for both norms, modules and functions.
+
+(The kernel path under torch.compile is tested in test_kernels_api.py.)
+"""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import normbook
+
+
+def _cases(dtype):
+    """(name, callable, its parameters) for the two modules and the two functions."""
+    ln = normbook.LayerNorm(8, dtype=dtype)
+    rms = normbook.RMSNorm(8, dtype=dtype)
+    with torch.no_grad():                 # parameters away from 1 and 0, so their grads count
+        for p in (*ln.parameters(), *rms.parameters()):
+            p.copy_(torch.randn_like(p))
+    w, b = ln.weight.detach().clone().requires_grad_(), ln.bias.detach().clone().requires_grad_()
+    return [("LayerNorm", ln, list(ln.parameters())), ("RMSNorm", rms, list(rms.parameters())),
+            ("layer_norm", lambda t: normbook.layer_norm(t, (8,), w, b, 1e-5), [w, b]),
+            ("rms_norm", lambda t: normbook.rms_norm(t, 8, w), [w])]
+
+
+def _run(fn, x, params, dy):
+    """y and the gradients of x and the parameters, for an upstream gradient dy."""
+    x = x.detach().clone().requires_grad_()
+    for p in params:
+        p.grad = None
+    y = fn(x)
+    y.backward(dy)
+    return [y.detach(), x.grad, *(p.grad for p in params)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compile_aot_eager_fullgraph_matches_eager(dtype):
+    """aot_eager traces the Function's forward and hand-derived backward into graphs and runs
+    them op by op: the same ops as eager, so the same numbers (to the last few ulps, since the
+    traced graph may fuse a cast). Dynamic shapes too: a second batch size reuses the graph."""
+    torch.manual_seed(0)
+    for name, fn, params in _cases(dtype):
+        compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+        for rows in (3, 5):
+            x = torch.randn(2, rows, 8, dtype=dtype) * 3 + 1
+            dy = torch.randn_like(x)
+            for got, want in zip(_run(compiled, x, params, dy), _run(fn, x, params, dy)):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-14,
+                                           msg=lambda m: f"{name}, {rows} rows: {m}")
+
+
+@pytest.mark.parametrize("name", ["LayerNorm", "rms_norm"])
+def test_compile_default_backend_matches_eager(name):
+    """The default backend (inductor, which generates C++ here) on a norm of each kind: eager's
+    numbers within fp32 rounding of a reordered sum. Also the overflow rescue, which is traced
+    as a per-row select instead of a branch on the data."""
+    torch.manual_seed(1)
+    fn, params = next((f, p) for n, f, p in _cases(torch.float32) if n == name)
+    x = torch.randn(4, 8) * 2
+    x[1] *= 1e20                                     # squares overflow fp32: the rescued row
+    dy = torch.randn_like(x)
+    compiled = torch.compile(fn, fullgraph=True)
+    got, want = _run(compiled, x, params, dy), _run(fn, x, params, dy)
+    assert torch.isfinite(got[0]).all() and got[0][1].abs().max() > 0.1
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_double_backward_under_compile_is_refused_or_right():
+    """A gradient penalty through a compiled norm: torch.compile does not trace double
+    backward; whatever it does must not be a silently wrong number."""
+    torch.manual_seed(2)
+    fn = lambda t: normbook.layer_norm(t, (8,))              # noqa: E731
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(fn(x).pow(2).sum(), x, create_graph=True)
+    (want,) = torch.autograd.grad(g.pow(2).sum(), x)
+    x2 = x.detach().clone().requires_grad_()
+    try:
+        (g2,) = torch.autograd.grad(torch.compile(fn, backend="aot_eager")(x2).pow(2).sum(), x2,
+                                    create_graph=True)
+        (got,) = torch.autograd.grad(g2.pow(2).sum(), x2)
+    except RuntimeError as e:                                # torch's refusal is an answer too
+        assert "double backward" in str(e).lower() or "create_graph" in str(e).lower(), e
+    else:
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("cls", [normbook.LayerNorm, normbook.RMSNorm])
+def test_export_runs_and_matches_eager(cls):
+    """torch.export traces the module without a guard on data (the overflow rescue is a
+    select); the exported program computes eager's numbers, at another batch size too."""
+    torch.manual_seed(3)
+    m = cls(8)
+    batch = torch.export.Dim("batch")
+    ep = torch.export.export(m, (torch.randn(3, 8),), dynamic_shapes=({0: batch},))
+    for rows in (3, 6):
+        x = torch.randn(rows, 8) * 2
+        x[0] *= 1e20
+        torch.testing.assert_close(ep.module()(x), m(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [normbook.LayerNorm, normbook.RMSNorm])
+def test_meta_tensors_give_shapes_forward_and_backward(cls):
+    """A model built on the meta device (how large models are initialised) runs forward and
+    backward, giving meta tensors of the right shapes and dtypes."""
+    m = cls((4, 8), device="meta", dtype=torch.bfloat16)
+    x = torch.empty(2, 3, 4, 8, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    y = m(x)
+    assert y.is_meta and y.shape == x.shape and y.dtype == torch.bfloat16
+    y.sum().backward()
+    assert x.grad.is_meta and x.grad.shape == x.shape
+    assert m.weight.grad.is_meta and m.weight.grad.shape == (4, 8)
+
+
+def test_fake_tensors_give_shapes():
+    """Under FakeTensorMode (what tracers and shape propagation use) both functions run."""
+    with FakeTensorMode():
+        x = torch.empty(5, 16, requires_grad=True)
+        w = torch.empty(16, requires_grad=True)
+        for y in (normbook.layer_norm(x, (16,), w, w), normbook.rms_norm(x, (16,), w)):
+            assert y.shape == (5, 16)
+            (dx,) = torch.autograd.grad(y.sum(), x)
+            assert dx.shape == (5, 16)
