@@ -204,20 +204,15 @@ def test_wide_rows_without_the_exchange(monkeypatch, norm, dtype):
                else (lambda x, w, b: K.rms_norm(x, (D,), w, EPS)))
     device = torch.empty(0, device=DEVICE).get_device()
     plans = (lambda: _config.forward_plan(M, D, device, x.element_size(), norm == "rms", False,
-                                          True, norm == "layer")[0],
+                                          True, norm == "layer", 0, _config.shared_rows(D))[0],
              lambda: _config.backward_plan(M, D, device, x.element_size(), norm == "rms", False,
-                                           True, norm == "layer")[0])
+                                           True, norm == "layer", 0, _config.shared_rows(D))[0])
     assert all(plan().SLICES for plan in plans)
     exchanged = grads(norm_fn, dy, x, w, b)
-    monkeypatch.setattr(_config, "SHARED_ROWS", False)       # as NORMBOOK_SHARED_ROWS=0 does
-    _config.forward_plan.cache_clear()
-    _config.backward_plan.cache_clear()
-    try:
-        assert all(plan().chunked and not plan().SLICES for plan in plans)
-        y, twice = grads(norm_fn, dy, x, w, b)
-    finally:
-        _config.forward_plan.cache_clear()
-        _config.backward_plan.cache_clear()
+    # set after the plans above were made and cached: it takes effect all the same
+    monkeypatch.setenv("NORMBOOK_SHARED_ROWS", "off")
+    assert all(plan().chunked and not plan().SLICES for plan in plans)
+    y, twice = grads(norm_fn, dy, x, w, b)
     x64, w64, b64, dy64 = (t.double() for t in (x, w, b, dy))
     if norm == "layer":
         y64, mean, rstd = reference.layer_norm_forward(x64, w64, b64, EPS)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from normbook.kernels import _config
-from normbook.kernels._config import Config, backward_plan, maxnreg_for
+from normbook.kernels._config import Config, backward_plan, maxnreg_for, other_device, shared_rows
 from normbook.kernels._forward import _pack, _slot_empty, _unpack, _wait_for_slots, multiple
 
 CHUNK_STAGES = tl.constexpr(_config.CHUNK_STAGES)   # chunk and row loops of wide rows
@@ -145,15 +145,16 @@ def norm_bwd_rows_kernel(
             dw += dy * xhat
         if HAS_BIAS:
             db += dy
+    part = pid.to(tl.int64) * D    # this program's partial row: programs x D may pass 2^31
     if HAS_WEIGHT:
         tl.store(
-            DW + pid * D + cols,
+            DW + part + cols,
             tl.sum(dw, axis=0).to(DW.dtype.element_ty),
             mask=col_mask,
         )
     if HAS_BIAS:
         tl.store(
-            DB + pid * D + cols,
+            DB + part + cols,
             tl.sum(db, axis=0).to(DB.dtype.element_ty),
             mask=col_mask,
         )
@@ -274,10 +275,11 @@ def norm_bwd_chunked_kernel(
             dw += dy * xhat
         if HAS_BIAS:
             db += dy
+    part = pid.to(tl.int64) * D    # this program's partial row: programs x D may pass 2^31
     if HAS_WEIGHT:
-        tl.store(DW + pid * D + c, dw.to(DW.dtype.element_ty), mask=mask)
+        tl.store(DW + part + c, dw.to(DW.dtype.element_ty), mask=mask)
     if HAS_BIAS:
-        tl.store(DB + pid * D + c, db.to(DB.dtype.element_ty), mask=mask)
+        tl.store(DB + part + c, db.to(DB.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -425,11 +427,11 @@ def norm_bwd_coop_kernel(
         if HAS_DH:
             dx += dh.to(tl.float32)                          # (fork-rule)
         tl.store(DX + row * D + c, dx.to(DX.dtype.element_ty), mask=mask)
-    g = pid // S
+    part = (pid // S).to(tl.int64) * D    # this group's partial row (int64, as above)
     if HAS_WEIGHT:
-        tl.store(DW + g * D + c, dw.to(DW.dtype.element_ty), mask=mask)
+        tl.store(DW + part + c, dw.to(DW.dtype.element_ty), mask=mask)
     if HAS_BIAS:
-        tl.store(DB + g * D + c, db.to(DB.dtype.element_ty), mask=mask)
+        tl.store(DB + part + c, db.to(DB.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -488,6 +490,10 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
         weight; dbias: (D,) in ``bias_dtype``, or None without a bias.
     """
     M, D = x.shape
+    device = x.get_device()
+    if other_device(device):
+        with torch.cuda.device(device):
+            return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)
     has_w, has_b = weight is not None, bias_dtype is not None
     # empty_like: cheapest on the host; contiguous, since x's rows are dense or x is not dense
     dx = torch.empty_like(x)
@@ -502,9 +508,9 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
         return dx, dweight if not has_w else dweight.zero_(), dbias if not has_b else dbias.zero_()
     stride_x, stride_dy = x.stride(0), dy.stride(0)
     dhp, stride_dh = (dy, stride_dy) if dh is None else (dh, dh.stride(0))
-    cfg, programs, flags = backward_plan(M, D, x.get_device(), x.element_size(), is_rms,
+    cfg, programs, flags = backward_plan(M, D, device, x.element_size(), is_rms,
                                          dh is not None, has_w, has_b,
-                                         (stride_x | stride_dy | stride_dh) & 15)
+                                         (stride_x | stride_dy | stride_dh) & 15, shared_rows(D))
     if programs == 1 or not (has_w or has_b):
         pw, pb = dweight, dbias             # one program writes the sums over rows itself
     else:                                   # fp32 partial sums, one (D,) row per program

@@ -12,7 +12,8 @@ on 16-byte-aligned pointers and strides: that is what lets the loads be 128 bits
   it in registers (``SLICES``: COOP_FWD_BYTES of loads in the forward, COOP_BYTES of x in the
   backward), and the S programs of a row exchange their partial sums (forward: mean and M2;
   backward: the shares of c1, c2) through 64-bit slots, launched cooperatively so that all are
-  resident: the row is read once. Rows with more slices than the GPU holds programs go to
+  resident: the row is read once. Rows with more slices than the GPU holds programs (and all
+  wide rows with NORMBOOK_SHARED_ROWS=0, see :func:`shared_rows`) go to
   kernels that read a row twice: the forward holds its first HOLD columns
   (:func:`chunked_forward_config`) and reads the rest twice; the backward reads x and dy once
   for c1, c2 and again for dx.
@@ -61,11 +62,44 @@ TILE_ELEMS = 4096         # target elements per tile when several small rows sha
 MAX_ROWS = 32             # at most this many rows per tile
 MIN_BLOCK_D = 16          # narrower blocks only waste the 128-bit loads
 CPU_PROGRAMS = 4          # persistent grid size in the interpreter (any fixed number is deterministic)
-# NORMBOOK_SHARED_ROWS=0 in the environment turns the row sharing off: wide rows then take the
-# kernels that read a row twice (a way around it should a GPU or driver refuse cooperative launches)
-SHARED_ROWS = os.environ.get("NORMBOOK_SHARED_ROWS", "1") != "0"
 CPU_SLICES = 64           # the interpreter's wide backward exchanges sums up to this many slices
                           # a row (a GPU: as many as it holds programs), past it reads x twice
+
+
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off environment variable, in any of the usual spellings (1/0, true/false, yes/no,
+    on/off, any case); unset or empty means ``default``. Anything else is an error that names
+    the variable, rather than a silent guess."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if not value:
+        return default
+    if value in _ON or value in _OFF:
+        return value in _ON
+    raise ValueError(f"{name}: expected one of {', '.join(_ON)} (on) or {', '.join(_OFF)} (off), "
+                     f"got {raw!r}")
+
+
+def shared_rows(D: int) -> bool:
+    """Whether rows of D values may be shared among programs that exchange sums.
+    NORMBOOK_SHARED_ROWS=0 (or off, false, no) turns the sharing off: wide rows then take the
+    kernels that read a row twice, a way around a GPU or driver that refuses cooperative
+    launches. Read each time a plan is looked up, so that a change takes effect at once (the
+    plans are cached with it); rows narrow enough for one program never share and do not
+    read it, which keeps the environment off the hot path of small rows."""
+    return D > MAX_FUSED_D_BWD and env_switch("NORMBOOK_SHARED_ROWS", True)
+
+
+def other_device(device_index: int) -> bool:
+    """Whether CUDA device ``device_index`` is not the current one. Triton launches a kernel
+    on the current device and its current stream, whatever device the arguments are on, so
+    a launcher for tensors on another device (cuda:1 while cuda:0 is current) makes theirs
+    current first. False for the CPU (-1)."""
+    return device_index >= 0 and device_index != torch.cuda.current_device()
 
 
 def next_power_of_2(n: int) -> int:
@@ -155,12 +189,13 @@ def chunked_backward_config() -> Config:
     return Config(True, CHUNK_D, 1, CHUNK_WARPS, maxnreg_for(CHUNK_WARPS))
 
 
-def coop_groups(M: int, D: int, cfg: Config, device_index: int) -> int:
+def coop_groups(M: int, D: int, cfg: Config, device_index: int, shared: bool = True) -> int:
     """Groups of S = cdiv(D, BLOCK_D) programs that a wide kernel exchanging sums launches
     (grid: groups x S), or 0 when a row has more slices than can run at once: every program
     of a GPU's grid must be resident (the interpreter, which runs them one by one, takes up to
-    CPU_SLICES slices and CPU_PROGRAMS groups). 0 as well when SHARED_ROWS is off."""
-    if not SHARED_ROWS:
+    CPU_SLICES slices and CPU_PROGRAMS groups). 0 as well when ``shared`` is off
+    (:func:`shared_rows`)."""
+    if not shared:
         return 0
     if device_index < 0:
         return min(M, CPU_PROGRAMS) if -(-D // cfg.BLOCK_D) <= CPU_SLICES else 0
@@ -206,16 +241,16 @@ def narrow_loads(D: int, itemsize: int, strides: int = 0) -> bool:
 @functools.lru_cache(maxsize=4096)
 def forward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool,
                  has_residual: bool, has_weight: bool, has_bias: bool,
-                 strides: int = 0) -> tuple[Config, tuple, dict]:
+                 strides: int = 0, shared: bool = True) -> tuple[Config, tuple, dict]:
     """(config, grid, launch keywords) of the forward on a device (Tensor.get_device(): -1 for
     the CPU), cached: a launch computes and builds nothing. Rows in registers: a persistent
     grid of what the GPU holds, with the row loop's pipeline stages. ``strides``: the low four
-    bits of the row strides ORed (see :func:`vec`)."""
+    bits of the row strides ORed (see :func:`vec`); ``shared``: :func:`shared_rows`."""
     cfg = forward_config(M, D, has_residual, itemsize, arch(device_index))
     flags = dict(IS_RMS=is_rms, HAS_RESIDUAL=has_residual, HAS_WEIGHT=has_weight,
                  HAS_BIAS=has_bias, VEC=vec(D, itemsize, strides))
     if cfg.SLICES:
-        groups = coop_groups(M, D, cfg, device_index)
+        groups = coop_groups(M, D, cfg, device_index, shared)
         if groups:
             return cfg, (groups * -(-D // cfg.BLOCK_D),), cfg.flags(**flags,
                                                                    **coop_flags(device_index))
@@ -229,7 +264,8 @@ def forward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool,
 
 @functools.lru_cache(maxsize=4096)
 def backward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool, has_dh: bool,
-                  has_weight: bool, has_bias: bool, strides: int = 0) -> tuple[Config, int, dict]:
+                  has_weight: bool, has_bias: bool, strides: int = 0,
+                  shared: bool = True) -> tuple[Config, int, dict]:
     """(config, persistent programs, launch keywords) of the backward on a device, cached as
     :func:`forward_plan`. With ``cfg.SLICES`` the programs are groups of S cooperating
     programs (the grid is programs x S, launched cooperatively: all resident at once, or the
@@ -238,7 +274,7 @@ def backward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool
     flags = dict(IS_RMS=is_rms, HAS_DH=has_dh, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias,
                  VEC=vec(D, itemsize, strides))
     if cfg.SLICES:      # programs = groups of S programs, one group per row at a time
-        groups = coop_groups(M, D, cfg, device_index)
+        groups = coop_groups(M, D, cfg, device_index, shared)
         if groups:
             return cfg, groups, cfg.flags(**flags, **coop_flags(device_index))
         cfg = chunked_backward_config()

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from normbook.kernels import _config
-from normbook.kernels._config import forward_plan
+from normbook.kernels._config import forward_plan, other_device, shared_rows
 
 FP32_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)   # torch.finfo(torch.float32).tiny
 FP32_MAX = tl.constexpr(3.4028234663852886e38)           # torch.finfo(torch.float32).max
@@ -114,8 +114,10 @@ def _merge(n, mean, m2, x, mask, n_b, IS_RMS: tl.constexpr):
     xc = tl.where(mask, x - m_b, 0.0)
     delta = m_b - mean
     n_new = n + n_b
+    # delta * (delta * w), not delta^2 * w: on the first block (n = 0, w = 0) delta is the
+    # block's mean, whose square overflows for values past 1e19, and inf * 0 would be NaN
     return (n_new, mean + delta * (n_b / n_new),
-            m2 + tl.sum(xc * xc, axis=0) + delta * delta * (n * n_b / n_new))
+            m2 + tl.sum(xc * xc, axis=0) + delta * (delta * (n * n_b / n_new)))
 
 
 @triton.jit
@@ -501,6 +503,10 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
         RMSNorm (rstd): ``stats[-1]`` is rstd either way.
     """
     M, D = x.shape
+    device = x.get_device()
+    if other_device(device):
+        with torch.cuda.device(device):
+            return norm_forward(x, residual, weight, bias, eps, is_rms)
     # empty_like: cheapest on the host; contiguous, since x's rows are dense or x is not dense
     y = torch.empty_like(x)
     h = torch.empty_like(x) if residual is not None else None
@@ -510,9 +516,9 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
         return y, h, stats
     r = residual if residual is not None else x      # placeholders: never touched when absent
     stride_x, stride_r = x.stride(0), r.stride(0)
-    cfg, grid, flags = forward_plan(M, D, x.get_device(), x.element_size(), is_rms,
+    cfg, grid, flags = forward_plan(M, D, device, x.element_size(), is_rms,
                                     residual is not None, weight is not None, bias is not None,
-                                    (stride_x | stride_r) & 15)
+                                    (stride_x | stride_r) & 15, shared_rows(D))
     args = (x, r, h if h is not None else y, y, weight if weight is not None else x,
             bias if bias is not None else x, stats, stride_x, stride_r, M, D, eps)
     if cfg.SLICES:          # groups of S programs, one per slice of a row, exchanging sums

@@ -238,9 +238,37 @@ def compile_one(kernel, constexprs, options: dict, dtype, arch, D: int = 1024) -
     if options.get("launch_cooperative_grid"):   # the option reached the launcher's metadata
         assert compiled.metadata.launch_cooperative_grid, "launch_cooperative_grid was dropped"
     return dict(registers=registers, spill_bytes=spills, load_bits=load_bits(ptx),
+                int32_offsets=len(int32_offsets(compiled.asm["ttir"])),
                 shared_bytes=compiled.metadata.shared, pipelined=pipelined,
                 num_stages=constexprs.get("NUM_STAGES", 2 if ahead else compiled.metadata.num_stages),
                 **({"prefetched_loads": ahead} if ahead else {}))
+
+
+def int32_offsets(ttir: str) -> list[str]:
+    """The 32-bit products of a program id and a runtime size in a kernel's Triton IR: offsets
+    such as ``pid * D`` that wrap past 2^31 (programs x D elements) and then address memory
+    outside the tensor. Each value is followed from ``tt.get_program_id`` and from the
+    integer arguments (M, D, strides) through every op that uses it; an ``arith.muli`` in i32
+    of one of each is reported. A product in i64 (``pid.to(tl.int64) * D``) is not."""
+    head = re.search(r"tt\.func public @\w+\((.*?)\)\s*(?:attributes|\{)", ttir, re.S)
+    if head is None:
+        raise ValueError("int32_offsets: no 'tt.func public' header in the Triton IR")
+    from_pid, from_arg = set(), set(re.findall(r"(%\w+): i(?:32|64)\b", head.group(1)))
+    found = []
+    for line in ttir.splitlines():
+        code = line.split(" loc(")[0]
+        defined = re.findall(r"(%[\w.#]+)(?::\d+)? = ", code)
+        if not defined:
+            continue
+        used = [n for n in re.findall(r"%[\w.#]+", code) if n not in defined]
+        if "tt.get_program_id" in code or any(u in from_pid for u in used):
+            from_pid.update(defined)
+        if any(u in from_arg for u in used):
+            from_arg.update(defined)
+        mul = re.search(r"= arith\.muli (%[\w.#]+), (%[\w.#]+) : (i32|tensor<[^>]*xi32>)$", code.strip())
+        if mul and any(a in from_pid and b in from_arg for a, b in ((mul[1], mul[2]), (mul[2], mul[1]))):
+            found.append(code.strip())
+    return found
 
 
 def prefetched_loads(ptx: str) -> int:
@@ -300,12 +328,15 @@ def spill_allowance(row: dict) -> int:
 
 
 def problems(row: dict) -> list[str]:
-    """Why a row fails the report: a compile error, spills at D <= MAX_FUSED_D_FWD (see
+    """Why a row fails the report: a compile error, an int32 offset that can wrap
+    (:func:`int32_offsets`), spills at D <= MAX_FUSED_D_FWD (see
     :func:`spill_allowance`), narrow loads where D is a multiple of 16 bytes of values, a
     persistent rows kernel less resident than its grid assumes."""
     if "error" in row:
         return [row["error"]]
     out = []
+    if row.get("int32_offsets"):
+        out.append(f"{row['int32_offsets']} int32 products of a program id and a size (wrap at 2^31)")
     if row["D"] <= MAX_FUSED_D_FWD and row["spill_bytes"] > spill_allowance(row):
         out.append(f"spills {row['spill_bytes']} bytes")
     wide_possible = not narrow_loads(row["D"], bytemodel.itemsize(row["dtype"]))

@@ -1,0 +1,150 @@
+"""The kernel layer off the paths the accuracy tests walk: finite answers for rows near the top
+of fp32's range on the two-read forward, offsets that cannot wrap at 2^31, launches on the
+tensor's own device, and the environment switch read in any usual spelling when plans are
+made."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import normbook.kernels as K  # noqa: E402
+from normbook import reference  # noqa: E402
+from normbook.kernels import _config  # noqa: E402
+from test_kernels_accuracy import DEVICE  # noqa: E402
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_two_read_forward_is_finite_near_1e20(monkeypatch, norm):
+    """Rows of 1e20 + 1e19 N(0, 1), D = 32769, on the forward that reads a row twice
+    (NORMBOOK_SHARED_ROWS off): the first block's merge once computed inf * 0 = NaN. Now the
+    rescue gives the float64 reference's answer."""
+    monkeypatch.setenv("NORMBOOK_SHARED_ROWS", "off")
+    g = torch.Generator().manual_seed(0)
+    D = 32769
+    x = (1e20 + 1e19 * torch.randn(2, D, generator=g)).to(DEVICE)
+    plan = _config.forward_plan(2, D, x.get_device(), 4, norm == "rms", False, False, False, 0,
+                                _config.shared_rows(D))[0]
+    assert plan.HOLD and not plan.SLICES                     # the two-read kernel
+    if norm == "layer":
+        y, y64 = K.layer_norm(x, D), reference.layer_norm_forward(x.double(), None, None, 1e-5)[0]
+    else:
+        y, y64 = K.rms_norm(x, D), reference.rms_norm_forward(x.double(), None, 1e-6)[0]
+    assert torch.isfinite(y).all()
+    # fp32 output of O(1) values: a few ulps of the largest, as the other overflow tests allow
+    assert (y.double() - y64.to(y.device)).abs().max() < 64 * torch.finfo(torch.float32).eps * 4
+
+
+@pytest.mark.parametrize("raw,on", [("0", False), ("false", False), ("Off", False), ("no", False),
+                                    (" FALSE ", False), ("1", True), ("true", True), ("ON", True),
+                                    ("yes", True), ("", True)])
+def test_shared_rows_switch_accepts_the_usual_spellings(monkeypatch, raw, on):
+    monkeypatch.setenv("NORMBOOK_SHARED_ROWS", raw)
+    assert _config.shared_rows(65536) is on
+    assert _config.shared_rows(1024) is False                # narrow rows never share
+
+
+def test_shared_rows_switch_refuses_a_guess(monkeypatch):
+    monkeypatch.setenv("NORMBOOK_SHARED_ROWS", "sometimes")
+    with pytest.raises(ValueError, match=r"NORMBOOK_SHARED_ROWS: expected .* got 'sometimes'"):
+        _config.shared_rows(65536)
+
+
+def test_shared_rows_switch_takes_effect_after_plans_are_cached(monkeypatch):
+    """Changed after a wide row's plan was made and cached, the switch still decides the next
+    launch (the plan cache is keyed by it)."""
+    monkeypatch.delenv("NORMBOOK_SHARED_ROWS", raising=False)
+    D = 20000
+    x = torch.randn(3, D, device=DEVICE)
+
+    def plan():
+        return _config.backward_plan(3, D, x.get_device(), 4, False, False, True, True, 0,
+                                     _config.shared_rows(D))[0]
+    y = K.layer_norm(x, D)
+    assert plan().SLICES
+    monkeypatch.setenv("NORMBOOK_SHARED_ROWS", "off")
+    assert not plan().SLICES and plan().chunked
+    torch.testing.assert_close(K.layer_norm(x, D), y)
+
+
+def test_launches_switch_to_the_tensors_device(monkeypatch):
+    """Triton launches on the current CUDA device: a launcher for tensors on another device
+    makes theirs current first (checked on a machine with two GPUs by the test below)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert _config.other_device(1) and not _config.other_device(0)
+    assert not _config.other_device(-1)                      # the CPU: nothing to switch
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tensor_on_another_device_runs_there():
+    x = torch.randn(64, 4096, device="cuda:1", requires_grad=True)
+    w = torch.randn(4096, device="cuda:1", requires_grad=True)
+    with torch.cuda.device(0):
+        y = K.layer_norm(x, 4096, w)
+        y.backward(torch.ones_like(y))
+    with torch.cuda.device(1):
+        y1 = K.layer_norm(x.detach(), 4096, w.detach())
+    torch.testing.assert_close(y, y1)
+    assert x.grad.device == x.device and torch.isfinite(x.grad).all()
+
+
+# int32 offsets: compiled (not interpreted) in a fresh process, as the compile report does
+LINT = textwrap.dedent("""
+    import json, os, sys
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from normbook.kernels import report
+    sys.path.insert(0, sys.argv[1])
+    from planted import planted_kernel
+
+    def ttir(kernel, constexprs, D):
+        fn = report._jit(kernel)
+        sig, attrs = report.signature(fn, "bf16", constexprs, D)
+        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=8)).asm["ttir"]
+
+    out = {"planted": report.int32_offsets(ttir(planted_kernel, dict(BLOCK_D=64), 64))}
+    for D in (1024, 65536, 1 << 22):       # rows kernels; shared rows; rows too wide to share
+        for kernel, constexprs, _, _ in report.launches(D, False, True):
+            out[f"{report._jit(kernel).__name__} D={D}"] = report.int32_offsets(ttir(kernel, constexprs, D))
+    print(json.dumps(out))
+""")
+
+PLANTED = textwrap.dedent("""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def planted_kernel(X, DW, D, BLOCK_D: tl.constexpr):
+        pid = tl.program_id(0)
+        c = tl.arange(0, BLOCK_D)
+        tl.store(DW + pid * D + c, tl.load(X + c))      # int32: wraps once programs x D >= 2^31
+""")
+
+
+def test_no_offset_wraps_at_2_31(tmp_path):
+    """Every kernel a forward and a backward launch, at D in each regime: no int32 product of
+    a program id and a size (``DW + pid * D`` once wrapped for programs x D >= 2^31 and wrote
+    out of bounds). The check itself is shown to catch such a product in a planted kernel."""
+    (tmp_path / "planted.py").write_text(PLANTED)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", LINT, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    planted = found.pop("planted")
+    assert len(planted) == 1 and planted[0].endswith(": i32") and "muli" in planted[0], planted
+    assert len(found) >= 8 and any("chunked" in k for k in found), sorted(found)
+    assert all(v == [] for v in found.values()), {k: v for k, v in found.items() if v}
