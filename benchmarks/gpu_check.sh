@@ -5,15 +5,32 @@
 # network: it imports normbook from src/ through PYTHONPATH and installs only the wheels in .whl/
 # (Liger-Kernel; `make gpu-wheels` downloads them), into a temporary folder.
 #
-# Steps, each under its own timeout so that one hang cannot eat the rest (all: < 8 minutes):
-#   env        versions, commit, nvidia-smi
-#   wheels     .whl/*.whl -> a temporary site folder first on PYTHONPATH (else: Liger not measured)
-#   gpu_tests  pytest -m gpu over the kernel tests
-#   report     the static compile report, compiled here (Triton of this machine)
-#   host       python -m normbook.bench host: host time per call, launches stubbed
+# Steps, in this order (a step's cap in seconds, GPU run / dry run):
+#   env        versions, commit, nvidia-smi                                  30 / 30
+#   wheels     .whl/*.whl -> a temporary site folder first on PYTHONPATH     30 / 30
+#   gpu_tests  pytest -m gpu over the kernel tests                           90 / 60
+#   report     the static compile report, compiled here (Triton of this machine)   120 / 60
+#   host       python -m normbook.bench host: host time per call, launches stubbed  45 / 45
 #   bench_*    bf16: 4 ops x fwd/bwd, normbook, torch, liger; fp32 layer_norm with compile;
-#              bf16 torch.compile in the time left
-#   merge, summary, plots, model (the report's predictions against the measurement)
+#              bf16 torch.compile in the time left                    150, 60, rest / 90, 40, 60
+#   merge, summary, plots, overview, model (the report's predictions against the measurement)
+#
+# The budget. Every step's limit is cut from one total, BUDGET_S seconds (default 480; the
+# device tool's run gets `timeout_s: 540`): a step gets its cap or what the budget leaves,
+# whichever is less, after RESERVE_S for the last publish (and, for the benchmarks, POST_S for
+# the steps that turn their rows into the summary and figures). So the run ends inside BUDGET_S
+# even when every step hangs; a step the budget has no time for is recorded as not run.
+#
+# What is measured is kept. After every step, $OUT gets summary.txt, results.json (the rows
+# so far, merged), report.json and logs.tar.gz; a run stopped from outside (SIGTERM, SIGINT,
+# SIGHUP) stops its running step and writes them once more before it exits. SIGKILL cannot be
+# caught: then $OUT holds what the last finished step published.
+#
+# A step runs in its own process group (timeout makes one); at its limit timeout sends SIGTERM
+# to the group, SIGKILL KILL_AFTER_S later, and after every step the group is killed whatever
+# is left in it, so a hanging grandchild cannot outlive its step. (A process that starts its own
+# session escapes any process group; none of these steps does.)
+#
 # What comes back is at most 8 files, none in a folder (the device tool returns no more):
 #   $OUT/results.json   every benchmark row, merged, with provenance
 #   $OUT/summary.txt    steps, host times, the tables and the goal check
@@ -21,129 +38,298 @@
 #   $OUT/overview.png   fraction of copy bandwidth, every op, bf16
 #   $OUT/model.png      the performance model's prediction against the measurement, bf16
 #   $OUT/logs.tar.gz    every log, every per-run JSON, every plot
-# DRY_RUN=1: the same steps on the CPU (Triton's interpreter, M = 64, small D, torch.compile's
-# aot_eager backend), in under 3 minutes: `make test` runs it, so a broken step shows here.
-# OUT unset: benchmarks/results/gpu-<date>/. PYTHON overrides the interpreter (default python3).
+#
+# Exit status: 0 when every step passed; 1 when one failed, timed out or was not run for lack
+# of budget; 2 when the setup failed (nothing run); 128 + N when stopped by signal N.
+#
+# Settings, from the environment:
+#   DRY_RUN=1   the same steps on the CPU (Triton's interpreter, M = 64, small D, torch.compile's
+#               aot_eager backend), in about a minute and a half: `make gpu-dry-run`.
+#   OUT         the output folder (default benchmarks/results/gpu-<date>/); this script's six
+#               file names in it are replaced, nothing else is touched.
+#   PYTHON      the interpreter (default python3).
+#   BUDGET_S (480), RESERVE_S (20), KILL_AFTER_S (5): the budget above.
+#   ONLY=env,host,...   run only these steps (the others are not run and not counted): for
+#               rerunning a part, and for tests/test_gpu_check.py.
 set -u -o pipefail
-cd "$(dirname "$0")/.."
+
+die() { echo "gpu_check: $*; nothing run" >&2; exit 2; }
+whole() { [[ $2 =~ ^[0-9]+$ ]] || die "$1=$2: expected a whole number of seconds"; }
+
 T0=$(date +%s)
+cd "$(dirname "$0")/.." || die "cannot enter the repository root"
 DRY=${DRY_RUN:-0}
-OUT="${OUT:-benchmarks/results/gpu-$(date +%F)}"
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-PY="${PYTHON:-python3}"
-WORK=$(mktemp -d)
+PY=${PYTHON:-python3}
+BUDGET_S=${BUDGET_S:-480}; whole BUDGET_S "$BUDGET_S"
+RESERVE_S=${RESERVE_S:-20}; whole RESERVE_S "$RESERVE_S"
+KILL_AFTER_S=${KILL_AFTER_S:-5}; whole KILL_AFTER_S "$KILL_AFTER_S"
+MIN_STEP_S=3       # a limit shorter than this is no chance to run: the step is not run
+ALL_STEPS=" env wheels gpu_tests report host bench_bf16 bench_fp32 bench_compile"
+ALL_STEPS+=" merge summary plots overview model "
+ONLY=${ONLY:-}
+IFS=, read -ra only_steps <<< "$ONLY"
+for s in "${only_steps[@]}"; do   # a misspelt step would silently run nothing
+  [[ $ALL_STEPS == *" $s "* ]] || die "ONLY: no step '$s' (steps:$ALL_STEPS)"
+done
+PUBLISHED="results.json summary.txt report.json overview.png model.png logs.tar.gz"
+
+# Setup. Every failure stops here, before anything is written: an unchecked mkdir or mktemp
+# would leave OUT or WORK empty, and the paths below would then point into /.
+OUT=${OUT:-benchmarks/results/gpu-$(date +%F)}
+[ -n "$OUT" ] || die "OUT is empty"
+mkdir -p -- "$OUT" || die "cannot create OUT=$OUT"
+OUT=$(cd -- "$OUT" && pwd) && [ -w "$OUT" ] || die "OUT=$OUT is not a writable folder"
+for f in $PUBLISHED; do    # a previous run's files must not pass for this run's
+  rm -f -- "$OUT/$f" "$OUT/$f.part" || die "cannot replace $OUT/$f"
+done
+WORK=$(mktemp -d -t gpu_check.XXXXXX) && [ -d "$WORK" ] || die "mktemp -d failed (TMPDIR=${TMPDIR:-/tmp})"
 LOGS="$WORK/logs"
-mkdir -p "$LOGS"
+mkdir "$LOGS" && : > "$LOGS/steps.txt" || { rm -rf -- "$WORK"; die "cannot write into $WORK"; }
+
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PIP_NO_INDEX=1 PYTHONUNBUFFERED=1    # nothing here may reach for the network
 unset TRITON_INTERPRET                     # compiled kernels (the dry run's bench sets it itself)
-: > "$LOGS/steps.txt"
+
+FAILED=()          # steps that did not pass: the exit status
+STEP_PID=          # the running command's process group (timeout's pid), while one runs
+CURRENT=           # the running step's name and start time, for the record if it is stopped
+CURRENT_T=0
+STOPPED_BY=        # the signal that stopped the run, if one did
 
 elapsed() { echo $(( $(date +%s) - T0 )); }
+budget_left() { echo $(( BUDGET_S - $(elapsed) )); }
 
-# step NAME SECONDS CMD...: run CMD with a timeout, its output in logs/NAME.txt; show the last
-# lines; record rc and time in logs/steps.txt. rc 124: timed out.
+# step_limit CAP [KEEP]: the limit of a step that starts now: its CAP, or what the budget
+# leaves after the reserve, KEEP seconds for later steps, and the kill grace (a step that
+# ignores SIGTERM runs KILL_AFTER_S past its limit), whichever is less.
+step_limit() {
+  local cap=$1 left=$(( $(budget_left) - RESERVE_S - ${2:-0} - KILL_AFTER_S ))
+  echo $(( cap < left ? cap : left ))
+}
+
+selected() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]; }
+
+# record NAME RC SECONDS [NOTE]: one line of logs/steps.txt, the summary's list of steps
+record() {
+  echo "$1 rc=$2 $3s${4:+ ($4)}" >> "$LOGS/steps.txt"
+  [ "$2" = 0 ] || FAILED+=("$1")
+}
+
+# bounded LIMIT LOG CMD...: CMD under `timeout` in the background, output into LOG. timeout
+# puts itself and CMD into a new process group (its pid); at LIMIT it signals the whole group.
+# Waiting with `wait` (not a foreground command) lets a trapped signal interrupt at once.
+# Afterwards the group is killed: whatever the command left running dies with it. Returns rc.
+bounded() {
+  local limit=$1 log=$2 rc; shift 2
+  timeout -k "$KILL_AFTER_S" "$limit" "$@" > "$log" 2>&1 < /dev/null &
+  STEP_PID=$!
+  wait "$STEP_PID"; rc=$?
+  kill -KILL -- "-$STEP_PID" 2>/dev/null
+  STEP_PID=
+  return "$rc"
+}
+
+# stop_running: end the running command's group (on a signal): SIGTERM, which timeout passes
+# on and follows with SIGKILL after KILL_AFTER_S, then SIGKILL to anything left in the group.
+stop_running() {
+  [ -n "$STEP_PID" ] || return 0
+  kill -TERM -- "-$STEP_PID" 2>/dev/null || kill -TERM "$STEP_PID" 2>/dev/null
+  wait "$STEP_PID" 2>/dev/null
+  kill -KILL -- "-$STEP_PID" 2>/dev/null
+  STEP_PID=
+}
+
+# step NAME CAP CMD...: run CMD as step NAME, its output in logs/NAME.txt, its limit cut from
+# the budget (step_limit); show the last lines; record rc and time; publish what is known.
+# rc 124: timed out; 137: killed KILL_AFTER_S after that.
 step() {
-  local name=$1 limit=$2; shift 2
-  local t=$(date +%s) rc
-  echo "=== [$(elapsed)s] $name (timeout ${limit}s)"
-  timeout -k 10 "$limit" "$@" > "$LOGS/$name.txt" 2>&1
-  rc=$?
+  local name=$1 limit t rc; limit=$(step_limit "$2"); shift 2
+  selected "$name" || return 0
+  if [ "$limit" -lt "$MIN_STEP_S" ]; then
+    echo "=== [$(elapsed)s] $name: not run, $(budget_left)s of the ${BUDGET_S}s budget left"
+    record "$name" none 0 "not run: budget spent"
+    publish; return 1
+  fi
+  echo "=== [$(elapsed)s] $name (limit ${limit}s)"
+  CURRENT=$name; CURRENT_T=$(date +%s); t=$CURRENT_T
+  bounded "$limit" "$LOGS/$name.txt" "$@"; rc=$?
+  CURRENT=
   tail -n 8 "$LOGS/$name.txt"
   echo "=== $name: rc=$rc in $(( $(date +%s) - t ))s"
-  echo "$name rc=$rc $(( $(date +%s) - t ))s" >> "$LOGS/steps.txt"
+  case $rc in
+    124|137) record "$name" "$rc" $(( $(date +%s) - t )) "timed out at ${limit}s" ;;
+    *) record "$name" "$rc" $(( $(date +%s) - t )) ;;
+  esac
+  publish
+  return "$rc"
 }
+
+# bench_results: RESULTS=( the benchmark steps' results.json files so far )
+bench_results() {
+  local f; RESULTS=()
+  for f in "$WORK"/bench-*/results.json; do [ -f "$f" ] && RESULTS+=("$f"); done
+}
+
+# copy_in FILE: FILE into $OUT under its own name, whole or not at all (rename in the folder)
+copy_in() {
+  local name; name=$(basename "$1")
+  cp -- "$1" "$OUT/$name.part" && mv -f -- "$OUT/$name.part" "$OUT/$name"
+}
+
+# publish [STATE]: what is known so far into $OUT, the quick files first (a stopped run may
+# have seconds): summary.txt, report.json and the figures, logs.tar.gz, then results.json. The
+# benchmark writes its results.json after every shape, so the merge here also keeps the rows of
+# a benchmark step that was cut short.
+publish() {
+  local state=${1:-"in progress, $(elapsed)s"} f stale=0 lim items=()
+  write_summary "$state" > "$WORK/summary.txt" && copy_in "$WORK/summary.txt"
+  for f in report.json overview.png model.png; do
+    if [ -f "$WORK/$f" ] && [ "$WORK/$f" -nt "$OUT/$f" ]; then copy_in "$WORK/$f"; fi
+  done
+  # the archive: the pieces that exist, side by side, so that it unpacks into one folder
+  for f in logs plots host.json report.json summary.txt "$WORK"/bench-*; do
+    [ -e "$WORK/${f#"$WORK"/}" ] && items+=("${f#"$WORK"/}")
+  done
+  tar -czf "$OUT/logs.tar.gz.part" -C "$WORK" "${items[@]}" 2>> "$LOGS/tar.txt" \
+    && mv -f -- "$OUT/logs.tar.gz.part" "$OUT/logs.tar.gz"
+  bench_results
+  for f in "${RESULTS[@]}"; do [ "$f" -nt "$WORK/results.json" ] && stale=1; done
+  if [ "$stale" = 1 ]; then
+    lim=$(budget_left); lim=$(( lim > 30 ? 30 : lim < 5 ? 5 : lim ))
+    bounded "$lim" "$LOGS/merge-partial.txt" \
+      "$PY" -m normbook.bench --merge "${RESULTS[@]}" --out "$WORK/results.json"
+  fi
+  if [ -f "$WORK/results.json" ] && [ "$WORK/results.json" -nt "$OUT/results.json" ]; then
+    copy_in "$WORK/results.json"
+  fi
+}
+
+write_summary() {
+  local dry=""
+  [ "$DRY" = 1 ] && dry=" (DRY RUN on the CPU: no figure here is a GPU measurement)"
+  echo "normbook GPU check$dry, $(date -u +%FT%TZ)"
+  echo "$1; budget ${BUDGET_S}s${ONLY:+; only the steps $ONLY}"
+  echo; echo "== steps (rc 0 = ok, 124 = timed out, 137 = killed after it, none = not run)"
+  cat "$LOGS/steps.txt"
+  echo; echo "== versions"; head -n 6 "$LOGS/env.txt" 2>/dev/null
+  echo; echo "== GPU tests"; tail -n 3 "$LOGS/gpu_tests.txt" 2>/dev/null
+  echo; echo "== compile report"; tail -n 1 "$LOGS/report.txt" 2>/dev/null
+  echo; echo "== host time per call"; cat "$LOGS/host.txt" 2>/dev/null
+  echo; echo "== benchmark"; cat "$LOGS/summary.txt" 2>/dev/null || echo "no summary (yet)"
+  echo; echo "== the model against measurement"; cat "$LOGS/model.txt" 2>/dev/null || echo "not compared (yet)"
+  return 0
+}
+
+# On any exit: stop a running step (a signal came), publish for the last time, clean up, and
+# say in the exit status whether every step passed. Signals during this are ignored, so that a
+# second SIGTERM cannot cut the last publish short (children get their own handlers: timeout).
+on_exit() {
+  local rc=$? state
+  trap '' TERM INT HUP
+  trap - EXIT
+  if [ -n "$STEP_PID" ]; then
+    stop_running
+    [ -n "$CURRENT" ] && record "$CURRENT" "$rc" $(( $(date +%s) - CURRENT_T )) \
+      "stopped by SIG$STOPPED_BY"
+    CURRENT=
+  fi
+  if [ -n "$STOPPED_BY" ]; then state="STOPPED by SIG$STOPPED_BY after $(elapsed)s: partial results"
+  elif [ "$rc" != 0 ]; then state="ended by an error (rc $rc) after $(elapsed)s: partial results"
+  else state="done in $(elapsed)s"
+  fi
+  [ "${#FAILED[@]}" -gt 0 ] && state="$state; not passed: ${FAILED[*]}"
+  publish "$state"
+  rm -rf -- "$WORK"
+  rm -f -- "$OUT"/*.part
+  echo "=== $state"
+  echo "=== in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+  [ "$rc" = 0 ] && [ "${#FAILED[@]}" -gt 0 ] && rc=1
+  exit "$rc"
+}
+on_signal() { STOPPED_BY=$1; echo "=== [$(elapsed)s] SIG$1: stopping"; exit $(( 128 + $2 )); }
+trap on_exit EXIT
+trap 'on_signal TERM 15' TERM
+trap 'on_signal INT 2' INT
+trap 'on_signal HUP 1' HUP
 
 if [ "$DRY" = 1 ]; then
   BENCH=("$PY" -m normbook.bench --dry-run --no-plots --no-progress)
   BF16=(--dtypes bf16 --D 256,1024)
   FP32=(--dtypes fp32 --D 1024)
-  LIM_BF16=90; LIM_FP32=40; DEADLINE=170
-  REPORT=(--quick); LIM_REPORT=60   # make triton36 runs the full report in make test
+  CAP_TESTS=60; CAP_REPORT=60; CAP_BF16=90; CAP_FP32=40; CAP_COMPILE=60; POST_S=30
+  REPORT=(--quick)                  # make triton36 runs the full report in make test
 else
   # D in an order that spreads coverage if a time budget cuts a run short
   BENCH=("$PY" -m normbook.bench --device cuda --M 32768 --modes fwd,bwd
          --warmup-ms 10 --rep-ms 50 --no-plots --no-progress)
   BF16=(--dtypes bf16 --D 1024,32768,131072,4096,16384,65536,2048,8192)
   FP32=(--dtypes fp32 --D 1024,32768,4096,16384,65536,2048,8192,131072)
-  LIM_BF16=170; LIM_FP32=70; DEADLINE=450
-  REPORT=(); LIM_REPORT=150         # 608 compiles, single-threaded: about a minute
+  CAP_TESTS=90; CAP_REPORT=120; CAP_BF16=150; CAP_FP32=60; CAP_COMPILE=$BUDGET_S; POST_S=60
+  REPORT=()                         # 608 compiles, single-threaded: about a minute
 fi
 OPS=(--ops layer_norm,rms_norm,add_layer_norm,add_rms_norm)
+# Liger may not import (no .whl/): recorded as not measured, not an error before measuring
+LIGER=(--skip-unavailable)
+BENCH_SLACK=30     # of a benchmark step's limit: start-up, the copy bandwidth, writing
 
-step env 30 bash -c "$PY -c 'import sys, platform, torch, triton; \
-print(\"python\", sys.version.split()[0], platform.platform()); \
-print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available\", torch.cuda.is_available()); \
-print(\"triton\", triton.__version__); \
-print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else None)'; \
-git rev-parse HEAD 2>/dev/null || echo 'commit unknown'; nvidia-smi 2>&1 || echo 'nvidia-smi: none'"
+# env: the python part's status is the step's (git and nvidia-smi only inform)
+ENV_PY='import sys, platform, torch, triton
+print("python", sys.version.split()[0], platform.platform())
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+print("triton", triton.__version__)
+print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else None)'
+step env 30 bash -c '"$1" -c "$2"; rc=$?
+  git rev-parse HEAD 2>/dev/null || echo "commit unknown"
+  if command -v nvidia-smi >/dev/null; then nvidia-smi 2>&1; else echo "nvidia-smi: none"; fi
+  exit $rc' env "$PY" "$ENV_PY"
 
 # Liger-Kernel travels as a wheel in .whl/ (make gpu-wheels); installed apart, never into python3's site
 if ls .whl/*.whl >/dev/null 2>&1; then
-  step wheels 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" .whl/*.whl
+  step wheels 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" .whl/*.whl
   export PYTHONPATH="$PYTHONPATH:$WORK/site"
-else
+elif selected wheels; then
   echo "no .whl/ (make gpu-wheels): Liger-Kernel is recorded as not measured" | tee "$LOGS/wheels.txt"
 fi
 
-if "$PY" -c "import pytest" 2>/dev/null; then
-  # only the kernel test files: the others import test-only packages the GPU machine may lack
-  step gpu_tests 100 "$PY" -m pytest -m gpu tests/test_kernels_accuracy.py tests/test_kernels_api.py \
-    tests/test_kernels_residual.py tests/test_kernels_gpu.py -q -p no:cacheprovider
-else
-  echo "pytest is not installed for $PY: GPU tests not run" | tee "$LOGS/gpu_tests.txt"
+# only the kernel test files: the others import test-only packages the GPU machine may lack.
+# Without pytest this fails (No module named pytest): a GPU check without its tests is no pass.
+step gpu_tests "$CAP_TESTS" "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+  tests/test_kernels_accuracy.py tests/test_kernels_api.py tests/test_kernels_residual.py tests/test_kernels_gpu.py
+
+step report "$CAP_REPORT" "$PY" -m normbook.kernels.report "${REPORT[@]}" --json "$WORK/report.json"
+step host 45 "$PY" -m normbook.bench host --json "$WORK/host.json"
+
+# bench STEP CAP ARGS...: a benchmark step. Its limit keeps POST_S for the steps after the
+# benchmarks; the benchmark's own --time-budget ends it BENCH_SLACK before that limit, with
+# the rows past it recorded as skipped.
+bench() {
+  local name=$1 limit; limit=$(step_limit "$2" "$POST_S"); shift 2
+  step "$name" "$limit" "${BENCH[@]}" "$@" --out "$WORK/bench-${name#bench_}" \
+    --time-budget $(( limit > BENCH_SLACK ? limit - BENCH_SLACK : 1 ))
+}
+bench bench_bf16 "$CAP_BF16" "${OPS[@]}" "${BF16[@]}" --providers normbook,torch,liger "${LIGER[@]}"
+bench bench_fp32 "$CAP_FP32" --ops layer_norm "${FP32[@]}" \
+  --providers normbook,torch,compile,liger "${LIGER[@]}"
+# torch.compile of bf16 in what is left: a compile takes seconds per shape, so it goes last
+# and runs only with time for a few shapes (it is extra: not run is no failure here)
+if [ "$(step_limit "$CAP_COMPILE" "$POST_S")" -ge 40 ]; then
+  bench bench_compile "$CAP_COMPILE" "${OPS[@]}" "${BF16[@]}" --providers compile
+elif selected bench_compile; then
+  echo "only $(budget_left)s left: torch.compile bf16 benchmark not run" | tee -a "$LOGS/steps.txt"
 fi
 
-step report "$LIM_REPORT" "$PY" -m normbook.kernels.report "${REPORT[@]}" --json "$WORK/report.json"
-step host 60 "$PY" -m normbook.bench host --json "$WORK/host.json"
-
-step bench_bf16 "$LIM_BF16" "${BENCH[@]}" "${OPS[@]}" "${BF16[@]}" \
-  --providers normbook,torch,liger --time-budget $(( LIM_BF16 - 30 )) --out "$WORK/bench-bf16"
-step bench_fp32 "$LIM_FP32" "${BENCH[@]}" --ops layer_norm "${FP32[@]}" \
-  --providers normbook,torch,compile,liger --time-budget $(( LIM_FP32 - 25 )) --out "$WORK/bench-fp32"
-
-# torch.compile of bf16 in what is left, keeping 50 s for the summary, the plots and the archive.
-# A compile takes seconds per shape; rows past the budget are recorded as skipped.
-left=$(( DEADLINE - 50 - $(elapsed) ))
-if [ "$left" -ge 40 ]; then
-  step bench_compile "$left" "${BENCH[@]}" "${OPS[@]}" "${BF16[@]}" --providers compile \
-    --time-budget $(( left - 30 )) --out "$WORK/bench-bf16-compile"
-else
-  echo "only ${left}s left: torch.compile bf16 benchmark not run" | tee -a "$LOGS/steps.txt"
-fi
-
-results=$(ls "$WORK"/bench-*/results.json 2>/dev/null)
-if [ -n "$results" ]; then
-  # shellcheck disable=SC2086  # one argument per results file
-  step merge 30 "$PY" -m normbook.bench --merge $results --out "$OUT/results.json"
-  step summary 30 "$PY" -m normbook.bench --summary "$OUT/results.json"
-  step plots 60 "$PY" -m normbook.bench --plot $results --out "$WORK/plots"
-  step overview 30 "$PY" -m normbook.bench --overview "$OUT/results.json" --out "$OUT/overview.png"
-  [ -f "$WORK/report.json" ] && step model 30 "$PY" -m normbook.bench --model-check "$OUT/results.json" \
-    --report "$WORK/report.json" --out "$OUT/model.png"
-else
+bench_results
+if [ "${#RESULTS[@]}" -gt 0 ]; then
+  step merge 30 "$PY" -m normbook.bench --merge "${RESULTS[@]}" --out "$WORK/results.json"
+  step summary 30 "$PY" -m normbook.bench --summary "$WORK/results.json"
+  step plots 60 "$PY" -m normbook.bench --plot "${RESULTS[@]}" --out "$WORK/plots"
+  step overview 30 "$PY" -m normbook.bench --overview "$WORK/results.json" --out "$WORK/overview.png"
+  if [ -f "$WORK/report.json" ]; then
+    step model 30 "$PY" -m normbook.bench --model-check "$WORK/results.json" \
+      --report "$WORK/report.json" --out "$WORK/model.png"
+  fi
+elif [ -z "$ONLY" ]; then
   echo "no benchmark results: nothing to merge, summarize or plot" | tee -a "$LOGS/steps.txt"
+  FAILED+=(no-results)
 fi
-[ -f "$WORK/report.json" ] && cp "$WORK/report.json" "$OUT/report.json"
-
-{
-  echo "normbook GPU check$([ "$DRY" = 1 ] && echo ' (DRY RUN on the CPU: no figure here is a GPU measurement)'), $(date -u +%FT%TZ), $(elapsed) s"
-  echo; echo "== steps (rc 0 = ok, 124 = timed out)"; cat "$LOGS/steps.txt"
-  echo; echo "== versions"; cat "$LOGS/env.txt" 2>/dev/null | head -n 6
-  echo; echo "== GPU tests"; tail -n 3 "$LOGS/gpu_tests.txt" 2>/dev/null
-  echo; echo "== compile report"; tail -n 1 "$LOGS/report.txt" 2>/dev/null
-  echo; echo "== host time per call"; cat "$LOGS/host.txt" 2>/dev/null
-  echo; echo "== benchmark"; cat "$LOGS/summary.txt" 2>/dev/null || echo "no benchmark results"
-  echo; echo "== the model against measurement"; cat "$LOGS/model.txt" 2>/dev/null || echo "not compared"
-} > "$OUT/summary.txt"
-
-cp "$OUT/summary.txt" "$WORK/"
-( cd "$WORK" && tar -czf "$OUT/logs.tar.gz" logs plots bench-* host.json report.json summary.txt 2>/dev/null )
-rm -rf "$WORK"
-echo "=== done in $(elapsed)s; in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
-# every file is written whatever failed; the exit status says whether every step passed
-if grep -v " rc=0 " "$OUT/summary.txt" | grep -q " rc=[0-9]"; then
-  echo "=== some steps failed:"; grep " rc=" "$OUT/summary.txt" | grep -v " rc=0 "
-  exit 1
-fi
+exit 0   # on_exit publishes the last time and sets the status from the steps

@@ -98,7 +98,7 @@ def test_tiny_cpu_run_json_schema(tmp_path):
     argv = ["--device", "cpu", "--ops", "layer_norm,add_rms_norm", "--modes", "fwd,bwd",
             "--providers", "torch,naive,normbook", "--M", "64", "--D", "32,64",
             "--warmup-ms", "1", "--rep-ms", "2", "--no-plots", "--no-progress",
-            "--out", str(tmp_path)]
+            "--skip-unavailable", "--out", str(tmp_path)]
     assert cli.main(argv) == 0
     result = json.loads((tmp_path / "results.json").read_text())
     assert PROV_KEYS <= set(result["provenance"])
@@ -205,13 +205,19 @@ def test_plot_rejects_foreign_json(tmp_path):
     (["--D", "0"], "--D"),
     (["--D", "300..1000"], "--D"),
     (["--M", "-3"], "--M"),
-    (["--plot", "nothing-here.json"], "--plot"),
+    (["--rep-ms", "inf"], "--rep-ms"),
 ])
 def test_cli_rejects_bad_args(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(argv + ["--device", "cpu"])
     assert e.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_cli_refuses_a_missing_source_in_one_line(tmp_path, capsys):
+    assert cli.main(["--plot", str(tmp_path / "nothing-here.json"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--plot" in err and "nothing-here.json" in err and err.count("\n") == 1
 
 
 def test_cli_parses_power_of_two_ranges():

@@ -9,6 +9,7 @@ bandwidth measured in the same run. Files, one topic each:
     providers   normbook, torch, compile, naive, reference, liger, quack
     timing      do_bench on CUDA (a perf_counter loop on the CPU), the copy bandwidth
     runner      the sweep, provenance, the JSON
+    schema      what a results file holds, checked before it is read (one-line errors)
     plot        figures and a caption line from recorded JSON
     cli         ``python -m normbook.bench``
 

@@ -15,6 +15,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -75,8 +76,8 @@ def _positive_float(text: str) -> float:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {v}")
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
     return v
 
 
@@ -95,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                    f"(default: {','.join(GPU_PROVIDERS)} on CUDA, {','.join(CPU_PROVIDERS)} on CPU)")
     p.add_argument("--compile", action="store_true", help="CPU: add the torch.compile provider "
                    "(slow to warm up)")
+    p.add_argument("--skip-unavailable", action="store_true",
+                   help="a provider given by --providers (or --compile) that cannot run here is "
+                   "recorded as skipped, not measured, with its reason; without this flag it is "
+                   "an error before anything is measured (a default provider is always skipped)")
     p.add_argument("--M", type=_positive_int, help="rows (default: 32768 on CUDA, 4096 on CPU)")
     p.add_argument("--D", help="sizes: '1024,4096' or '512..131072' (default: 512..131072 on "
                    "CUDA, 256..4096 on CPU); giving --M or --D drops the small-D extra case")
@@ -183,10 +188,11 @@ def config_from_args(args, parser) -> runner.Config:
         modes = _names(parser, "--modes", args.modes, bytemodel.MODES)
     if args.dtypes:
         dtypes = _names(parser, "--dtypes", args.dtypes, bytemodel.DTYPES)
+    asked = {"compile"} if args.compile else set()
     if args.providers:
         provs = _names(parser, "--providers", args.providers, list(providers.PROVIDERS))
-    if not cuda and "normbook" in provs and not args.dry_run:
-        notes.append("provider normbook skipped: Triton's interpreter is far too slow to time")
+        asked |= set(provs)
+    notes += _check_providers(provs, asked, device, args.skip_unavailable)
     return runner.Config(
         ops=ops, modes=modes, dtypes=dtypes, providers=provs,
         shapes=[(M, D) for D in Ds] + extra, device=device,
@@ -196,7 +202,30 @@ def config_from_args(args, parser) -> runner.Config:
         progress=not args.no_progress, notes=notes)
 
 
+class BenchError(Exception):
+    """A refusal of the command line: printed as one line, exit status 2."""
+
+
+def _check_providers(provs, asked, device, skip_unavailable) -> list[str]:
+    """Refuse, before anything is measured, a provider asked for by name that cannot run here
+    (unless --skip-unavailable); the others that cannot run are recorded as skipped. Notes."""
+    notes, why = [], {p: providers.unavailable(p, device) for p in provs}
+    refused = [p for p in provs if why[p] and p in asked and not skip_unavailable]
+    if refused:
+        raise BenchError("--providers: " + "; ".join(f"{p} cannot run here: {why[p]}" for p in refused)
+                         + " (drop it, or pass --skip-unavailable to record it as not measured)")
+    if all(why.values()):
+        raise BenchError("--providers: none can run here: "
+                         + "; ".join(f"{p}: {why[p]}" for p in provs))
+    return [f"provider {p} not measured (recorded as skipped): {why[p]}" for p in provs if why[p]]
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 def main(argv=None) -> int:
+    """The command line; returns the exit status: 0, or 2 for a refusal (one line on stderr)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["host"]:
         from normbook.bench import host
@@ -204,61 +233,54 @@ def main(argv=None) -> int:
         return host.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.overview:
-        from normbook.bench.plot import plot_overview
-
-        if not args.out:
-            parser.error("--overview: also give --out FILE.png")
-        try:
-            print(plot_overview(args.overview, args.out))
-        except (FileNotFoundError, ValueError, ImportError) as e:
-            parser.error(f"--overview: {e}")
-        return 0
-    if args.model_check:
-        from normbook.bench.plot import model_table, model_vs_measured, plot_model_vs_measured
-
-        if not (args.report and args.out):
-            parser.error("--model-check: also give --report REPORT.json and --out FILE.png")
-        try:
-            rows = model_vs_measured(args.model_check, args.report)
-        except (FileNotFoundError, ValueError) as e:
-            parser.error(f"--model-check: {e}")
-        print(model_table(rows))
-        print(plot_model_vs_measured(rows, args.out))
-        return 0
-    if args.merge:
-        from normbook.bench.plot import load_results
-
-        if not args.out:
-            parser.error("--merge: also give --out FILE for the merged JSON")
-        try:
-            merged = runner.merge(load_results(args.merge))
-        except (FileNotFoundError, ValueError) as e:
-            parser.error(f"--merge: {e}")
-        runner.write_json(merged, args.out)
-        print(f"merged {len(merged['runs'])} runs, {len(merged['rows'])} rows into {args.out}")
-        return 0
-    if args.plot or args.summary:
-        from normbook.bench.plot import load_results, plot_results
-
-        try:
-            results = load_results(args.summary or args.plot)
-            if args.plot:
-                if not args.out:
-                    parser.error("--plot: also give --out DIR for the figures")
-                print("\n".join(str(p) for p in plot_results(results, args.out)))
-        except (FileNotFoundError, ValueError, ImportError) as e:
-            parser.error(f"{'--summary' if args.summary else '--plot'}: {e}")
-        if args.summary:
-            for res in results:
-                print(runner.summary(res))
-            _print_goal(results)
-        return 0
-    cfg = config_from_args(args, parser)
+    flag = next((f"--{k.replace('_', '-')}" for k in ("overview", "model_check", "merge", "plot",
+                                                       "summary") if getattr(args, k)), None)
+    try:
+        if flag is not None:
+            return _recorded(args, parser, flag)
+        cfg = config_from_args(args, parser)
+    except (BenchError, ValueError, OSError, ImportError) as e:  # ResultsError is a ValueError
+        prefix = f"{flag}: " if flag and not isinstance(e, BenchError) else ""
+        print(f"{parser.prog}: error: {prefix}{_one_line(e)}", file=sys.stderr)
+        return 2
     result = runner.run(cfg)
     print(runner.summary(result))
     if cfg.device == "cuda":
         _print_goal([result])
+    return 0
+
+
+def _recorded(args, parser, flag) -> int:
+    """The modes that read recorded JSON instead of measuring: --overview, --model-check,
+    --merge, --summary, --plot. Bad content raises ResultsError (a ValueError), a missing file
+    FileNotFoundError; main prints either as one line."""
+    from normbook.bench.plot import (load_results, model_table, model_vs_measured, plot_overview,
+                                     plot_model_vs_measured, plot_results)
+
+    need_out = {"--overview": "FILE.png", "--model-check": "FILE.png", "--merge": "FILE for the "
+                "merged JSON", "--plot": "DIR for the figures"}
+    if flag in need_out and not args.out:
+        parser.error(f"{flag}: also give --out {need_out[flag]}")
+    if flag == "--model-check" and not args.report:
+        parser.error("--model-check: also give --report REPORT.json and --out FILE.png")
+    if flag == "--overview":
+        print(plot_overview(args.overview, args.out))
+    elif flag == "--model-check":
+        rows = model_vs_measured(args.model_check, args.report)
+        print(model_table(rows))
+        print(plot_model_vs_measured(rows, args.out))
+    elif flag == "--merge":
+        merged = runner.merge(load_results(args.merge))
+        runner.write_json(merged, args.out)
+        print(f"merged {len(merged['runs'])} runs, {len(merged['rows'])} rows into {args.out}")
+    else:  # --plot, --summary, or both
+        if args.plot:
+            print("\n".join(str(p) for p in plot_results(load_results(args.plot), args.out)))
+        if args.summary:
+            results = load_results(args.summary)
+            for res in results:
+                print(runner.summary(res))
+            _print_goal(results)
     return 0
 
 

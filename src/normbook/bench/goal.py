@@ -4,10 +4,14 @@ Goal, on a Hopper GPU, bf16, M = 32768 rows: the normbook kernels reach at least
 the copy bandwidth in forward and 0.80 in backward for every D in 1024..32768, at least 0.70
 for larger D up to 131072, and are faster than torch eager, torch.compile and Liger at every
 D. :func:`check_goal` says, per (op, mode, D) of that grid, PASS, FAIL or NOT MEASURED: a row
-that is missing, normbook's or a rival's, is never counted as a pass.
+that is missing, normbook's or a rival's, is never counted as a pass, nor is a row whose time is
+not a timing (NaN, inf, 0 or negative: ``nan <= 1.0`` is False, so a NaN rival would otherwise
+look slower than anything).
 """
 
 from __future__ import annotations
+
+from normbook.bench.schema import measured
 
 __all__ = ["GOAL", "check_goal"]
 
@@ -42,8 +46,10 @@ def check_goal(results: list[dict], ops=GOAL_OPS, Ds=GOAL_DS) -> tuple[list[str]
     PASS needs a normbook row at or above the target fraction of copy bandwidth and a row of
     every rival (torch, compile, liger) that is slower. A missing row, normbook's or a rival's,
     makes the line NOT MEASURED with the recorded reason, never a pass; the only excuse is a
-    rival that has no such op at all (Liger has no fused add + LayerNorm), which is named.
-    Only rows with the goal's dtype and M count; the fastest of several files is used.
+    rival that has no such op at all (Liger has no fused add + LayerNorm), which is named. A row
+    whose ms is NaN, inf, 0 or negative (or frac_copy not a finite fraction) counts as missing,
+    its recorded value named. Only rows with the goal's dtype and M count; the fastest of
+    several files is used.
     """
     rows = [r for res in results for r in res["rows"]
             if r["dtype"] == GOAL["dtype"] and r["M"] == GOAL["M"]]
@@ -53,7 +59,10 @@ def check_goal(results: list[dict], ops=GOAL_OPS, Ds=GOAL_DS) -> tuple[list[str]
     best: dict = {}
     for r in rows:
         k = (r["provider"], r["op"], r["mode"], r["D"])
-        if k not in best or r["ms"] < best[k]["ms"]:
+        why = measured(r)
+        if why is not None:  # a NaN time is not measured: the line says so, with the value
+            skipped[k] = why
+        elif k not in best or r["ms"] < best[k]["ms"]:
             best[k] = r
     lines, ok_all = [], True
     for op in ops:

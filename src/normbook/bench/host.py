@@ -129,10 +129,13 @@ def report(us: dict) -> tuple[str, bool]:
 def main(argv=None) -> int:
     import argparse
 
+    from normbook.bench.cli import _positive_int as positive_int
+
     p = argparse.ArgumentParser(prog="python -m normbook.bench host", description=__doc__.splitlines()[0])
     p.add_argument("--json", metavar="FILE", help="write the microseconds (and ratios) as JSON")
-    p.add_argument("--number", type=int, default=2000, help="calls per batch (default 2000)")
-    p.add_argument("--repeat", type=int, default=7, help="batches; the best counts (default 7)")
+    p.add_argument("--number", type=positive_int, default=2000, help="calls per batch (default 2000)")
+    p.add_argument("--repeat", type=positive_int, default=7,
+                   help="batches; the best counts (default 7)")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":
         if "triton" in sys.modules:  # too late to switch: run again in a fresh process

@@ -8,12 +8,13 @@ matplotlib (Agg) and json are needed: no GPU, no triton. The book's kernels chap
 
 from __future__ import annotations
 
-import glob
-import json
+import re
 from pathlib import Path
 
+from normbook.bench.schema import check_report, load_results, read_json
+
 __all__ = ["load_results", "plot_results", "plot_overview", "provenance_line", "model_vs_measured",
-           "model_table", "plot_model_vs_measured"]
+           "model_table", "plot_model_vs_measured", "figure_path", "recorded_gpu_results"]
 
 _MODE_TITLE = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
 # benchmark op -> (norm, residual) of the compile report's paths
@@ -22,33 +23,6 @@ _OP_PATH = {"layer_norm": ("layer", False), "rms_norm": ("rms", False),
 _STYLE = {"normbook": ("C3", "o"), "torch": ("C0", "s"), "compile": ("C2", "^"),
           "naive": ("C7", "x"), "reference": ("C5", "d"), "liger": ("C1", "v"),
           "quack": ("C4", "P")}
-
-
-def load_results(sources) -> list[dict]:
-    """Results from JSON files, folders (every ``*.json`` below them), glob patterns or dicts."""
-    if isinstance(sources, (str, Path, dict)):
-        sources = [sources]
-    out = []
-    for src in sources:
-        if isinstance(src, dict):
-            out.append(src)
-            continue
-        p = Path(src)
-        if p.is_dir():
-            files = sorted(p.rglob("*.json"))
-        elif p.exists():
-            files = [p]
-        else:
-            files = [Path(f) for f in sorted(glob.glob(str(src), recursive=True))]
-            if not files:
-                raise FileNotFoundError(f"sources: no JSON results at {str(src)!r}")
-        for f in files:
-            data = json.loads(Path(f).read_text())
-            if not isinstance(data, dict) or "rows" not in data or "provenance" not in data:
-                raise ValueError(f"{f}: not a normbook.bench result (expected keys "
-                                 f"'provenance' and 'rows', got {sorted(data)[:8]})")
-            out.append(data)
-    return out
 
 
 def recorded_gpu_results(folder) -> list[dict]:
@@ -118,11 +92,28 @@ def plot_results(sources, out_dir, fmt: str = "png") -> list[Path]:
         fig.suptitle(f"{op}, {dtype}")
         fig.text(0.5, 0.005, "\n".join(captions), ha="center", va="bottom", fontsize=7)
         fig.tight_layout(rect=(0, 0.03 * len(captions), 1, 0.97))
-        path = out_dir / f"{op}-{dtype}.{fmt}"
+        path = figure_path(out_dir, f"{op}-{dtype}", fmt)
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
     return written
+
+
+def figure_path(out_dir, stem: str, fmt: str = "png") -> Path:
+    """``out_dir/<stem>.<fmt>``, the stem made filename-safe; never a path outside ``out_dir``.
+
+    The stem comes from recorded JSON (op and dtype), which the loader checks, but a figure's
+    name must not be able to leave the folder whatever a file says: separators and dots at the
+    start are replaced, and the resolved path (symbolic links followed) must lie in ``out_dir``.
+    """
+    if fmt not in ("png", "svg", "pdf"):
+        raise ValueError(f"fmt: expected one of png, svg, pdf, got {fmt!r}")
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", stem).lstrip(".") or "_"
+    out_dir = Path(out_dir)
+    path = out_dir / f"{safe}.{fmt}"
+    if path.resolve().parent != out_dir.resolve():
+        raise ValueError(f"figure {stem!r}: {path} resolves outside the output folder {out_dir}")
+    return path
 
 
 def plot_overview(sources, path, dtype: str = "bf16") -> Path:
@@ -203,9 +194,10 @@ def model_vs_measured(sources, report, arch: str = "sm_90", provider: str = "nor
     with the report's paths for ``arch``. Each row: op, mode, dtype, D, predicted, measured
     (fractions of copy bandwidth) and measured / predicted, where the model is wrong by how much.
     """
-    rep = report if isinstance(report, dict) else json.loads(Path(report).read_text())
-    if "paths" not in rep:
-        raise ValueError(f"report: not a compile report (no 'paths'; keys {sorted(rep)[:8]})")
+    if isinstance(report, dict):
+        rep = check_report(report)
+    else:
+        rep = check_report(read_json(report), str(report))
     predicted = {(p["norm"], p["residual"], p["direction"], p["dtype"], p["D"]): p["predicted_fraction"]
                  for p in rep["paths"] if p["arch"] == arch and "error" not in p}
     out = []

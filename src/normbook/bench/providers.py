@@ -5,7 +5,9 @@ the op's forward on an :class:`Inputs` and returns its outputs as a tuple: ``(y,
 ``layer_norm``/``rms_norm`` and ``(y, h)`` for the fused adds (h = x + residual). The mode
 (fwd, bwd, fwd_bwd) is turned into a timed callable by :func:`normbook.bench.timing.closure`;
 a provider only says whether it supports it. Unsupported combinations raise
-:class:`Unsupported` with a reason, which the runner records as a skipped row.
+:class:`Unsupported` with a reason, which the runner records as a skipped row. What a provider
+needs whatever the op (its package, a GPU, a compiler) is checked by its ``_ready_*`` function,
+which :func:`unavailable` calls before anything is measured.
 
 Providers:
     normbook   the Triton kernels, ``normbook.kernels`` (CUDA only here: the interpreter is
@@ -25,13 +27,17 @@ Providers:
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import shutil
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Unsupported", "Inputs", "make_inputs", "PROVIDERS", "get", "TORCH_DTYPES"]
+__all__ = ["Unsupported", "Inputs", "make_inputs", "PROVIDERS", "get", "unavailable",
+           "TORCH_DTYPES"]
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EPS = 1e-5
@@ -168,8 +174,24 @@ def _plain_add_rms_norm(x, residual, weight, eps):
     return _plain_rms_norm(h, weight, eps), h
 
 
+def _ready_compile(device) -> None:
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise Unsupported(f"torch.compile is not supported here (torch {torch.__version__}, "
+                          f"Python {sys.version.split()[0]})")
+    backend = SETTINGS["compile_backend"]
+    if backend == "inductor" and device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise Unsupported("torch.compile's inductor backend needs triton on CUDA; not installed")
+    if backend == "inductor" and device.type == "cpu" and not any(
+            shutil.which(c) for c in ("g++", "c++", "clang++")):
+        raise Unsupported("torch.compile's inductor backend needs a C++ compiler on the CPU; "
+                          "none on PATH (g++, c++, clang++)")
+
+
 def compiled(op: str, mode: str, device) -> Fn:
     """torch.compile(dynamic=False) of the plain formula; the runner resets dynamo per shape."""
+    _ready_compile(device)
     opts = dict(dynamic=False, backend=SETTINGS["compile_backend"])
     if op == "layer_norm":
         f = torch.compile(_plain_layer_norm, **opts)
@@ -185,9 +207,13 @@ def compiled(op: str, mode: str, device) -> Fn:
 
 
 # ---- the book's reference path (CPU) -------------------------------------------------------
-def reference(op: str, mode: str, device) -> Fn:
+def _ready_reference(device) -> None:
     if device.type == "cuda":
         raise Unsupported("on CUDA normbook.layer_norm dispatches to the kernels: see 'normbook'")
+
+
+def reference(op: str, mode: str, device) -> Fn:
+    _ready_reference(device)
     import normbook
 
     return _norm_then_add((
@@ -197,7 +223,7 @@ def reference(op: str, mode: str, device) -> Fn:
 
 
 # ---- normbook's Triton kernels -------------------------------------------------------------
-def normbook_kernels(op: str, mode: str, device) -> Fn:
+def _ready_normbook(device):
     if device.type != "cuda" and not SETTINGS["interpreter"]:
         raise Unsupported("Triton kernels run only in the interpreter on the CPU, far too slow "
                           "to benchmark; run on a CUDA device")
@@ -205,6 +231,11 @@ def normbook_kernels(op: str, mode: str, device) -> Fn:
         from normbook import kernels as K
     except ImportError as e:
         raise Unsupported(f"normbook.kernels not importable: {e}") from None
+    return K
+
+
+def normbook_kernels(op: str, mode: str, device) -> Fn:
+    K = _ready_normbook(device)
     if op == "layer_norm":
         return lambda i: (K.layer_norm(i.x, (i.x.shape[-1],), i.weight, i.bias, i.eps),)
     if op == "rms_norm":
@@ -222,10 +253,15 @@ def _import(name: str):
         raise Unsupported(f"{name} not importable ({type(e).__name__}: {e})") from None
 
 
-def liger(op: str, mode: str, device) -> Fn:
+def _ready_liger(device):
     LF = _import("liger_kernel.transformers.functional")   # first: a dry run checks the import
     if device.type != "cuda":
         raise Unsupported("Liger-Kernel needs a GPU (it imports here)")
+    return LF
+
+
+def liger(op: str, mode: str, device) -> Fn:
+    LF = _ready_liger(device)
     if op == "layer_norm":
         return lambda i: (LF.liger_layer_norm(i.x, i.weight, i.bias, i.eps),)
     if op == "rms_norm":
@@ -237,10 +273,14 @@ def liger(op: str, mode: str, device) -> Fn:
     raise Unsupported(f"no such op: this Liger-Kernel has no fused {op}")
 
 
-def quack(op: str, mode: str, device) -> Fn:
+def _ready_quack(device):
     if device.type != "cuda":
         raise Unsupported("quack needs a GPU (CuTe DSL)")
-    Q = _import("quack.rmsnorm")
+    return _import("quack.rmsnorm")
+
+
+def quack(op: str, mode: str, device) -> Fn:
+    Q = _ready_quack(device)
     if op == "rms_norm":
         return lambda i: (Q.rmsnorm(i.x, i.weight, eps=i.eps),)
     if op == "add_rms_norm":
@@ -265,6 +305,28 @@ PROVIDERS: dict[str, Callable[..., Fn]] = {
     "liger": liger,
     "quack": quack,
 }
+
+
+# what each provider needs whatever the op; torch and naive need nothing beyond torch
+_READY: dict[str, Callable] = {
+    "normbook": _ready_normbook,
+    "compile": _ready_compile,
+    "reference": _ready_reference,
+    "liger": _ready_liger,
+    "quack": _ready_quack,
+}
+
+
+def unavailable(provider: str, device) -> str | None:
+    """Why ``provider`` cannot run any op on ``device`` (None if it can): checked before measuring,
+    so that a run does not time its rivals for minutes and then record nothing for it."""
+    if provider not in PROVIDERS:
+        raise ValueError(f"provider: expected one of {list(PROVIDERS)}, got {provider!r}")
+    try:
+        _READY.get(provider, lambda device: None)(torch.device(device))
+    except Unsupported as e:
+        return str(e)
+    return None
 
 
 def get(provider: str, op: str, mode: str, device) -> Fn:

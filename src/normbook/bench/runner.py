@@ -23,6 +23,7 @@ import datetime as _dt
 import gc
 import importlib.metadata
 import json
+import math
 import platform
 import re
 import subprocess
@@ -307,6 +308,9 @@ def _one(key, inp, copy_gbps, device, cfg, skip):
         return None
     finally:
         call = fn = None
+    if not (ms > 0 and math.isfinite(ms)):  # a timer's 0 or NaN is no measurement: never a row
+        skip(key, f"error: the timer returned {ms} ms")
+        return None
     nbytes = bytemodel.bytes_moved(op, mode, M, D, dtype)
     gbps = nbytes / (ms * 1e-3) / 1e9
     return dict(op=op, mode=mode, provider=prov, dtype=dtype, M=M, D=D, ms=ms, ms_q20=q20,

@@ -1,0 +1,421 @@
+"""normbook.bench's command line on bad input: recorded JSON held against its schema (one-line
+errors, exit 2, no traceback), figure names kept inside --out, a compile report beside the
+results, a NaN time never a pass, providers that cannot run refused before measuring, and
+host's --number checked. Everything runs in-process through ``cli.main(argv)`` except one
+subprocess test of what a shell sees."""
+
+import contextlib
+import io
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from normbook.bench import cli, goal, host, plot, providers, runner, schema
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _row(provider="normbook", mode="fwd", D=1024, frac=0.9, **kw):
+    gbps = 4000.0 * frac
+    row = dict(op="rms_norm", mode=mode, provider=provider, dtype="bf16", M=32768, D=D,
+               ms=1.0 / frac, ms_q20=0.0, ms_q80=0.0, bytes=1, gbps=gbps, frac_copy=frac)
+    row.update(kw)
+    return row
+
+
+def _result(rows=None):
+    """A synthetic result (never written to benchmarks/results): normbook at 0.9 of copy,
+    torch, compile and liger slower, rms_norm fwd and bwd at D = 1024."""
+    if rows is None:
+        rows = [_row(p, m, frac=f) for p, f in (("normbook", 0.9), ("torch", 0.6),
+                                                 ("compile", 0.6), ("liger", 0.8))
+                for m in ("fwd", "bwd")]
+    return {"provenance": {"device": "SYNTHETIC GPU", "device_type": "cuda", "synthetic": True},
+            "copy_bandwidth_gbps": 4000.0, "rows": rows, "skipped": []}
+
+
+def _main(argv) -> tuple[int, str, str]:
+    """cli.main(argv) in-process: (exit status, stdout, stderr); argparse's exit is a status."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = cli.main([str(a) for a in argv])
+        except SystemExit as e:
+            rc = e.code
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _one_line_error(err: str, *words) -> None:
+    assert err.count("\n") == 1 and err.startswith("python -m normbook.bench: error: "), err
+    assert "Traceback" not in err
+    for w in words:
+        assert w in err, (w, err)
+
+
+GRID = dict(ops=("rms_norm",), Ds=(1024,))
+
+
+# ---- a time that is not a time is never a pass -----------------------------------------------
+def test_goal_passes_on_good_rows():
+    lines, ok = goal.check_goal([_result()], **GRID)
+    assert ok and len(lines) == 2 and all(line.endswith("PASS") for line in lines)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, 0.0, -1.0])
+@pytest.mark.parametrize("who", ["liger", "normbook"])
+def test_goal_never_passes_a_row_without_a_timing(bad, who):
+    """`nan <= 1.0` is False: a NaN rival used to look slower than anything, a PASS."""
+    res = _result()
+    for r in res["rows"]:
+        if r["provider"] == who:
+            r["ms"] = bad
+    lines, ok = goal.check_goal([res], **GRID)
+    assert not ok and all(line.endswith("NOT MEASURED") for line in lines), lines
+    assert f"recorded ms = {bad!r}, not a timing" in lines[0]
+
+
+def test_goal_uses_the_timed_row_beside_a_nan_one():
+    res = _result()
+    res["rows"] = [_row("liger", m, frac=0.8, ms=math.nan) for m in ("fwd", "bwd")] + res["rows"]
+    lines, ok = goal.check_goal([res], **GRID)
+    assert ok and "liger 1.1" in lines[0] and "nan" not in lines[0], lines  # 1.25 ms / 1.11 ms
+
+
+def test_summary_of_nan_rows_says_not_measured(tmp_path):
+    res = _result()
+    for r in res["rows"]:
+        if r["provider"] == "torch":
+            r.update(ms=math.nan, gbps=math.nan, frac_copy=math.nan)
+    (tmp_path / "results.json").write_text(json.dumps(res))     # NaN: Python's JSON allows it
+    rc, out, _ = _main(["--summary", tmp_path / "results.json"])
+    assert rc == 0
+    assert "torch not measured (recorded ms = nan, not a timing)" in out
+    assert "goal: not met" in out and "all PASS" not in out
+
+
+# ---- the schema: bad content is one line naming the file and the problem, exit 2 -------------
+def _with(**changes):
+    res = _result()
+    for path, value in changes.items():
+        obj, *keys = path.split("__")
+        target = res if obj == "top" else res["rows"][0] if obj == "row" else res[obj]
+        if value is _DROP:
+            target.pop(keys[0])
+        else:
+            target[keys[0]] = value
+    return res
+
+
+_DROP = object()
+BAD = [
+    (5, "a JSON number 5"),
+    (None, "a JSON null"),
+    ([], "a JSON list"),
+    ("results", "a JSON string"),
+    ({"paths": []}, "compile report, not a normbook.bench result"),
+    (_with(top__rows=_DROP), "missing 'rows'"),
+    (_with(top__rows={"a": 1}), "rows: expected a list"),
+    (_with(top__provenance=[]), "provenance: expected an object"),
+    (_with(top__copy_bandwidth_gbps="4000"), "copy_bandwidth_gbps: expected a positive finite number, got string '4000'"),
+    (_with(row__ms=_DROP), "rows[0]: missing 'ms'"),
+    (_with(row__D="1024"), "rows[0].D: expected a positive integer below 2**53, got string '1024'"),
+    (_with(row__ms="1.5"), "rows[0].ms: expected a positive number of milliseconds"),
+    (_with(row__ms=0), "rows[0].ms: expected a positive number of milliseconds (NaN: not measured), got 0"),
+    (_with(row__ms=-2.0), "rows[0].ms: expected a positive number"),
+    (_with(row__M=True), "rows[0].M: expected a positive integer below 2**53, got true"),
+    (_with(row__M=1.5), "rows[0].M: expected a positive integer"),
+    (_with(row__op="../../escape"), "rows[0].op: expected one of layer_norm, rms_norm"),
+    (_with(row__dtype="/tmp/x"), "rows[0].dtype: expected one of bf16, fp16, fp32"),
+    (_with(row__frac_copy=None), "rows[0].frac_copy: expected a number >= 0 (or NaN), got null"),
+    (_with(top__skipped=[{"op": "rms_norm"}]), "skipped[0]: missing 'mode'"),
+    (_with(provenance__device=3), "provenance.device: expected a string or null, got 3"),
+]
+
+
+@pytest.mark.parametrize("content, problem", BAD, ids=[p for _, p in BAD])
+@pytest.mark.parametrize("mode", ["--summary", "--merge", "--plot", "--overview"])
+def test_bad_results_file_is_one_line_and_exit_2(tmp_path, content, problem, mode):
+    f = tmp_path / "bad.json"
+    f.write_text(json.dumps(content))
+    out = ["--out", tmp_path / ("out.png" if mode == "--overview" else "merged.json"
+                                if mode == "--merge" else "figs")] if mode != "--summary" else []
+    rc, _, err = _main([mode, f, *out])
+    assert rc == 2, err
+    _one_line_error(err, mode, str(f), problem)
+
+
+def test_not_json_and_unreadable_are_one_line(tmp_path):
+    (tmp_path / "trunc.json").write_text('{"rows": [')
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00")
+    for name, problem in (("trunc", "not JSON"), ("deep", "nested too deeply"),
+                          ("bin", "cannot read")):
+        rc, _, err = _main(["--summary", tmp_path / f"{name}.json"])
+        assert rc == 2
+        _one_line_error(err, f"{name}.json", problem)
+
+
+def test_bad_compile_report_is_one_line(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps(_result()))
+    (tmp_path / "report.json").write_text(json.dumps({"paths": [{"arch": "sm_90"}]}))
+    rc, _, err = _main(["--model-check", tmp_path / "results.json", "--report",
+                        tmp_path / "report.json", "--out", tmp_path / "m.png"])
+    assert rc == 2
+    _one_line_error(err, "--model-check", "report.json", "paths[0]: missing 'norm'")
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=20)
+
+
+def _check_rc(data, mode="--summary") -> None:
+    """Any parsed content gives a valid run (0) or a one-line refusal (2), never a traceback."""
+    with tempfile.TemporaryDirectory() as tmp:
+        f = Path(tmp) / "r.json"
+        f.write_text(json.dumps(data))
+        extra = ["--out", Path(tmp) / "m.json"] if mode == "--merge" else []
+        rc, _, err = _main([mode, f, *extra])   # an exception other than SystemExit fails here
+        assert rc in (0, 2)
+        if rc == 2:
+            _one_line_error(err, str(f))
+
+
+_SUMMARY_FUZZ = settings(max_examples=150, deadline=None,
+                         suppress_health_check=[HealthCheck.too_slow])
+
+
+@_SUMMARY_FUZZ
+@given(json_values)
+def test_fuzz_any_json_value(data):
+    _check_rc(data)
+
+
+# a valid result with one value anywhere in it (top level, provenance, a row, a skip) replaced
+_PLACES = ([("top", k) for k in ("provenance", "copy_bandwidth_gbps", "rows", "skipped", "copy",
+                                  "copy_end", "runs", "config")]
+           + [("provenance", k) for k in ("device", "device_type", "commit", "date", "dirty",
+                                           "synthetic")]
+           + [("row", k) for k in ("op", "mode", "provider", "dtype", "M", "D", "ms", "gbps",
+                                   "frac_copy", "ms_q20", "ms_q80", "bytes", "host_ms",
+                                   "host_bound")]
+           + [("skip", k) for k in ("op", "mode", "provider", "dtype", "M", "D", "reason")])
+_NUMBERS = st.floats() | st.integers(min_value=-2, max_value=1 << 60) | st.just(32768)
+
+
+@_SUMMARY_FUZZ
+@given(st.sampled_from(_PLACES), json_values | _NUMBERS, st.sampled_from(["--summary", "--merge"]))
+def test_fuzz_one_value_of_a_valid_result(place, value, mode):
+    res = _result()
+    res["skipped"] = [dict(op="rms_norm", mode="fwd", provider="quack", dtype="bf16", M=32768,
+                           D=1024, reason="quack needs a GPU")]
+    res["copy"] = {"gbps": 4000.0}
+    obj, key = place
+    {"top": res, "provenance": res["provenance"], "row": res["rows"][0],
+     "skip": res["skipped"][0]}[obj][key] = value
+    _check_rc(res, mode)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([("row", k) for k in ("ms", "gbps", "frac_copy", "D", "M")]), _NUMBERS)
+def test_fuzz_plot_of_a_valid_result(place, value):
+    """The plot too: whatever the loader lets through draws (NaN, inf, huge D) or is refused."""
+    res = _result()
+    res["rows"][0][place[1]] = value
+    with tempfile.TemporaryDirectory() as tmp:
+        f = Path(tmp) / "r.json"
+        f.write_text(json.dumps(res))
+        rc, _, err = _main(["--plot", f, "--out", Path(tmp) / "figs"])
+        assert rc in (0, 2), err
+        if rc == 2:
+            _one_line_error(err, str(f))
+
+
+def test_no_traceback_from_the_shell(tmp_path):
+    """What gpu_check.sh sees: exit 2, one line on stderr, no traceback."""
+    (tmp_path / "five.json").write_text("5")
+    r = subprocess.run([sys.executable, "-m", "normbook.bench", "--summary",
+                        str(tmp_path / "five.json")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    _one_line_error(r.stderr, "five.json", "a JSON number 5")
+
+
+# ---- figure names stay inside --out -----------------------------------------------------------
+@pytest.mark.parametrize("stem", ["../../escape", "/tmp/escape", "..", "a/../../b", ""])
+def test_figure_path_stays_inside_the_folder(tmp_path, stem):
+    out = tmp_path / "figs"
+    out.mkdir()
+    path = plot.figure_path(out, stem)
+    assert path.resolve().parent == out.resolve() and path.suffix == ".png"
+
+
+def test_figure_path_refuses_a_link_out_of_the_folder(tmp_path):
+    out = tmp_path / "figs"
+    out.mkdir()
+    (out / "rms_norm-bf16.png").symlink_to(tmp_path / "elsewhere.png")
+    with pytest.raises(ValueError, match="resolves outside the output folder"):
+        plot.figure_path(out, "rms_norm-bf16")
+    with pytest.raises(ValueError, match="fmt: expected one of png, svg, pdf"):
+        plot.figure_path(out, "x", "png/../../y")
+
+
+def test_plot_of_a_row_whose_op_is_a_path_writes_nothing_outside(tmp_path):
+    res = _result()
+    res["rows"][0]["op"] = "../../escape"
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "results.json").write_text(json.dumps(res))
+    out = tmp_path / "a" / "b" / "figs"
+    rc, _, err = _main(["--plot", tmp_path / "a" / "b" / "results.json", "--out", out])
+    assert rc == 2
+    _one_line_error(err, "rows[0].op")
+    assert not list(tmp_path.rglob("escape*"))
+
+
+# ---- a results folder with the compile report (and host timings) beside the results ---------
+def _gpu_folder(tmp_path) -> Path:
+    folder = tmp_path / "2025-01-01-h200"
+    (folder / "bench-bf16").mkdir(parents=True)
+    (folder / "bench-bf16" / "results.json").write_text(json.dumps(_result()))
+    # as python -m normbook.kernels.report writes it: its kernels' "rows" beside the "paths"
+    (folder / "report.json").write_text(json.dumps({"m": 32768, "rows": [dict(
+        kernel="norm_fwd_rows_kernel", registers=40)], "paths": [dict(
+        arch="sm_90", dtype="bf16", norm="rms", residual=False, direction="fwd", D=1024,
+        predicted_fraction=1.0)]}))
+    (folder / "host.json").write_text(json.dumps({"ratios": {}, "goal": {}, "D": 64}))
+    return folder
+
+
+def test_folder_with_report_json_summary_and_plot(tmp_path):
+    folder = _gpu_folder(tmp_path)
+    rc, out, err = _main(["--summary", folder])
+    assert rc == 0, err
+    assert "rms_norm fwd bf16" in out and out.count("copy bandwidth:") == 1  # one result read
+    rc, out, err = _main(["--plot", folder, "--out", tmp_path / "figs"])
+    assert rc == 0, err
+    assert [p.name for p in (tmp_path / "figs").iterdir()] == ["rms_norm-bf16.png"]
+    rc, out, err = _main(["--model-check", folder, "--report", folder / "report.json",
+                          "--out", tmp_path / "m.png"])
+    assert rc == 0 and "largest shortfall" in out, err
+    assert len(schema.load_results([folder, folder / "bench-bf16"])) == 2
+
+
+def test_report_json_by_name_or_an_empty_folder_is_refused(tmp_path):
+    folder = _gpu_folder(tmp_path)
+    rc, _, err = _main(["--summary", folder / "report.json"])
+    assert rc == 2
+    _one_line_error(err, "report.json", "a compile report, not a normbook.bench result")
+    (folder / "bench-bf16" / "results.json").unlink()
+    rc, _, err = _main(["--summary", folder])
+    assert rc == 2
+    _one_line_error(err, "no normbook.bench results in folder")
+
+
+def test_merge_and_summary_of_a_partial_run(tmp_path):
+    """gpu_check.sh merges and summarizes after every step: a run with one row, or none yet."""
+    one = _result([_row()])
+    none = dict(_result([]), skipped=[dict(op="rms_norm", mode="fwd", provider="liger",
+                                           dtype="bf16", M=32768, D=1024, reason="cut short")])
+    for i, res in enumerate((one, none)):
+        (tmp_path / f"r{i}.json").write_text(json.dumps(res))
+    rc, out, err = _main(["--merge", tmp_path / "r0.json", tmp_path / "r1.json",
+                          "--out", tmp_path / "merged.json"])
+    assert rc == 0 and "merged 2 runs, 1 rows" in out, err
+    rc, out, err = _main(["--summary", tmp_path / "merged.json"])
+    assert rc == 0 and "liger not measured (cut short)" in out and "goal: not met" in out, err
+
+
+# ---- providers that cannot run are refused before anything is measured ---------------------
+TINY = ["--device", "cpu", "--ops", "rms_norm", "--modes", "fwd", "--M", "8", "--D", "16",
+        "--warmup-ms", "1", "--rep-ms", "1", "--no-plots", "--no-progress"]
+
+
+@pytest.fixture
+def no_measuring(monkeypatch):
+    def run(cfg):
+        raise AssertionError("measured although a provider was to be refused")
+    monkeypatch.setattr(runner, "run", run)
+
+
+@pytest.fixture
+def no_liger(monkeypatch):
+    real = providers.importlib.import_module
+
+    def imp(name, *a):
+        if name.startswith("liger_kernel"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real(name, *a)
+    monkeypatch.setattr(providers.importlib, "import_module", imp)
+
+
+def test_an_unavailable_provider_is_refused_before_measuring(tmp_path, no_measuring, no_liger):
+    rc, _, err = _main([*TINY, "--providers", "torch,liger", "--out", tmp_path])
+    assert rc == 2
+    _one_line_error(err, "--providers: liger cannot run here", "liger_kernel",
+                    "--skip-unavailable")
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_compile_refused_where_torch_compile_is_unsupported(tmp_path, no_measuring, monkeypatch):
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
+    for flags in (["--providers", "compile,torch"], ["--compile"]):
+        rc, _, err = _main([*TINY, *flags, "--out", tmp_path])
+        assert rc == 2
+        _one_line_error(err, "compile cannot run here: torch.compile is not supported here")
+
+
+def test_skip_unavailable_records_skipped_rows(tmp_path, no_liger):
+    rc, out, err = _main([*TINY, "--providers", "torch,liger", "--skip-unavailable",
+                          "--out", tmp_path])
+    assert rc == 0, err
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert [r["provider"] for r in res["rows"]] == ["torch"]
+    assert [(s["provider"], s["reason"].split(" (")[0]) for s in res["skipped"]] == [
+        ("liger", "liger_kernel.transformers.functional not importable")]
+    assert "provider liger not measured" in out
+
+
+def test_skip_unavailable_with_no_provider_left_is_refused(tmp_path, no_measuring, no_liger):
+    rc, _, err = _main([*TINY, "--providers", "liger,normbook", "--skip-unavailable",
+                        "--out", tmp_path])
+    assert rc == 2
+    _one_line_error(err, "--providers: none can run here", "liger:", "normbook:")
+
+
+def test_a_default_provider_that_cannot_run_is_recorded_not_refused(monkeypatch, no_liger):
+    monkeypatch.setattr(cli, "CPU_PROVIDERS", ["torch", "liger"])
+    p = cli.build_parser()
+    cfg = cli.config_from_args(p.parse_args(TINY), p)
+    assert cfg.providers == ["torch", "liger"]
+    assert any(n.startswith("provider liger not measured") for n in cfg.notes)
+
+
+def test_a_timer_that_returns_zero_is_a_skip_not_a_crash(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner.timing, "bench", lambda *a, **k: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(runner.timing, "copy_bandwidth",
+                        lambda *a, **k: {"gbps": 1.0, "ms": 1.0, "bytes": 1, "method": "stub"})
+    cfg = runner.Config(ops=["rms_norm"], modes=["fwd"], dtypes=["fp32"], providers=["torch"],
+                        shapes=[(8, 16)], device="cpu", warmup_ms=1, rep_ms=1,
+                        out=str(tmp_path), plots=False, progress=False)
+    res = runner.run(cfg)
+    assert res["rows"] == [] and res["skipped"][0]["reason"] == "error: the timer returned 0.0 ms"
+
+
+# ---- host ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [["--number", "0"], ["--number", "-5"], ["--repeat", "0"],
+                                  ["--number", "x"]])
+def test_host_refuses_a_count_below_one(argv, monkeypatch, capsys):
+    monkeypatch.setattr(host, "measure", lambda *a: pytest.fail("measured with a bad count"))
+    with pytest.raises(SystemExit) as e:
+        host.main(argv)
+    assert e.value.code == 2
+    assert f"argument {argv[0]}: expected a positive integer" in capsys.readouterr().err
