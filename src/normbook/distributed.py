@@ -12,16 +12,24 @@ Two ways a norm's input can be split over ranks, and what each needs:
   sums c1, c2 (ln-c) are one all-reduce of two scalars per token: :func:`layer_norm_sharded`
   and :func:`rms_norm_sharded`.
 
-Everything here is plain torch.distributed on a process group (gloo on the CPU, NCCL on GPUs).
+Everything here is plain torch.distributed on a process group (gloo on the CPU, NCCL on GPUs);
+:func:`launch` runs a function on a few local CPU processes, for the chapter and the tests.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import pickle
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
+import threading
+import time
 import traceback
 
 import torch
@@ -35,6 +43,10 @@ __all__ = ["merge_stats", "layer_norm_sharded", "rms_norm_sharded", "all_reduce_
 def merge_stats(n: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor):
     """Chan's merge (kern-chan) of K chunks' statistics, in chunk order (deterministic).
 
+    A chunk may be empty (n = 0, a rank that holds no features): it adds nothing, whatever
+    its mean and m2 say. No product of a count of zero with a large squared difference is
+    formed, so an empty chunk cannot turn 0 * inf into NaN.
+
     Args:
         n: (K,) element counts of the chunks.
         mean, m2: (K, ...) each chunk's mean and sum of squared deviations from it, per token.
@@ -42,22 +54,45 @@ def merge_stats(n: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor):
     Returns:
         (N, mean, m2) of all chunks together: N a scalar tensor, mean and m2 of shape (...).
     """
-    if not (n.dim() == 1 and mean.shape[:1] == n.shape and m2.shape == mean.shape):
-        raise ValueError(f"merge_stats: expected n (K,), mean and m2 (K, ...), got "
+    if not (n.dim() == 1 and n.shape[0] >= 1 and mean.shape[:1] == n.shape
+            and m2.shape == mean.shape):
+        raise ValueError(f"merge_stats: expected n (K,) with K >= 1, mean and m2 (K, ...), got "
                          f"{tuple(n.shape)}, {tuple(mean.shape)}, {tuple(m2.shape)}")
+    empty = (n == 0).reshape(-1, *([1] * (mean.dim() - 1)))       # (K, 1, ...)
+    mean, m2 = mean.masked_fill(empty, 0), m2.masked_fill(empty, 0)
     n_a, mean_a, m2_a = n[0], mean[0], m2[0]
     for k in range(1, n.shape[0]):
         n_b, mean_b, m2_b = n[k], mean[k], m2[k]
         total = n_a + n_b
-        delta = mean_b - mean_a                           # (kern-chan)
-        mean_a = mean_a + delta * (n_b / total)
-        m2_a = m2_a + m2_b + delta * delta * (n_a * n_b / total)
+        share_b = n_b / total.clamp_min(1)                 # n_b / N; 0 when both are empty
+        delta = mean_b - mean_a                            # (kern-chan)
+        mean_a = mean_a + delta * share_b
+        m2_a = m2_a + m2_b + (n_a * share_b) * delta * delta   # the count first: 0 stays 0
         n_a = total
     return n_a, mean_a, m2_a
 
 
+def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """t summed (or reduced by ``op``) over the ranks, as a new tensor.
+
+    While autograd records (a backward run with ``create_graph=True``), a sum goes through
+    torch.distributed.nn's all-reduce, whose backward all-reduces the gradient: the graph of
+    the backward then reaches every rank's x, and second derivatives are right.
+    """
+    if op == dist.ReduceOp.SUM and torch.is_grad_enabled():
+        from torch.distributed.nn.functional import all_reduce
+        return all_reduce(t, group=dist.group.WORLD if group is None else group)
+    t = t.clone()
+    dist.all_reduce(t, op=op, group=group)
+    return t
+
+
 def _gather(t: torch.Tensor, group) -> torch.Tensor:
-    """(world, *t.shape): every rank's t, in rank order."""
+    """(world, *t.shape): every rank's t, in rank order; differentiable as :func:`_all_reduce`."""
+    if torch.is_grad_enabled():
+        from torch.distributed.nn.functional import all_gather
+        return torch.stack(all_gather(t.contiguous(),
+                                      group=dist.group.WORLD if group is None else group))
     out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, t.contiguous(), group=group)
     return torch.stack(out)
@@ -68,56 +103,105 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _sharded_stats(xf: torch.Tensor, eps: float, is_rms: bool, group):
+    """(D, mean, rstd) of whole rows split over the ranks: D the row length (a tensor), mean and
+    rstd (...,), the same bits on every rank; mean is None for RMSNorm.
+
+    Each rank may hold any number of the features, none included: D is the sum of the ranks'
+    counts, never this rank's count times the world size. LayerNorm merges the ranks'
+    two-pass statistics with Chan's formula (kern-chan); RMSNorm adds the ranks' sums of
+    squares (rms-ms). Rows whose mean square overflows are rescued as on one process
+    (:func:`_rescued_rstd`). Made of differentiable ops and collectives, so the backward can
+    recompute these from x when a graph of it is being built.
+    """
+    d_k = xf.shape[-1]                                     # this rank's feature count
+    counts = _gather(torch.tensor([float(d_k)], dtype=xf.dtype, device=xf.device), group)[:, 0]
+    D = counts.sum()                                       # (world,) -> the row length
+    if is_rms:
+        mean = None
+        ms = _all_reduce((xf * xf).sum(-1), group) / D     # (rms-ms): one scalar per token
+    else:
+        mean_k = xf.sum(-1) / max(d_k, 1)                  # (...,) local two-pass statistics;
+        m2_k = ((xf - mean_k[..., None]) ** 2).sum(-1)     # an empty slice gives 0 and 0
+        # two scalars per token per rank on the wire; merged in rank order on every rank
+        every = _gather(torch.stack([mean_k, m2_k]), group)   # (world, 2, ...)
+        _, mean, m2 = merge_stats(counts, every[:, 0], every[:, 1])
+        ms = m2 / D                                        # (ln-var)
+    rstd = torch.rsqrt(ms + eps)                           # (ln-rstd)
+    overflow = torch.isinf(ms)      # the same bits on every rank, so all ranks take the branch
+    if overflow.any():
+        xc = xf if mean is None else xf - mean[..., None]
+        rstd = torch.where(overflow, _rescued_rstd(xc, D, group), rstd)
+    return D, mean, rstd
+
+
+def _rescued_rstd(xc: torch.Tensor, D: torch.Tensor, group) -> torch.Tensor:
+    """1 / sqrt(mean(xc^2)) of rows whose mean square overflows, (...,): as one process does
+    (``normbook._math._rsqrt_ms``), the row is scaled by 2^-e (exact) before squaring, and 2^-e
+    taken back out of the root. e is the exponent of the largest |xc| of the whole row, an
+    all-reduce (MAX) over the ranks, so every rank scales by the same power of two. eps * 2^-2e
+    is far below the rescaled mean square's last digit for such rows and is dropped, as on one
+    process.
+    """
+    local = (xc.detach().abs().amax(-1) if xc.shape[-1]
+             else xc.new_zeros(xc.shape[:-1]))             # (...,) an empty slice: 0
+    _, e = torch.frexp(_all_reduce(local, group, dist.ReduceOp.MAX))
+    u = torch.ldexp(xc, -e[..., None])                     # |u| < 1 on every rank
+    return torch.ldexp(torch.rsqrt(_all_reduce((u * u).sum(-1), group) / D), -e)
+
+
+def _sum_tokens(t: torch.Tensor) -> torch.Tensor:
+    """(..., D_local) -> (D_local,): the sum over every leading dim; a 1-D t is one token."""
+    return t.sum(tuple(range(t.dim() - 1))) if t.dim() > 1 else t
+
+
 class _ShardedNorm(torch.autograd.Function):
-    """Forward and backward of a norm whose rows are split over the ranks of ``group``."""
+    """Forward and backward of a norm whose rows are split over the ranks of ``group``.
+
+    The backward is (ln-dx) / (rms-dx) from the saved statistics. When autograd builds a graph
+    of the backward (``create_graph=True``, a gradient penalty), the statistics are recomputed
+    from x and every sum goes through differentiable collectives, so that second derivatives
+    see how c1, c2, mean and rstd depend on the features of every rank.
+    """
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, is_rms, group):
         cdt = _compute_dtype(x)
         xf = x.to(cdt)
-        d_local = torch.tensor(float(x.shape[-1]), dtype=cdt)
-        if is_rms:
-            ss = (xf * xf).sum(-1)                                # (...,) local sum of squares
-            dist.all_reduce(ss, group=group)                      # one scalar per token
-            D = d_local * dist.get_world_size(group)
-            mean, rstd = None, torch.rsqrt(ss / D + eps)          # (rms-ms)
-        else:
-            mean_l = xf.mean(-1)                                  # local two-pass statistics
-            m2_l = ((xf - mean_l[..., None]) ** 2).sum(-1)
-            counts = _gather(d_local.reshape(1), group)[:, 0]     # (world,)
-            # two scalars per token per rank on the wire; merged in rank order on every rank
-            D, mean, m2 = merge_stats(counts, _gather(mean_l, group), _gather(m2_l, group))
-            rstd = torch.rsqrt(m2 / D + eps)                      # (ln-var), (ln-rstd)
+        D, mean, rstd = _sharded_stats(xf, eps, is_rms, group)
         xhat = (xf if mean is None else xf - mean[..., None]) * rstd[..., None]
         y = xhat
         if weight is not None:
             y = y * weight.to(cdt)
         if bias is not None:
             y = y + bias.to(cdt)
+        # two scalars per token, not D_local values of xhat
         ctx.save_for_backward(x, weight, rstd, *(() if mean is None else (mean,)))
-        ctx.meta = (is_rms, group, float(D), bias is not None)
+        ctx.meta = (is_rms, group, eps, float(D), None if bias is None else bias.dtype)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        is_rms, group, D, has_bias = ctx.meta
+        is_rms, group, eps, D, bias_dtype = ctx.meta
         x, weight, rstd, *rest = ctx.saved_tensors
         cdt = _compute_dtype(x)
         xf, g = x.to(cdt), dy.to(cdt)
-        xhat = (xf if is_rms else xf - rest[0][..., None]) * rstd[..., None]
+        if torch.is_grad_enabled():   # a graph of the backward is being built: stats from x
+            _, mean, rstd = _sharded_stats(xf, eps, is_rms, group)
+        else:
+            mean = None if is_rms else rest[0]
+        xhat = (xf if mean is None else xf - mean[..., None]) * rstd[..., None]
         ghat = g if weight is None else g * weight.to(cdt)       # (ln-ghat)
         # c1, c2 are means over the whole row: local sums, one all-reduce of two scalars a token
-        sums = torch.stack([(ghat * xhat).sum(-1), ghat.sum(-1)])
-        dist.all_reduce(sums, group=group)
+        sums = _all_reduce(torch.stack([(ghat * xhat).sum(-1), ghat.sum(-1)]), group)
         c2, c1 = sums[0] / D, sums[1] / D                          # (ln-c)
         dx = ghat - c2[..., None] * xhat
         if not is_rms:
             dx = dx - c1[..., None]                                # (ln-dx); RMSNorm (rms-dx)
         dx = dx * rstd[..., None]
-        lead = tuple(range(x.dim() - 1))
         # the parameters are split like the features: each rank's slice is whole here
-        dweight = None if weight is None else (g * xhat).sum(lead).to(weight.dtype)
-        dbias = g.sum(lead).to(weight.dtype if weight is not None else x.dtype) if has_bias else None
+        dweight = None if weight is None else _sum_tokens(g * xhat).to(weight.dtype)
+        dbias = None if bias_dtype is None else _sum_tokens(g).to(bias_dtype)   # (ln-dparams)
         return dx.to(x.dtype), dweight, dbias, None, None, None
 
 
@@ -135,10 +219,14 @@ def _check(x, weight, bias, eps):
 def layer_norm_sharded(x, weight=None, bias=None, eps=1e-5, group=None):
     """LayerNorm of rows split over the features across the ranks of ``group``.
 
-    Each rank holds ``x[..., its slice of D]``; every rank's statistics are merged with Chan's
+    Each rank holds ``x[..., its slice of D]``, a slice of any length (uneven splits, and
+    ranks with no features, are allowed); every rank's statistics are merged with Chan's
     formula (kern-chan), so y = (x - mean) * rstd * weight + bias (ln-y) is computed with
-    the whole row's mean and variance. Backward: (ln-dx) with c1, c2 of (ln-c) summed
-    across ranks by one all-reduce of two scalars per token.
+    the whole row's mean and variance, overflow-safe as on one process. Backward: (ln-dx) with
+    c1, c2 of (ln-c) summed across ranks by one all-reduce of two scalars per token; double
+    backward (a gradient penalty) differentiates through the collectives.
+
+    Every rank of ``group`` must call it, with tensors of the same leading shape.
 
     Args:
         x: (..., D_local), this rank's features of every token.
@@ -155,8 +243,9 @@ def layer_norm_sharded(x, weight=None, bias=None, eps=1e-5, group=None):
 
 def rms_norm_sharded(x, weight=None, eps=1e-6, group=None):
     """RMSNorm of rows split over the features across the ranks of ``group``: (rms-ms) as one
-    all-reduce of the sum of squares per token, then (rms-y) locally; backward (rms-dx) with
-    c2 all-reduced. Arguments and result as :func:`layer_norm_sharded`, without a bias."""
+    all-reduce of the sum of squares per token, divided by the whole row's length, then
+    (rms-y) locally; backward (rms-dx) with c2 all-reduced. Arguments, result and what any
+    split allows as :func:`layer_norm_sharded`, without a bias."""
     _check(x, weight, None, eps)
     return _ShardedNorm.apply(x, weight, None, float(eps), True, group)
 
@@ -177,84 +266,215 @@ def all_reduce_param_grads(module: torch.nn.Module, group=None) -> int:
 
 
 # --- running code on several processes, for the chapter and the tests --------------------------
+#
+# launch() must neither hang nor leak, whatever a rank does: every rank is a fresh Python in its
+# own process group, which launch() kills on every way out (a result, a failure, the deadline,
+# KeyboardInterrupt, SIGTERM); a rank whose parent has died kills itself. The ranks meet through
+# a file store in a temporary folder (no port to race for, nothing listening beyond loopback)
+# and send back one file each, written whole or not at all.
+
+_POLL_S = 0.05      # how often launch() looks at its ranks
+_GRACE_S = 10.0     # a rank outlives launch()'s deadline by at most this, should launch() stall
+
+# the child's entry point, run as `python -c`; sys.path is the parent's, as multiprocessing's
+# "spawn" does, so fn's module is found as the parent found it
+_CHILD = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+          "from normbook.distributed import _child; _child(sys.argv[2], int(sys.argv[3]))")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch_worker(rank, world, port, out_dir, timeout_s, fn, args):
-    """One child of :func:`launch`: gloo group, ``fn``, result or traceback to a file."""
-    # TRITON_INTERPRET=1 came with the environment launch() gave this process: it had to be
-    # there before unpickling fn imported anything
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    path = os.path.join(out_dir, f"rank{rank}")
+def _loopback() -> str | None:
+    """The loopback interface's name, "lo" (Linux) or "lo0" (macOS), or None if neither."""
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s))
-        result = fn(rank, world, *args)
-        with open(path + ".pkl", "wb") as f:
-            pickle.dump(result, f)
+        names = {name for _, name in socket.if_nameindex()}
+    except (AttributeError, OSError):   # pragma: no cover
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def _write_whole(path: str, data: bytes) -> None:
+    """Write then rename: a reader sees the whole file or none."""
+    with open(path + ".part", "wb") as f:
+        f.write(data)
+    os.replace(path + ".part", path)
+
+
+def _watch_parent(parent: int, tmp: str, limit_s: float) -> None:
+    """In a rank: end this rank's process group if launch()'s process has gone (removing the
+    folder it can no longer remove) or after ``limit_s`` seconds."""
+    end = time.monotonic() + limit_s
+    while os.getppid() == parent and time.monotonic() < end:
+        time.sleep(0.2)
+    if os.getppid() != parent:
+        shutil.rmtree(tmp, ignore_errors=True)
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _child(tmp: str, rank: int) -> None:
+    """One rank of :func:`launch`: gloo group, ``fn``, then a file ``rank<k>.out`` holding
+    ("ok", result) or ("error", time, traceback)."""
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        with open(os.path.join(tmp, "task.pkl"), "rb") as f:
+            # unpickling fn imports its module: TRITON_INTERPRET=1 is already in the environment
+            parent, world, timeout_s, fn, args = pickle.load(f)
+        threading.Thread(target=_watch_parent, args=(parent, tmp, timeout_s + _GRACE_S),
+                         daemon=True).start()
+        dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "store"),
+                                rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        record = pickle.dumps(("ok", fn(rank, world, *args)))
     except BaseException:
-        with open(path + ".err", "w") as f:
-            f.write(traceback.format_exc())
+        code = 1
+        record = pickle.dumps(("error", time.time(), traceback.format_exc()))
+    try:
+        _write_whole(os.path.join(tmp, f"rank{rank}.out"), record)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    sys.exit(code)
 
 
-def launch(fn, *args, world: int = 2, timeout_s: float = 120.0) -> list:
+class _Stopped(BaseException):
+    """SIGTERM arrived while launch() ran: unwind (ending the ranks), then die of it."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Stopped(signum)
+
+
+def _end(procs) -> None:
+    """Kill every rank's process group (the rank and whatever it started), then reap them."""
+    for p in procs:
+        try:
+            if hasattr(os, "killpg"):
+                os.killpg(p.pid, signal.SIGKILL)   # each rank leads its own group (a new session)
+            else:   # pragma: no cover
+                p.kill()
+        except (ProcessLookupError, PermissionError):
+            pass    # already gone
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:   # pragma: no cover
+            pass
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:   # pragma: no cover
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _collect(procs, tmp: str, name: str, timeout_s: float, start: float) -> list:
+    """Wait for every rank's file, at most until ``start + timeout_s``; raise on the first
+    failure: a rank's traceback, or a rank that ended without writing its file."""
+    world = len(procs)
+    records: list = [None] * world
+    while True:
+        for rank, p in enumerate(procs):
+            if records[rank] is not None:
+                continue
+            code = p.poll()          # before the file: a rank writes, then exits
+            path = os.path.join(tmp, f"rank{rank}.out")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    records[rank] = pickle.load(f)
+            elif code is not None:
+                raise RuntimeError(f"launch: {name}: rank {rank} {_describe_exit(code)} "
+                                   f"before returning a result (did it call os._exit or "
+                                   f"sys.exit, or was it killed?)")
+        errors = sorted((r[1], rank, r[2]) for rank, r in enumerate(records)
+                        if r is not None and r[0] == "error")
+        if errors:
+            _, rank, text = errors[0]
+            later = [str(k) for _, k, _ in errors[1:]]
+            also = f" (then ranks {', '.join(later)} failed too)" if later else ""
+            raise RuntimeError(f"launch: {name} failed on rank {rank}{also}; the other ranks "
+                               f"were stopped. Rank {rank}'s traceback:\n{text}")
+        if all(r is not None for r in records):
+            return [r[1] for r in records]
+        if time.monotonic() - start > timeout_s:
+            running = [str(k) for k, r in enumerate(records) if r is None]
+            raise TimeoutError(f"launch: {name} did not finish within timeout_s={timeout_s:g} s; "
+                               f"rank(s) {', '.join(running)} still running, now stopped")
+        time.sleep(_POLL_S)
+
+
+def launch(fn, *args, world: int = 2, timeout_s: float = 300.0) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` fresh CPU processes joined by gloo.
 
-    Each child starts a new Python (the "spawn" method), with ``TRITON_INTERPRET=1`` in its
-    environment before anything imports triton and ``torch.set_num_threads(1)``, and joins a
-    gloo process group of ``world`` ranks on 127.0.0.1 at a free port; collectives in ``fn``
-    use that default group. ``fn`` must be importable by name in a new process (defined at
-    module level in a module, not in a notebook cell or ``__main__``); ``args`` and the return
-    values must pickle.
+    Each child is a new Python (as with the "spawn" method) in its own process group, with
+    ``TRITON_INTERPRET=1`` in its environment before anything imports triton and
+    ``torch.set_num_threads(1)``; the children join a gloo process group of ``world`` ranks
+    through a file store in a temporary folder, their sockets on the loopback interface;
+    collectives in ``fn`` use that default group. ``fn`` must be importable by name in a new
+    process (defined at module level in a module, not in a notebook cell or ``__main__``);
+    ``args`` and the return values must pickle.
+
+    Nothing outlives the call: on a result, a failure, the deadline, KeyboardInterrupt or
+    SIGTERM every child's process group is killed and the temporary folder removed; a child
+    whose parent has died ends itself.
+
+    Args:
+        fn: the function each rank runs.
+        *args: passed to ``fn`` after ``rank, world``.
+        world: the number of ranks.
+        timeout_s: the deadline of the whole run, start-up included (also the limit of each
+            collective inside ``fn``).
 
     Returns:
         list of length ``world``: ``fn``'s return value on rank 0, 1, ... (sent back through
-        files in a temporary directory).
+        files in the temporary folder).
 
     Raises:
-        ValueError: ``fn`` cannot be found by a child process.
-        RuntimeError: ``fn`` raised on some rank; the message holds each failing rank's traceback.
+        ValueError: ``fn`` cannot be found by a child process, or a bad ``world``/``timeout_s``.
+        RuntimeError: ``fn`` raised on some rank (the message holds the traceback of the rank
+            that failed first), or a rank ended without a result; raised as soon as it happens.
+        TimeoutError: the ranks did not all finish within ``timeout_s``.
     """
     if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in fn.__qualname__:
         raise ValueError(f"launch: {fn.__qualname__} must be a module-level function of an "
                          f"importable module (a spawned process cannot see __main__)")
-    import torch.multiprocessing as mp
+    if not (isinstance(world, int) and world >= 1):
+        raise ValueError(f"launch: world must be an int >= 1, got {world!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"launch: timeout_s must be > 0, got {timeout_s!r}")
+    task = pickle.dumps((os.getpid(), world, float(timeout_s), fn, args))   # fails here, not there
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    loopback = _loopback()
+    if loopback is not None:
+        env["GLOO_SOCKET_IFNAME"] = loopback             # gloo's sockets: loopback only
+    sys_path = json.dumps([p or os.getcwd() for p in sys.path])
 
-    with tempfile.TemporaryDirectory() as tmp:
-        old = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"  # inherited by the children as they start
-        try:
-            mp.start_processes(_launch_worker, nprocs=world, join=True, start_method="spawn",
-                               args=(world, _free_port(), tmp, timeout_s, fn, args))
-        finally:
-            if old is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = old
-        errors = []
+    start = time.monotonic()
+    stop = None
+    previous = None
+    if threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    tmp = tempfile.mkdtemp(prefix="normbook-launch-")
+    procs: list[subprocess.Popen] = []
+    try:
+        _write_whole(os.path.join(tmp, "task.pkl"), task)
         for rank in range(world):
-            err = os.path.join(tmp, f"rank{rank}.err")
-            if os.path.exists(err):
-                with open(err) as f:
-                    errors.append(f"--- rank {rank} ---\n{f.read()}")
-        if errors:
-            raise RuntimeError(f"launch: {fn.__qualname__} failed on "
-                               f"{len(errors)} of {world} ranks:\n" + "\n".join(errors))
-        results = []
-        for rank in range(world):
-            with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-        return results
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", _CHILD, sys_path, tmp, str(rank)],
+                env=env, stdin=subprocess.DEVNULL, start_new_session=True))
+        return _collect(procs, tmp, fn.__qualname__, timeout_s, start)
+    except _Stopped as e:
+        stop = e.args[0]
+        raise
+    finally:
+        _end(procs)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        if stop is not None:     # die of the signal, as without launch() in the way
+            os.kill(os.getpid(), stop)
 
 
 # --- the chapter's experiments: fn(rank, world, ...) for launch --------------------------------

@@ -1,0 +1,380 @@
+"""normbook.distributed off the well-trodden paths (issue 20).
+
+The feature-sharded norms against one process on the whole row, for any split of the features:
+uneven, a rank with none, fp32 rows near 1e20, and double backward (a gradient penalty). One
+launch on three gloo CPU ranks runs every case (starting Pythons is most of the time); a
+two-rank subgroup of it runs the two-rank cases. Then :func:`normbook.distributed.launch`
+itself: a failing rank, a hanging rank, a rank that exits without a result, and a parent
+stopped from outside must each end every child and leave no file behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():   # pragma: no cover
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+from normbook import distributed as nd  # noqa: E402
+
+WORLD = 3
+
+
+# --- the sharded norms: every case inside one launch -------------------------------------------
+
+
+def _cut(t, sizes, rank):
+    """This rank's slice of the last dim of t, for per-rank feature counts ``sizes``."""
+    start = sum(sizes[:rank])
+    return t[..., start:start + sizes[rank]]
+
+
+def _one_process(x, w, b, eps, is_rms):
+    """y of the single-process path (normbook) on whole rows, and torch's, for the oracle."""
+    import torch.nn.functional as F
+
+    import normbook
+
+    D = x.shape[-1]
+    if is_rms:
+        return normbook.rms_norm(x, (D,), w, eps), F.rms_norm(x, (D,), w, eps)
+    return normbook.layer_norm(x, (D,), w, b, eps), F.layer_norm(x, (D,), w, b, eps)
+
+
+def _err(got, want, whole):
+    """Largest |got - want| relative to the largest |whole| (the reference on whole rows)."""
+    got, want = got.detach().double(), want.detach().double()
+    if got.shape != want.shape:
+        return float("inf")
+    if got.numel() == 0:
+        return 0.0
+    return float((got - want).abs().max() / whole.detach().abs().max().clamp_min(1e-300))
+
+
+def _check_case(case, rank, group, failures):
+    """One split of one norm: y, dx, dweight, dbias (and, with ``double``, the gradients of a
+    gradient penalty) on this rank's slice against one process on the whole row."""
+    name, sizes, is_rms, dtype = case["name"], case["sizes"], case["is_rms"], case["dtype"]
+    g = torch.Generator().manual_seed(case["seed"])        # the same data on every rank
+    D, lead = sum(sizes), case["lead"]
+    f64 = dict(generator=g, dtype=torch.float64)
+    x = (case["scale"] * (3 + torch.randn(*lead, D, **f64))).to(dtype)
+    w = (1 + 0.1 * torch.randn(D, **f64)).to(dtype)
+    b = None if is_rms else (0.1 * torch.randn(D, **f64)).to(dtype)
+    dy = torch.randn(*lead, D, **f64)
+    v = torch.randn(*lead, D, **f64)                       # the penalty's direction
+    eps = 1e-6 if is_rms else 1e-5
+    tol = case["tol"]
+    # the oracle: the same numbers in float64, whole rows; this rank: its slices, in dtype
+    full = [None if t is None else t.double().requires_grad_() for t in (x, w, b)]
+    mine = [None if t is None else _cut(t, sizes, rank).clone().requires_grad_()
+            for t in (x, w, b)]
+
+    def sharded(xs, ws, bs):
+        if is_rms:
+            return nd.rms_norm_sharded(xs, ws, eps, group=group)
+        return nd.layer_norm_sharded(xs, ws, bs, eps, group=group)
+
+    y = sharded(*mine)
+    y_ref, y_torch = _one_process(*full, eps, is_rms)
+    if not torch.isfinite(y).all():
+        failures.append(f"{name}: y not finite: {y}")
+    for tag, ref in (("normbook", y_ref), ("torch", y_torch)):
+        err = _err(y, _cut(ref, sizes, rank), ref)
+        if not err <= tol:
+            failures.append(f"{name}: y off {tag} by {err:.1e}")
+
+    leaves = [t for t in mine if t is not None]
+    leaves_ref = [t for t in full if t is not None]
+    if not case["double"]:
+        grads = torch.autograd.grad(y, leaves, _cut(dy, sizes, rank).to(y.dtype))
+        grads_ref = torch.autograd.grad(y_ref, leaves_ref, dy)
+        labels = ("dx", "dweight", "dbias")
+    else:
+        # a gradient penalty: P = <dL/dx, v> + <dL/dweight, v[0]> with L = <y, dy>, on each
+        # rank its own slice; the penalties' sum over ranks is P of the whole row
+        def penalty(out, xx, ww, vv, cut):
+            gx, gw = torch.autograd.grad((out * cut(dy).to(out.dtype)).sum(), (xx, ww),
+                                         create_graph=True)
+            return ((gx * cut(vv).to(gx.dtype)).sum()
+                    + (gw * cut(vv[(0,) * len(lead)]).to(gw.dtype)).sum())
+
+        # the bias does not reach the penalty: its gradient is zero (materialized)
+        unused = dict(allow_unused=True, materialize_grads=True)
+        p = penalty(y, mine[0], mine[1], v, lambda t: _cut(t, sizes, rank))
+        grads = torch.autograd.grad(p, leaves, **unused)
+        labels = ("d2x", "d2weight", "d2bias")
+        # torch forms second derivatives with other formulas; where the Jacobian is tiny
+        # (RMSNorm of D = 1: eps / |x|^3) the two cancel differently, hence 1e-6 against it:
+        # the defect it guards against was an error as large as the value
+        for tag, ref, bound in (("normbook", y_ref, tol), ("torch", y_torch, max(tol, 1e-6))):
+            p_ref = penalty(ref, full[0], full[1], v, lambda t: t)
+            grads_ref = torch.autograd.grad(p_ref, leaves_ref, **unused)
+            for label, got, want in zip(labels, grads, grads_ref):
+                err = _err(got, _cut(want, sizes, rank), want)
+                if not err <= bound:
+                    failures.append(f"{name}: {label} off {tag} by {err:.1e}")
+        return
+    for label, got, want in zip(labels, grads, grads_ref):
+        err = _err(got, _cut(want, sizes, rank), want)
+        if not err <= tol:
+            failures.append(f"{name}: {label} off normbook by {err:.1e}")
+
+
+def _sharded_checks(rank, world, cases):
+    """Every case on this rank: {kind: [failures]}. A case of two ranks runs on ranks 0 and 1
+    (a subgroup, so the ``group`` argument is exercised too); rank 2 sits it out."""
+    pair = dist.new_group([0, 1])                 # every rank creates it, in the same order
+    out = {}
+    for case in cases:
+        failures = out.setdefault(case["kind"], [])
+        on = len(case["sizes"]) == world or rank < 2
+        if not on:
+            continue
+        group = None if len(case["sizes"]) == world else pair
+        try:
+            _check_case(case, rank, group, failures)
+        except Exception:
+            failures.append(f"{case['name']}: raised\n{traceback.format_exc()}")
+    out["listeners"] = _listeners_beyond_loopback()
+    return out
+
+
+def _listeners_beyond_loopback():
+    """This process's listening sockets on an address other than loopback."""
+    try:
+        import psutil
+    except ImportError:   # pragma: no cover
+        return []
+    found = psutil.Process().net_connections(kind="inet")
+    return [f"{c.laddr.ip}:{c.laddr.port}" for c in found if c.status == psutil.CONN_LISTEN
+            and not (c.laddr.ip.startswith("127.") or c.laddr.ip == "::1")]
+
+
+# float64 cases are exact up to rounding: 1e-12 of the output's largest value. fp32 rows near
+# 1e20 are compared with the float64 result of the same fp32 numbers: fp32 rounding, 1e-5.
+F64, F32 = (torch.float64, 1e-12), (torch.float32, 1e-5)
+
+
+def _case(kind, sizes, is_rms, seed, dtype=F64, scale=1.0, lead=(4,), double=False):
+    norm = "rms" if is_rms else "ln"
+    return dict(kind=kind, name=f"{kind} {norm} split {sizes} lead {lead}", sizes=tuple(sizes),
+                is_rms=is_rms, seed=seed, dtype=dtype[0], tol=dtype[1], scale=scale,
+                lead=tuple(lead), double=double)
+
+
+def _random_splits(n, seed=0):
+    """n random splits of D = 1..9 features over 2 or 3 ranks, zero-width slices included."""
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for i in range(n):
+        ranks = 2 + int(torch.randint(2, (), generator=g))
+        D = 1 + int(torch.randint(9, (), generator=g))
+        cuts = sorted(torch.randint(D + 1, (ranks - 1,), generator=g).tolist())
+        sizes = [b - a for a, b in zip([0, *cuts], [*cuts, D])]
+        lead = [(), (3,), (2, 3)][i % 3]
+        cases.append(_case("random", sizes, bool(i % 2), 100 + i, lead=lead, double=i % 4 < 2))
+    return cases
+
+
+CASES = [
+    # the issue's reproducer: D = 5 over two ranks as 3 + 2 (rms_norm_sharded was 0.16 off)
+    *(_case("uneven", s, r, 1) for s in ((3, 2), (2, 3), (4, 1)) for r in (True, False)),
+    # D = 2 over three ranks: one rank holds nothing (every rank went NaN), wherever it sits
+    *(_case("empty", s, r, 2) for s in ((1, 1, 0), (0, 1, 1), (1, 0, 1), (0, 2, 0))
+      for r in (True, False)),
+    # fp32 rows near 1e20 (all zeros before), even and uneven, one rank empty
+    *(_case("overflow", s, r, 3, F32, 1e20 / 3, (2, 3))
+      for s in ((16, 16), (20, 12), (7, 0, 25), (11, 11, 10)) for r in (True, False)),
+    # double backward against one process and torch (its error was as large as the value)
+    *(_case("double", s, r, 4, double=True) for s in ((8, 8), (5, 3), (3, 0, 4))
+      for r in (True, False)),
+    *_random_splits(24),
+]
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    """{kind: every rank's failures} of one launch over three ranks."""
+    results = nd.launch(_sharded_checks, CASES, world=WORLD)
+    merged = {}
+    for rank, out in enumerate(results):
+        for kind, failures in out.items():
+            merged.setdefault(kind, []).extend(f"rank {rank}: {f}" for f in failures)
+    return merged
+
+
+@pytest.mark.parametrize("kind", ["uneven", "empty", "overflow", "double", "random"])
+def test_sharded_norms_match_one_process(sharded, kind):
+    """uneven: D = 5 as 3 + 2; empty: a rank without features; overflow: fp32 near 1e20;
+    double: a gradient penalty; random: random splits, some with double backward."""
+    assert not sharded[kind], "\n".join(sharded[kind])
+
+
+def test_ranks_listen_on_loopback_only(sharded):
+    assert not sharded["listeners"], f"listening beyond loopback: {sharded['listeners']}"
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 6), min_size=1, max_size=6), big=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_merge_stats_any_split(sizes, big, seed):
+    """Chan's merge of any chunks of a row, empty ones included (their mean and m2 are NaN
+    here: they must not matter), gives the row's mean and m2; near 1e20 in fp32 it stays
+    finite where it can (m2 itself may overflow: the sharded norms then rescale)."""
+    D = sum(sizes)
+    if D == 0:
+        return
+    g = torch.Generator().manual_seed(seed)
+    x = 3 + torch.randn(D, generator=g, dtype=torch.float64)
+    dtype = torch.float32 if big else torch.float64
+    x = (1e20 * x if big else x).to(dtype)
+    chunks = torch.split(x, sizes)
+    nan = torch.tensor(float("nan"), dtype=dtype)
+    mean = torch.stack([c.mean() if len(c) else nan for c in chunks])
+    m2 = torch.stack([((c - c.mean()) ** 2).sum() if len(c) else nan for c in chunks])
+    n = torch.tensor([float(s) for s in sizes], dtype=dtype)
+    N, mean_all, m2_all = nd.merge_stats(n, mean, m2)
+    xd = x.double()
+    assert float(N) == D
+    torch.testing.assert_close(mean_all.double(), xd.mean(), rtol=1e-6 if big else 1e-13, atol=0)
+    if big:
+        assert not torch.isnan(m2_all)
+    else:
+        torch.testing.assert_close(m2_all, ((xd - xd.mean()) ** 2).sum(), rtol=1e-12, atol=1e-12)
+
+
+# --- launch: cannot hang, cannot leak ----------------------------------------------------------
+
+
+def _note_pid(pid_dir, rank):
+    Path(pid_dir, f"{rank}.pid").write_text(str(os.getpid()))
+
+
+def _wait_for(paths, limit_s):
+    end = time.monotonic() + limit_s
+    while not all(Path(p).exists() for p in paths):
+        if time.monotonic() > end:
+            raise TimeoutError(f"waited {limit_s} s for {paths}")
+        time.sleep(0.05)
+
+
+def _fails_while_rank_zero_sleeps(rank, world, pid_dir):
+    """Rank 1 raises once every rank is running; rank 0 sleeps outside any collective."""
+    _note_pid(pid_dir, rank)
+    if rank == 1:
+        _wait_for([Path(pid_dir, f"{k}.pid") for k in range(world)], 60)
+        Path(pid_dir, "raised_at").write_text(repr(time.time()))
+        raise ArithmeticError("deliberate failure on rank 1")
+    time.sleep(1000)
+
+
+def _hangs_on_rank_one(rank, world, pid_dir):
+    _note_pid(pid_dir, rank)
+    if rank == 1:
+        time.sleep(1000)          # outside any collective
+    return rank
+
+
+def _exits_on_rank_one(rank, world):
+    if rank == 1:
+        os._exit(0)               # no result, no traceback
+    return rank
+
+
+def _sleeps(rank, world, pid_dir):
+    _note_pid(pid_dir, rank)
+    time.sleep(1000)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _pids(pid_dir):
+    return [int(p.read_text()) for p in Path(pid_dir).glob("*.pid")]
+
+
+@pytest.fixture
+def own_tmp(tmp_path, monkeypatch):
+    """launch()'s temporary folders go to a folder of this test's own, to be checked empty."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    return folder, pids
+
+
+def _assert_nothing_left(folder, pids):
+    assert _pids(pids), "no rank recorded its pid"
+    end = time.monotonic() + 5
+    while any(_alive(p) for p in _pids(pids)) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not [p for p in _pids(pids) if _alive(p)], "ranks outlived launch()"
+    assert not list(folder.iterdir()), f"left behind: {list(folder.iterdir())}"
+
+
+def test_failing_rank_raises_at_once_and_leaves_nothing(own_tmp):
+    folder, pids = own_tmp
+    with pytest.raises(RuntimeError, match="(?s)rank 1.*deliberate failure on rank 1"):
+        nd.launch(_fails_while_rank_zero_sleeps, str(pids), world=2, timeout_s=120)
+    delay = time.time() - float((pids / "raised_at").read_text())
+    assert delay < 5, f"launch() raised {delay:.1f} s after rank 1 did"
+    _assert_nothing_left(folder, pids)
+
+
+def test_hanging_rank_hits_the_deadline(own_tmp):
+    folder, pids = own_tmp
+    timeout_s = 10
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="timeout_s=10"):
+        nd.launch(_hangs_on_rank_one, str(pids), world=2, timeout_s=timeout_s)
+    assert time.monotonic() - start < timeout_s + 5
+    _assert_nothing_left(folder, pids)
+
+
+def test_rank_exiting_without_result_is_named(own_tmp):
+    folder, _ = own_tmp
+    with pytest.raises(RuntimeError, match="rank 1 exited with code 0 before returning a result"):
+        nd.launch(_exits_on_rank_one, world=2, timeout_s=120)
+    assert not list(folder.iterdir())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL],
+                         ids=["SIGINT", "SIGTERM", "SIGKILL"])
+def test_parent_stopped_from_outside_leaves_nothing(tmp_path, sig):
+    """A parent stopped mid-run (Ctrl-C, kill, kill -9) leaves no rank and no file."""
+    folder, pids = tmp_path / "tmp", tmp_path / "pids"
+    folder.mkdir()
+    pids.mkdir()
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_distributed_safety as t; "
+            "t.nd.launch(t._sleeps, sys.argv[2], world=2, timeout_s=120)")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(Path(__file__).parent), str(pids)],
+                              env=dict(os.environ, TMPDIR=str(folder)),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for([pids / "0.pid", pids / "1.pid"], 60)
+        parent.send_signal(sig)
+        parent.wait(timeout=15)
+    finally:
+        parent.kill()
+        parent.wait()
+    _assert_nothing_left(folder, pids)
