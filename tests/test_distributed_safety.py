@@ -367,9 +367,12 @@ def test_parent_stopped_from_outside_leaves_nothing(tmp_path, sig):
     pids.mkdir()
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_distributed_safety as t; "
             "t.nd.launch(t._sleeps, sys.argv[2], world=2, timeout_s=120)")
+    # SIGINT at its default: a job started in the background by a shell (as CI may run make
+    # test) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it
     parent = subprocess.Popen([sys.executable, "-c", code, str(Path(__file__).parent), str(pids)],
                               env=dict(os.environ, TMPDIR=str(folder)),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         _wait_for([pids / "0.pid", pids / "1.pid"], 60)
         parent.send_signal(sig)
