@@ -136,9 +136,9 @@ def _sharded_stats(xf: torch.Tensor, eps: float, is_rms: bool, group):
 
 
 def _rescued_rstd(xc: torch.Tensor, D: torch.Tensor, group) -> torch.Tensor:
-    """1 / sqrt(mean(xc^2)) of rows whose mean square overflows, (...,): as one process does
-    (``normbook._math._rsqrt_ms``), the row is scaled by 2^-e (exact) before squaring, and 2^-e
-    taken back out of the root. e is the exponent of the largest |xc| of the whole row, an
+    """1 / sqrt(mean(xc^2)) of rows whose mean square overflows, (...,): as on one process
+    (``normbook._math._rsqrt_ms``), the row is scaled down before squaring and the scale taken
+    back out of the root; here the scale is 2^e (exact), the same on every rank. e is the exponent of the largest |xc| of the whole row, an
     all-reduce (MAX) over the ranks, so every rank scales by the same power of two. eps * 2^-2e
     is far below the rescaled mean square's last digit for such rows and is dropped, as on one
     process.
