@@ -148,3 +148,83 @@ def test_no_offset_wraps_at_2_31(tmp_path):
     assert len(planted) == 1 and planted[0].endswith(": i32") and "muli" in planted[0], planted
     assert len(found) >= 8 and any("chunked" in k for k in found), sorted(found)
     assert all(v == [] for v in found.values()), {k: v for k, v in found.items() if v}
+
+
+# ----------------------------------------------------------------------------- the exchange
+
+def _wide(norm, D, residual):
+    """y, h and the gradients of one wide-row forward and backward (fp32, 2 rows)."""
+    g = torch.Generator().manual_seed(D)
+    x, r = (torch.randn(2, D, generator=g).to(DEVICE).requires_grad_() for _ in range(2))
+    w = torch.randn(D, generator=g).to(DEVICE).requires_grad_()
+    if norm == "layer":
+        y, h = K.add_layer_norm(x, r if residual else torch.zeros_like(x), w, w)
+    else:
+        y, h = K.add_rms_norm(x, r if residual else torch.zeros_like(x), w)
+    dy, dh = (torch.randn(2, D, generator=g).to(DEVICE) for _ in range(2))
+    torch.autograd.backward((y, h), (dy, dh))
+    return [t.detach().clone() for t in (y, h, x.grad, w.grad)]
+
+
+@pytest.mark.parametrize("norm,residual", [("layer", True), ("rms", False)])
+def test_bounded_wait_runs_out_and_gives_the_same_bits(monkeypatch, norm, residual):
+    """The interpreter runs a launch's programs one by one, so a wait of a few reads runs out
+    on the first program of each row: it computes the missing slots itself, publishes them,
+    and stops waiting for later rows; the later programs find their slots taken and use the
+    winner's sums. The answer is bitwise the one of waits of 0 reads (the interpreter's
+    default), in both directions (D = 40000 fp32: 10 slices forward, 20 backward)."""
+    if DEVICE != "cpu":
+        pytest.skip("the interpreter's sequential programs are what make the wait run out")
+    D = 40000
+    plain = _wide(norm, D, residual)
+    monkeypatch.setattr(_config, "coop_flags", lambda device_index: dict(POLLS=3))
+    _config.forward_plan.cache_clear()
+    _config.backward_plan.cache_clear()
+    try:
+        assert _config.forward_plan(2, D, -1, 4, norm == "rms", True, True, norm == "layer", 0,
+                                    True)[2]["POLLS"] == 3
+        waited = _wide(norm, D, residual)
+    finally:
+        _config.forward_plan.cache_clear()
+        _config.backward_plan.cache_clear()
+    for a, b, name in zip(waited, plain, ("y", "h", "dx", "dweight")):
+        assert torch.equal(a, b), name
+
+
+class _RefusingKernel:
+    """Stands in for a Triton kernel on a GPU that refuses cooperative launches."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **flags):
+            self.launches.append(dict(flags))
+            if flags.get("launch_cooperative_grid"):
+                raise RuntimeError("Triton Error [CUDA]: too many blocks in cooperative launch")
+        return launch
+
+
+def test_a_refused_cooperative_launch_runs_without_it_once_warned(monkeypatch):
+    monkeypatch.setattr(_config, "_cooperation_refused", False)
+    kernel = _RefusingKernel()
+    flags = dict(POLLS=_config.EXCHANGE_POLLS, launch_cooperative_grid=True)
+    with pytest.warns(RuntimeWarning, match="refused a cooperative launch"):
+        _config.launch_shared(kernel, (8,), (), flags)
+    assert [f.get("launch_cooperative_grid") for f in kernel.launches] == [True, None]
+    _config.launch_shared(kernel, (8,), (), flags)          # no second try, no second warning
+    assert [f.get("launch_cooperative_grid") for f in kernel.launches] == [True, None, None]
+    assert flags["launch_cooperative_grid"] is True          # the cached plan is left as it was
+
+
+def test_other_launch_errors_are_not_swallowed(monkeypatch):
+    monkeypatch.setattr(_config, "_cooperation_refused", False)
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **flags):
+                raise RuntimeError("Triton Error [CUDA]: an illegal memory access")
+            return launch
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        _config.launch_shared(Broken(), (8,), (), dict(launch_cooperative_grid=True))
+    assert not _config._cooperation_refused

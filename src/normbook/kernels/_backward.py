@@ -34,8 +34,10 @@ import triton
 import triton.language as tl
 
 from normbook.kernels import _config
-from normbook.kernels._config import Config, backward_plan, maxnreg_for, other_device, shared_rows
-from normbook.kernels._forward import _pack, _slot_empty, _unpack, _wait_for_slots, multiple
+from normbook.kernels._config import (Config, backward_plan, launch_shared, maxnreg_for,
+                                      other_device, shared_rows)
+from normbook.kernels._forward import (_any_empty, _claim, _pack, _slot_empty, _unpack,
+                                       _wait_for_slots, multiple)
 
 CHUNK_STAGES = tl.constexpr(_config.CHUNK_STAGES)   # chunk and row loops of wide rows
 
@@ -305,6 +307,28 @@ def _slice_sums(xhat, ghat):
 
 
 @triton.jit
+def _slice_dx(got, valid, D, x, dy, dh, W, DX, row, c, mask, mean, rstd,
+              IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+              HAS_DH: tl.constexpr):
+    """dx (ln-dx), (rms-dx), (fork-rule) of one row's slice c, stored, from
+    the row's S slots ``got`` (``valid``: t < S): c1 and c2 summed in slice
+    order, the same bits in every program."""
+    c2 = tl.sum(tl.where(valid, _unpack(got, True), 0.0), axis=0) / D
+    # xhat and ghat again, from the row as loaded: fewer registers are held
+    # through the wait
+    xhat, ghat = _slice_terms(x, dy, W, c, mask, mean, rstd, IS_RMS,
+                              HAS_WEIGHT)
+    if IS_RMS:
+        dx = (ghat - c2 * xhat) * rstd                          # (rms-dx)
+    else:
+        c1 = tl.sum(tl.where(valid, _unpack(got, False), 0.0), axis=0) / D
+        dx = (ghat - c1 - c2 * xhat) * rstd                     # (ln-dx)
+    if HAS_DH:
+        dx += dh.to(tl.float32)                              # (fork-rule)
+    tl.store(DX + row * D + c, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def norm_bwd_coop_kernel(
     X,                       # (M, D) forward input (h when the residual
                              # add was fused)
@@ -334,8 +358,8 @@ def norm_bwd_coop_kernel(
     SLICES: tl.constexpr,    # next_power_of_2(S), S = cdiv(D, BLOCK_D)
     VEC: tl.constexpr,       # D and the strides are multiples of VEC
                              # (see _config.vec)
-    SELF_COMPUTE: tl.constexpr,  # the interpreter: compute a missing
-                                 # slot instead of waiting for it
+    POLLS: tl.constexpr,     # bound of the wait for the other slices
+                             # (0 in the interpreter; see _wait_for_slots)
 ):
     """(ln-c), (ln-dx), (rms-dx), (ln-dparams) and (fork-rule) for wide
     rows, reading x and dy once: S programs share each row, a slice of
@@ -348,8 +372,13 @@ def norm_bwd_coop_kernel(
     every run. The next row's x and dy are loaded before the wait, so
     HBM stays busy meanwhile. Every program publishes before it waits,
     so the waits end once all are resident, which the cooperative launch
-    guarantees. The interpreter runs programs one by one (SELF_COMPUTE):
-    a slot not yet published is computed from x and dy by the same code.
+    guarantees. The wait is bounded all the same (POLLS reads): once one
+    runs out, that row and the program's later rows are finished after
+    its loop, where each slot still empty is computed from x and dy by the
+    same code and published, first writer wins (_claim): a launch that is
+    not all resident gives the same answer, only slower. The interpreter
+    runs programs one by one with POLLS = 0: the first program of a row
+    computes and publishes the others' slots, the later ones find them.
     """
     D = multiple(D, VEC)
     stride_x = multiple(stride_x, VEC)
@@ -363,15 +392,17 @@ def norm_bwd_coop_kernel(
     c = j * BLOCK_D + cols
     mask = c < D
     t = tl.arange(0, SLICES)                      # (SLICES,) slice index
-    others = (t < S) & (t != j)
+    valid = t < S
     dw = tl.zeros((BLOCK_D,), dtype=tl.float32)   # partial sum_n dy*xhat
     db = tl.zeros((BLOCK_D,), dtype=tl.float32)   # partial sum_n dy
     first = (pid // S).to(tl.int64)               # < M: groups <= M
     # clamped all the same: without it Triton 3.6 spills 16 bytes (LayerNorm
     # with dh, sm_90), although the clamp changes no value
     start = tl.minimum(first, M - 1)
+    deferred = first * 0 + M       # first row left for the end (M: none)
     x_next = tl.load(X + start * stride_x + c, mask=mask, other=0.0)
     dy_next = tl.load(DY + start * stride_dy + c, mask=mask, other=0.0)
+    dh = dy_next                   # (a value for the calls below without DH)
     for row in range(first, M, groups):
         x = x_next                 # this row as loaded (16-bit: compact)
         dy = dy_next
@@ -381,8 +412,9 @@ def norm_bwd_coop_kernel(
             mean = tl.load(Stats + row)
         xhat, ghat = _slice_terms(x, dy, W, c, mask, mean, rstd,
                                   IS_RMS, HAS_WEIGHT)
-        own = _slice_sums(xhat, ghat)
-        tl.atomic_xchg(Slots + row * S + j, own, sem="relaxed")  # publish
+        # publish: the owner's sums, the bits a program computing them for
+        # a late owner also writes (same code, see the end of the loop)
+        tl.atomic_xchg(Slots + row * S + j, _slice_sums(xhat, ghat), sem="relaxed")
         # (ln-dparams) before the wait, so dy's fp32 copy can go
         if HAS_WEIGHT:
             dw += dy.to(tl.float32) * xhat
@@ -394,44 +426,51 @@ def norm_bwd_coop_kernel(
         dy_next = tl.load(DY + nxt * stride_dy + c, mask=mask, other=0.0)
         if HAS_DH:
             dh = tl.load(DH + row * stride_dh + c, mask=mask, other=0.0)
+        # every slot of the row, this program's too (read back, so that its
+        # sums need no registers through the wait)
         slots = Slots + row * S + t
-        got = tl.load(slots, mask=others, other=1, volatile=True)
-        if SELF_COMPUTE:
-            for u in range(0, S):        # compute the slots still empty
-                if _slot_empty(got, t, u):
-                    cu = u * BLOCK_D + cols
-                    mu = cu < D
-                    xu = tl.load(X + row * stride_x + cu, mask=mu,
-                                 other=0.0)
-                    dyu = tl.load(DY + row * stride_dy + cu, mask=mu,
-                                  other=0.0)
-                    xhat_u, ghat_u = _slice_terms(xu, dyu, W, cu, mu, mean,
-                                                  rstd, IS_RMS, HAS_WEIGHT)
-                    got = tl.where(t == u, _slice_sums(xhat_u, ghat_u),
-                                   got)
-        else:
-            got = _wait_for_slots(slots, others, got)           # wait
-        got = tl.where(t == j, own, got)
-        valid = t < S
-        c2 = tl.sum(tl.where(valid, _unpack(got, True), 0.0), axis=0) / D
-        # xhat and ghat again, from the row as loaded: fewer registers
-        # are held through the wait
-        xhat, ghat = _slice_terms(x, dy, W, c, mask, mean, rstd,
-                                  IS_RMS, HAS_WEIGHT)
-        if IS_RMS:
-            dx = (ghat - c2 * xhat) * rstd                      # (rms-dx)
-        else:
-            c1 = tl.sum(tl.where(valid, _unpack(got, False), 0.0),
-                        axis=0) / D
-            dx = (ghat - c1 - c2 * xhat) * rstd                 # (ln-dx)
-        if HAS_DH:
-            dx += dh.to(tl.float32)                          # (fork-rule)
-        tl.store(DX + row * D + c, dx.to(DX.dtype.element_ty), mask=mask)
-    part = (pid // S).to(tl.int64) * D    # this group's partial row (int64, as above)
+        got = tl.load(slots, mask=valid, other=1, volatile=True)
+        # wait, at most POLLS reads, and none once a wait has run out
+        got = _wait_for_slots(slots, valid, got,
+                              tl.where(deferred == M, POLLS, 0))
+        if _any_empty(got):
+            # the wait ran out: a program of this row is late or not
+            # running. This row and every later one wait for the end of
+            # the loop (below), where registers are free
+            deferred = tl.minimum(deferred, row)
+        if row < deferred:
+            _slice_dx(got, valid, D, x, dy, dh, W, DX, row, c, mask, mean, rstd,
+                      IS_RMS, HAS_WEIGHT, HAS_DH)
+    part = first * D               # this group's partial row (int64: groups x D may pass 2^31)
     if HAS_WEIGHT:
         tl.store(DW + part + c, dw.to(DW.dtype.element_ty), mask=mask)
     if HAS_BIAS:
         tl.store(DB + part + c, db.to(DB.dtype.element_ty), mask=mask)
+    # The rows whose wait ran out (none under a cooperative launch): each
+    # slot still empty is computed from x and dy by the code its owner runs
+    # and published, first writer wins; then dx as in the loop
+    for row in range(deferred, M, groups):
+        rstd = tl.load(Stats + (0 if IS_RMS else M) + row)
+        mean = 0.0
+        if not IS_RMS:
+            mean = tl.load(Stats + row)
+        got = tl.load(Slots + row * S + t, mask=valid, other=1, volatile=True)
+        for u in range(0, S):
+            if _slot_empty(got, t, u):
+                cu = c + (u - j) * BLOCK_D     # slice u's columns
+                mu = cu < D
+                xu = tl.load(X + row * stride_x + cu, mask=mu, other=0.0)
+                dyu = tl.load(DY + row * stride_dy + cu, mask=mu, other=0.0)
+                xhat_u, ghat_u = _slice_terms(xu, dyu, W, cu, mu, mean, rstd,
+                                              IS_RMS, HAS_WEIGHT)
+                got = tl.where(t == u, _claim(Slots + row * S + u,
+                               _slice_sums(xhat_u, ghat_u)), got)
+        x = tl.load(X + row * stride_x + c, mask=mask, other=0.0)
+        dy = tl.load(DY + row * stride_dy + c, mask=mask, other=0.0)
+        if HAS_DH:
+            dh = tl.load(DH + row * stride_dh + c, mask=mask, other=0.0)
+        _slice_dx(got, valid, D, x, dy, dh, W, DX, row, c, mask, mean, rstd,
+                  IS_RMS, HAS_WEIGHT, HAS_DH)
 
 
 @triton.jit
@@ -525,9 +564,9 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     elif cfg.SLICES:        # groups of S programs, one per slice of a row, exchanging sums
         slices = -(-D // cfg.BLOCK_D)
         slots = torch.zeros((M, slices), dtype=torch.int64, device=x.device)
-        norm_bwd_coop_kernel[(programs * slices,)](
-            x, dy, dhp, dx, w, stats, slots, pw, pb, stride_x, stride_dy, stride_dh, M, D,
-            **flags)
+        launch_shared(norm_bwd_coop_kernel, (programs * slices,),
+                      (x, dy, dhp, dx, w, stats, slots, pw, pb, stride_x, stride_dy, stride_dh,
+                       M, D), flags)
     else:
         c1 = x.new_empty((M,), dtype=torch.float32) if not is_rms else stats
         c2 = x.new_empty((M,), dtype=torch.float32)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -62,6 +63,8 @@ TILE_ELEMS = 4096         # target elements per tile when several small rows sha
 MAX_ROWS = 32             # at most this many rows per tile
 MIN_BLOCK_D = 16          # narrower blocks only waste the 128-bit loads
 CPU_PROGRAMS = 4          # persistent grid size in the interpreter (any fixed number is deterministic)
+EXCHANGE_POLLS = 1 << 16  # bound of a wait for the other slices of a row: about 50 ms of
+                          # L2 reads, far past the programs' skew under a cooperative launch
 CPU_SLICES = 64           # the interpreter's wide backward exchanges sums up to this many slices
                           # a row (a GPU: as many as it holds programs), past it reads x twice
 
@@ -210,12 +213,37 @@ def shared_groups(M: int, D: int, cfg: Config, resident: int) -> int:
 
 
 def coop_flags(device_index: int) -> dict:
-    """How a kernel exchanging sums is launched: cooperatively on a GPU (all programs resident
-    at once, or the launch fails instead of waiting forever); in the interpreter a program
-    computes a slot not yet published itself."""
+    """How a kernel exchanging sums is launched: on a GPU cooperatively (all programs resident
+    at once, so that no wait runs out; see :func:`launch_shared` for a refusal) and with waits
+    of at most EXCHANGE_POLLS reads; in the interpreter, which runs programs one by one, with
+    waits of 0 reads (a program computes and publishes a slot still empty itself)."""
     if device_index < 0:
-        return dict(SELF_COMPUTE=True)
-    return dict(SELF_COMPUTE=False, launch_cooperative_grid=True)
+        return dict(POLLS=0)
+    return dict(POLLS=EXCHANGE_POLLS, launch_cooperative_grid=True)
+
+
+_cooperation_refused = False
+
+
+def launch_shared(kernel, grid, args, flags: dict) -> None:
+    """Launch a kernel that exchanges sums (:func:`coop_flags`). Cooperatively first; should
+    the driver refuse (``too many blocks in cooperative launch``: a partitioned GPU under MPS
+    or green contexts, a sanitizer adding registers, a compiler change), plainly, now and for
+    every later launch, with one warning: the bounded wait and the computation of late slices
+    give the same answer, only more slowly where programs are not all resident."""
+    global _cooperation_refused
+    if _cooperation_refused and "launch_cooperative_grid" in flags:
+        flags = {k: v for k, v in flags.items() if k != "launch_cooperative_grid"}
+    try:
+        kernel[grid](*args, **flags)
+    except RuntimeError as e:
+        if "cooperative" not in str(e).lower() or "launch_cooperative_grid" not in flags:
+            raise
+        _cooperation_refused = True
+        warnings.warn(f"normbook: the GPU refused a cooperative launch ({e}); wide rows are "
+                      "launched without it from now on (same results; slower if not every "
+                      "program is resident)", RuntimeWarning, stacklevel=3)
+        launch_shared(kernel, grid, args, flags)
 
 
 def vec(D: int, itemsize: int, strides: int = 0) -> int:

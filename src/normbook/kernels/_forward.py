@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from normbook.kernels import _config
-from normbook.kernels._config import forward_plan, other_device, shared_rows
+from normbook.kernels._config import forward_plan, launch_shared, other_device, shared_rows
 
 FP32_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)   # torch.finfo(torch.float32).tiny
 FP32_MAX = tl.constexpr(3.4028234663852886e38)           # torch.finfo(torch.float32).max
@@ -73,12 +73,35 @@ def _slot_empty(got, t, u):
 
 
 @triton.jit
-def _wait_for_slots(slots, others, got):
-    """Read the ``others`` slots until none is empty: the other programs of the row have all
-    published (they are resident, and each publishes before it waits)."""
-    while tl.sum((got == 0).to(tl.int32), axis=0) > 0:
+def _any_empty(got):
+    """Whether any of the slots read, ``got``, is still empty (0)."""
+    return tl.sum((got == 0).to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def _wait_for_slots(slots, others, got, polls):
+    """Read the ``others`` slots until none is empty, at most ``polls`` more times. Under a
+    cooperative launch every program is resident and publishes before it waits, so the wait
+    ends within the programs' skew, far inside the bound; the bound is for a launch that is
+    not all resident (refused cooperation, a launcher that drops it), where a slot may stay
+    empty until its program runs. The interpreter, which runs programs one by one, polls 0
+    times."""
+    while _any_empty(got) & (polls > 0):
         got = tl.load(slots, mask=others, other=1, volatile=True)
+        polls -= 1
     return got
+
+
+@triton.jit
+def _claim(slot, value):
+    """Publish ``value`` in an empty slot, first writer wins (compare-and-swap): returns the
+    slot's bits after it, the winner's, which every program of the row then uses. The owner
+    of a slice and a program that computed it for a late owner write the same sums; taking
+    the winner's bits keeps the row's programs in exact agreement all the same."""
+    # (an int64 zero to compare with: Triton's interpreter casts the swap to the type of a
+    # literal 0, int32, and would drop the high word)
+    prev = tl.atomic_cas(slot, tl.full((), 0, tl.int64), value, sem="relaxed")
+    return tl.where(prev == 0, value, prev)
 
 
 @triton.jit
@@ -402,6 +425,24 @@ def _row_statistics(got, t, S, D, BLOCK_D: tl.constexpr, eps,
 
 
 @triton.jit
+def _slice_normalize(got, valid, t, S, D, BLOCK_D: tl.constexpr, eps, x, Y, W, B,
+                     Stats, M, row, j, c, mask, IS_RMS: tl.constexpr,
+                     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The row's mean and rstd from its S slots ``got`` (``valid``: t < S),
+    merged in slice order (the same bits in every program; slice 0 stores
+    them), then y for this program's columns c."""
+    mean, rstd = _row_statistics(got, t, S, D, BLOCK_D, eps, IS_RMS)
+    if j == 0:
+        if IS_RMS:
+            tl.store(Stats + row, rstd)
+        else:
+            tl.store(Stats + row, mean)
+            tl.store(Stats + M + row, rstd)
+    _normalize_store(Y, W, B, row, D, c, mask, x, mean, rstd, IS_RMS,
+                     HAS_WEIGHT, HAS_BIAS)
+
+
+@triton.jit
 def norm_fwd_coop_kernel(
     X,                       # (M, D) input, rows stride_x apart
     R,                       # (M, D) residual, rows stride_r apart
@@ -428,8 +469,8 @@ def norm_fwd_coop_kernel(
     SLICES: tl.constexpr,    # next_power_of_2(S), S = cdiv(D, BLOCK_D)
     VEC: tl.constexpr,       # D and the strides are multiples of VEC
                              # (see _config.vec)
-    SELF_COMPUTE: tl.constexpr,  # the interpreter: compute a missing
-                                 # slot instead of waiting for it
+    POLLS: tl.constexpr,     # bound of the wait for the other slices
+                             # (0 in the interpreter; see _wait_for_slots)
 ):
     """(ln-mean) to (ln-y), (rms-ms), (rms-y) for wide rows, each read
     once: S programs share each row, a slice of columns each, and
@@ -448,8 +489,9 @@ def norm_fwd_coop_kernel(
     mask = c < D
     n_j = _slice_count(D, j, BLOCK_D)
     t = tl.arange(0, SLICES)                      # (SLICES,) slice index
-    others = (t < S) & (t != j)
+    valid = t < S
     first = (pid // S).to(tl.int64)               # < M: groups <= M
+    deferred = first * 0 + M       # first row left for the end (M: none)
     x_next = tl.load(X + first * stride_x + c, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r_next = tl.load(R + first * stride_r + c, mask=mask, other=0.0)
@@ -460,38 +502,49 @@ def norm_fwd_coop_kernel(
             h = (x + r_next.to(tl.float32)).to(H.dtype.element_ty)
             tl.store(H + row * D + c, h, mask=mask)
             x = h.to(tl.float32)
-        own = _slice_moments(x, mask, n_j, IS_RMS)
-        tl.atomic_xchg(Slots + row * S + j, own, sem="relaxed")  # publish
+        # publish: the owner's moments, the bits a program computing them
+        # for a late owner also writes (same code, see the end)
+        tl.atomic_xchg(Slots + row * S + j, _slice_moments(x, mask, n_j, IS_RMS),
+                       sem="relaxed")
         # the next row, in flight while we wait (past the end: the last)
         nxt = tl.minimum(row + groups, M - 1)
         x_next = tl.load(X + nxt * stride_x + c, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r_next = tl.load(R + nxt * stride_r + c, mask=mask, other=0.0)
+        # every slot of the row, this program's too (read back, so that its
+        # moments need no registers through the wait)
         slots = Slots + row * S + t
-        got = tl.load(slots, mask=others, other=1, volatile=True)
-        if SELF_COMPUTE:
-            for u in range(0, S):        # compute the slots still empty
-                if _slot_empty(got, t, u):
-                    cu = u * BLOCK_D + cols
-                    mu = cu < D
-                    # (h stored again: the bits its owner stores)
-                    xu = _load_add(X, R, H, row, stride_x, stride_r, D, cu,
-                                   mu, HAS_RESIDUAL)
-                    n_u = _slice_count(D, u, BLOCK_D)
-                    got = tl.where(t == u, _slice_moments(xu, mu, n_u, IS_RMS),
-                                   got)
-        else:
-            got = _wait_for_slots(slots, others, got)
-        got = tl.where(t == j, own, got)
-        mean, rstd = _row_statistics(got, t, S, D, BLOCK_D, eps, IS_RMS)
-        if j == 0:
-            if IS_RMS:
-                tl.store(Stats + row, rstd)
-            else:
-                tl.store(Stats + row, mean)
-                tl.store(Stats + M + row, rstd)
-        _normalize_store(Y, W, B, row, D, c, mask, x, mean, rstd, IS_RMS,
-                         HAS_WEIGHT, HAS_BIAS)
+        got = tl.load(slots, mask=valid, other=1, volatile=True)
+        # wait, at most POLLS reads, and none once a wait has run out
+        got = _wait_for_slots(slots, valid, got,
+                              tl.where(deferred == M, POLLS, 0))
+        if _any_empty(got):
+            # the wait ran out: a program of this row is late or not
+            # running. This row and every later one wait for the end of
+            # the loop (below), where registers are free
+            deferred = tl.minimum(deferred, row)
+        if row < deferred:
+            _slice_normalize(got, valid, t, S, D, BLOCK_D, eps, x, Y, W, B,
+                             Stats, M, row, j, c, mask, IS_RMS, HAS_WEIGHT,
+                             HAS_BIAS)
+    # The rows whose wait ran out (none under a cooperative launch): each
+    # slot still empty is computed from x (and the residual) by the code its
+    # owner runs and published, first writer wins; then as in the loop
+    for row in range(deferred, M, groups):
+        got = tl.load(Slots + row * S + t, mask=valid, other=1, volatile=True)
+        for u in range(0, S):
+            if _slot_empty(got, t, u):
+                cu = c + (u - j) * BLOCK_D     # slice u's columns
+                mu = cu < D
+                # (h stored again: the bits its owner stores)
+                xu = _load_add(X, R, H, row, stride_x, stride_r, D, cu, mu,
+                               HAS_RESIDUAL)
+                got = tl.where(t == u, _claim(Slots + row * S + u,
+                               _slice_moments(xu, mu, _slice_count(D, u, BLOCK_D),
+                                              IS_RMS)), got)
+        x = _reload(X, H, row, stride_x, D, c, mask, HAS_RESIDUAL)
+        _slice_normalize(got, valid, t, S, D, BLOCK_D, eps, x, Y, W, B, Stats,
+                         M, row, j, c, mask, IS_RMS, HAS_WEIGHT, HAS_BIAS)
 
 
 def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
@@ -523,7 +576,7 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
             bias if bias is not None else x, stats, stride_x, stride_r, M, D, eps)
     if cfg.SLICES:          # groups of S programs, one per slice of a row, exchanging sums
         slots = torch.zeros((M, -(-D // cfg.BLOCK_D)), dtype=torch.int64, device=x.device)
-        norm_fwd_coop_kernel[grid](*args[:7], slots, *args[7:], **flags)
+        launch_shared(norm_fwd_coop_kernel, grid, (*args[:7], slots, *args[7:]), flags)
     elif cfg.chunked:
         norm_fwd_chunked_kernel[grid](*args, **flags)
     else:

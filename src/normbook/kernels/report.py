@@ -37,9 +37,9 @@ from triton.compiler import ASTSource  # noqa: E402
 from normbook.bench import bytemodel, model  # noqa: E402
 from normbook.kernels import _backward, _forward  # noqa: E402
 from normbook.kernels._config import (  # noqa: E402
-    COOP_MAXNREG, MAX_FUSED_D_FWD, MAX_WARPS, Config, backward_config, chunked_backward_config,
-    chunked_forward_config, forward_config, narrow_loads, num_stages, resident_per_sm,
-    shared_groups, vec)
+    COOP_MAXNREG, EXCHANGE_POLLS, MAX_FUSED_D_FWD, MAX_WARPS, Config, backward_config,
+    chunked_backward_config, chunked_forward_config, forward_config, narrow_loads, num_stages,
+    resident_per_sm, shared_groups, vec)
 
 M_REPORT = 32768                                   # the batch of the performance goal
 ARCHS = (80, 90)
@@ -68,7 +68,7 @@ def launches(D: int, is_rms: bool, residual: bool, dtype: str = "bf16", arch: in
     out = []
     if fwd.SLICES and _groups(fwd, D):
         out.append((_forward.norm_fwd_coop_kernel,
-                    dict(fwd_flags, BLOCK_D=fwd.BLOCK_D, SLICES=fwd.SLICES, SELF_COMPUTE=False), fwd, "fwd"))
+                    dict(fwd_flags, BLOCK_D=fwd.BLOCK_D, SLICES=fwd.SLICES, POLLS=EXCHANGE_POLLS), fwd, "fwd"))
     elif fwd.chunked:
         fwd = chunked_forward_config(residual, e)
         out.append((_forward.norm_fwd_chunked_kernel, dict(fwd_flags, BLOCK_D=fwd.BLOCK_D, HOLD=fwd.HOLD),
@@ -78,7 +78,7 @@ def launches(D: int, is_rms: bool, residual: bool, dtype: str = "bf16", arch: in
         out.append((_forward.norm_fwd_rows_kernel, dict(fwd_flags, **rows), fwd, "fwd"))
     if bwd.SLICES and _groups(bwd, D):
         out.append((_backward.norm_bwd_coop_kernel,
-                    dict(bwd_flags, BLOCK_D=bwd.BLOCK_D, SLICES=bwd.SLICES, SELF_COMPUTE=False), bwd, "bwd"))
+                    dict(bwd_flags, BLOCK_D=bwd.BLOCK_D, SLICES=bwd.SLICES, POLLS=EXCHANGE_POLLS), bwd, "bwd"))
     elif bwd.chunked:
         bwd = chunked_backward_config()
         out.append((_backward.norm_bwd_stats_kernel, dict(flags, BLOCK_D=bwd.BLOCK_D), bwd, "bwd"))

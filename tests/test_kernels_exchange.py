@@ -1,0 +1,160 @@
+"""The exchange of the row-sharing kernels with its programs running at the same time, as on a
+GPU, and with programs that start late or never.
+
+Triton's interpreter runs a launch's programs one after another, so in the other tests a wait
+for another program's slot never waits: the first program of a row computes every slot. Here
+each program of one launch runs in a process of its own (forked, Triton's interpreter, the
+launch's tensors in shared memory, so that slots, atomics and volatile loads cross processes as
+they cross SMs), so the waits wait: for a program that is running, for one that starts late,
+and, up to their bound, for one that never starts, whose slice the others then compute
+themselves. The launch is the launcher's own (``_forward.norm_forward``,
+``_backward.norm_backward``), captured instead of run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from normbook.kernels import _backward, _config, _forward, ops  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not ops.interpreted(), reason="runs programs in Triton's interpreter")
+
+D = 40000            # fp32: 10 slices of 4096 forward, 20 of 2048 backward
+EPS = 1e-5
+
+
+def _program(kernel, args, flags, programs, pid, delay, ends):
+    """In a forked process: program ``pid`` of a launch of ``programs``, and only it; the
+    time it ended goes to ``ends[pid]``."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    builder.set_grid_dim = lambda *_: setattr(builder, "grid_dim", (programs, 1, 1))
+    builder.set_grid_idx = lambda *_: setattr(builder, "grid_idx", (pid, 0, 0))
+    time.sleep(delay)
+    kernel[(1,)](*args, **flags)
+    ends[pid] = time.monotonic()
+
+
+def _capture(monkeypatch, module, launch):
+    """Run ``launch`` (a launcher call) with its row-sharing kernel captured, not launched:
+    returns what it returned and (kernel, programs, args, flags), the tensors moved to shared
+    memory (in place: the launcher's outputs are the same tensors)."""
+    seen = {}
+    monkeypatch.setattr(module, "launch_shared", lambda kernel, grid, args, flags: seen.update(
+        kernel=kernel, programs=grid[0], args=args, flags=flags))
+    out = launch()
+    for a in seen["args"]:
+        if isinstance(a, torch.Tensor):
+            a.share_memory_()
+    return out, seen
+
+
+def _run(seen, polls, delays, never=()):
+    """Every program of the captured launch but ``never``, each in its own process, started
+    together (program p after ``delays.get(p, 0)`` seconds); waits of at most ``polls`` reads.
+    Returns each program's end, in seconds after the start; fails if a program fails or
+    all have not ended in 120 s."""
+    ctx = multiprocessing.get_context("fork")
+    flags = dict(seen["flags"], POLLS=polls)
+    ends = ctx.Array("d", seen["programs"])
+    procs = [ctx.Process(target=_program, args=(seen["kernel"], seen["args"], flags,
+                                                seen["programs"], p, delays.get(p, 0.0), ends))
+             for p in range(seen["programs"]) if p not in never]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=max(1.0, 120 - (time.monotonic() - start)))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, f"{len(alive)} programs still running after 120 s: a wait that did not end"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return [e - start if p not in never else None for p, e in enumerate(ends)]
+
+
+def _inputs(M):
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, D, generator=g) * 2 + 1
+    w, b = torch.randn(D, generator=g), torch.randn(D, generator=g)
+    return x, w, b, torch.randn(M, D, generator=g)
+
+
+def _forward_launch(monkeypatch, x, w, b):
+    (y, _, stats), seen = _capture(monkeypatch, _forward,
+                                   lambda: _forward.norm_forward(x, None, w, b, EPS, False))
+    y.fill_(float("nan"))                   # what no program writes stays NaN
+    return y, stats, seen
+
+
+def test_forward_programs_running_together_agree_with_one_by_one(monkeypatch):
+    """All programs of a 3-row launch at once, waits long enough to succeed: bitwise the
+    interpreter's one-by-one result (every slice's sums are the owner's, by the same code)."""
+    x, w, b, _ = _inputs(3)
+    want = _forward.norm_forward(x, None, w, b, EPS, False)
+    y, stats, seen = _forward_launch(monkeypatch, x, w, b)
+    assert seen["programs"] > 3 and seen["flags"]["POLLS"] == 0
+    _run(seen, polls=200_000, delays={})
+    assert torch.equal(y, want[0]) and torch.equal(stats, want[2])
+
+
+def test_forward_waits_for_a_late_program(monkeypatch):
+    """One program starts a second late; the others wait for its slot (the bound is far off)
+    and the answer is the same."""
+    x, w, b, _ = _inputs(2)
+    want = _forward.norm_forward(x, None, w, b, EPS, False)
+    y, stats, seen = _forward_launch(monkeypatch, x, w, b)
+    late = 3
+    ends = _run(seen, polls=1_000_000, delays={late: 1.0})
+    assert torch.equal(y, want[0]) and torch.equal(stats, want[2])
+    # the late program's row partners waited for it: none ended before it started
+    S = -(-D // _config.forward_plan(2, D, -1, 4, False, False, True, True, 0, True)[0].BLOCK_D)
+    partners = [p for p in range(seen["programs"]) if p // S == late // S and p != late]
+    assert min(ends[p] for p in partners) > 1.0, ends
+
+
+def test_forward_without_a_program_ends_and_the_rest_is_right(monkeypatch):
+    """One program never starts: the others' waits run out (a bound of 300 reads), they
+    compute its slice themselves and finish; every column but its own is right. Launched
+    afterwards, alone, it finds its slots published and writes its columns: the whole answer."""
+    x, w, b, _ = _inputs(2)
+    want = _forward.norm_forward(x, None, w, b, EPS, False)
+    y, stats, seen = _forward_launch(monkeypatch, x, w, b)
+    cfg = _config.forward_plan(2, D, -1, 4, False, False, True, True, 0, True)[0]
+    missing = 2                                        # slice 2 of the first row group
+    _run(seen, polls=300, delays={}, never={missing})
+    cols = slice(missing * cfg.BLOCK_D, (missing + 1) * cfg.BLOCK_D)
+    assert torch.isnan(y[0, cols]).all()               # nobody wrote the absent program's part
+    rest = torch.ones(D, dtype=torch.bool)
+    rest[cols] = False
+    torch.testing.assert_close(y[:, rest], want[0][:, rest], rtol=0, atol=0)
+    torch.testing.assert_close(stats, want[2], rtol=0, atol=0)
+    _run(dict(seen), polls=300, delays={}, never=set(range(seen["programs"])) - {missing})
+    assert torch.equal(y, want[0])
+
+
+def test_backward_programs_together_late_and_absent(monkeypatch):
+    """The backward's exchange of c1, c2 (one row, 20 programs): together, with one a second
+    late, and with one absent whose slice the others compute (launched afterwards, it
+    completes dx and its share of dweight)."""
+    x, w, b, dy = _inputs(1)
+    _, _, stats = _forward.norm_forward(x, None, w, b, EPS, False)
+    want = _backward.norm_backward(dy, None, x, w, stats, b.dtype, False)
+    for delays, never in (({}, ()), ({5: 1.0}, ()), ({}, {7})):
+        (dx, dw, db), seen = _capture(monkeypatch, _backward, lambda: _backward.norm_backward(
+            dy, None, x, w, stats, b.dtype, False))
+        assert seen["programs"] == 20
+        ends = _run(seen, polls=1_000_000 if not never else 300, delays=delays, never=never)
+        if delays:                                   # one row: everyone waited for the late one
+            assert min(e for p, e in enumerate(ends) if p not in delays) > 1.0, ends
+        if never:
+            _run(seen, polls=300, delays={}, never=set(range(20)) - set(never))
+        for got, ref in zip((dx, dw, db), want):
+            assert torch.equal(got, ref), (delays, never)
