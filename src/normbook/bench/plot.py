@@ -58,7 +58,8 @@ def provenance_line(result: dict) -> str:
 
 
 def plot_results(sources, out_dir, fmt: str = "png") -> list[Path]:
-    """Draw one figure per (op, dtype) from ``sources`` (see :func:`load_results`) into ``out_dir``.
+    """Draw one figure per (op, dtype) from ``sources`` (see
+    :func:`normbook.bench.schema.load_results`) into ``out_dir``.
 
     Lines: one per provider (and per device, when several results are merged); shapes with a
     different M than the main one (the small-D, many-rows case) are drawn as lone markers.

@@ -1,6 +1,6 @@
 """What a results file holds, checked in one place before anything reads it.
 
-A results file is what :func:`normbook.bench.runner.run` writes (see benchmarks/README.md, "The
+A results file is what ``normbook.bench.runner.run`` writes (see benchmarks/README.md, "The
 JSON"). :func:`load_results` reads files, folders and globs, and :func:`check_result` holds
 each one against the declaration below: the keys a result and its rows must have, and the type
 of each value. A file that does not fit raises :class:`ResultsError`, one line naming the file,
@@ -224,10 +224,11 @@ def read_json(path) -> object:
 def load_results(sources) -> list[dict]:
     """Results from JSON files, folders (every ``*.json`` below them), glob patterns or dicts.
 
-    Each is checked by :func:`check_result`. In a folder, compile reports and host timings
-    (the other files a GPU run leaves) are skipped; a folder with no result is an error, as is a
-    file given by name that is not a result. Raises :class:`ResultsError` (a ValueError) or
-    FileNotFoundError, each one line that names the file.
+    Each is checked by :func:`normbook.bench.schema.check_result`. In a folder, compile reports
+    and host timings (the other files a GPU run leaves) are skipped; a folder with no result is
+    an error, as is a file given by name that is not a result. Raises
+    :class:`normbook.bench.schema.ResultsError` (a ValueError) or FileNotFoundError, each one
+    line that names the file.
     """
     if isinstance(sources, (str, Path, dict)):
         sources = [sources]
