@@ -164,3 +164,42 @@ def test_import_does_not_import_triton():
 
     code = "import sys, normbook; assert 'triton' not in sys.modules, 'normbook imported triton'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ----------------------------------------------------------------------------- the backend
+
+def test_backend_chooses_what_computes_and_comes_back():
+    """normbook.backend("torch") keeps the torch ops, "kernels" sends the same call through the
+    Triton kernels (here in the interpreter: the bits of normbook.kernels), and the choice ends
+    with the block, also when the block raises."""
+    pytest.importorskip("triton")
+    import normbook.kernels as K
+    from normbook import functional
+
+    x = torch.randn(5, 3, 16)
+    w, b = torch.randn(16), torch.randn(16)
+    with normbook.backend("kernels"):
+        assert torch.equal(normbook.layer_norm(x, (16,), w, b), K.layer_norm(x, (16,), w, b))
+        assert torch.equal(normbook.RMSNorm(16)(x), K.rms_norm(x, (16,), torch.ones(16)))
+        with normbook.backend("torch"):
+            assert not functional._use_kernels(x)
+        assert functional._use_kernels(x)
+    with pytest.raises(RuntimeError), normbook.backend("kernels"):
+        raise RuntimeError("inside")
+    assert functional._backend == "auto" and not functional._use_kernels(x)
+    with pytest.raises(ValueError, match=r"backend: expected one of 'auto', 'kernels', 'torch', got 'gpu'"):
+        with normbook.backend("gpu"):
+            pass
+
+
+def test_kernel_route_validates_once(monkeypatch):
+    """One door: on the kernel route, normbook.layer_norm does not run the torch path's
+    argument checks before the kernels' own (it used to, about 20 us a call)."""
+    pytest.importorskip("triton")
+    from normbook import _validate
+
+    seen = []
+    monkeypatch.setattr(_validate, "check_norm_args", lambda *a, **k: seen.append(a))
+    with normbook.backend("kernels"):
+        normbook.layer_norm(torch.randn(4, 32), 32, torch.ones(32), torch.zeros(32))
+    assert seen == []

@@ -88,10 +88,8 @@ def _module_checks(mesh, rank, failures):
         xr = x.clone().requires_grad_()
         ref(xr).backward(dy)
         for kernels in (False, True):
-            original = functional._use_kernels
-            if kernels:   # the kernel path, as on a GPU: here in Triton's interpreter
-                functional._use_kernels = lambda t: t.dtype == torch.float32
-            try:
+            # the kernel path, as on a GPU: here in Triton's interpreter
+            with normbook.backend("kernels" if kernels else "auto"):
                 tag = f"{cls.__name__} kernels={kernels}"
                 # sequence parallel: input sharded over the sequence, parameters replicated
                 sp = cls(D)
@@ -116,8 +114,6 @@ def _module_checks(mesh, rank, failures):
                 for (n, p), p_ref in zip(fs.named_parameters(), ref.parameters()):
                     # FSDP2 averages gradients over ranks: the mean over the two halves' sums
                     _close(f"{tag} FSDP: d{n}", p.grad.full_tensor(), p_ref.grad / WORLD, failures, 1e-4)
-            finally:
-                functional._use_kernels = original
 
 
 def _compile_checks(mesh, failures):

@@ -188,3 +188,13 @@ def test_gpu_gradients_bitwise_deterministic(M, D):
         runs.append((y.detach().clone(), x.grad.clone(), w.grad.clone(), b.grad.clone()))
     for run in runs[1:]:
         assert all(torch.equal(a, c) for a, c in zip(run, runs[0]))
+
+
+def test_two_dim_input_normalized_over_both_dims_keeps_its_shape():
+    """x of shape (4, 8) normalized over (4, 8): one row of 32 in the kernels, (4, 8) out (it
+    came back as (1, 32))."""
+    x, w = torch.randn(4, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE)
+    for y, ref in ((K.layer_norm(x, (4, 8), w), torch.nn.functional.layer_norm(x, (4, 8), w)),
+                   (K.rms_norm(x, (4, 8), w), torch.nn.functional.rms_norm(x, (4, 8), w))):
+        assert y.shape == (4, 8)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)

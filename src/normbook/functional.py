@@ -11,13 +11,15 @@ not overflow.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import math
 
 import torch
 from normbook import _math, _validate
 
-__all__ = ["layer_norm", "rms_norm"]
+__all__ = ["layer_norm", "rms_norm", "backend"]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -26,12 +28,52 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_BACKENDS = ("auto", "kernels", "torch")
+_backend = "auto"          # see backend()
 
 
-def _use_kernels(input: torch.Tensor) -> bool:
-    """CUDA tensors in a kernel dtype go to Triton; float64 stays on the reference (the oracle)."""
-    return (input.is_cuda and input.dtype in _KERNEL_DTYPES
-            and importlib.util.find_spec("triton") is not None)
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _use_kernels(input) -> bool:
+    """Whether the Triton kernels compute this call (see :func:`backend`): by default CUDA
+    tensors in a kernel dtype, when Triton is installed; float64 stays on the torch ops (the
+    oracle's precision)."""
+    if _backend == "auto":
+        return (isinstance(input, torch.Tensor) and input.is_cuda
+                and input.dtype in _KERNEL_DTYPES and _triton_installed())
+    return _backend == "kernels"
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    """Choose, inside a ``with`` block, what computes :func:`layer_norm`, :func:`rms_norm`
+    and the modules :class:`normbook.LayerNorm`, :class:`normbook.RMSNorm`.
+
+    Args:
+        name: ``"auto"`` (the default outside any block): the Triton kernels for CUDA tensors
+            in float16, bfloat16 or float32 when Triton is installed, the book's formulas in
+            torch ops for everything else; ``"kernels"``: always the kernels (as
+            :mod:`normbook.kernels` is called; on CPU tensors only under TRITON_INTERPRET=1,
+            in Triton's interpreter); ``"torch"``: always the torch ops, which also compute
+            float64 and every transform.
+
+    The choice is process-wide while the block runs (not per thread), and the previous one
+    comes back when it ends. Example::
+
+        with normbook.backend("torch"):
+            y = model(x)        # the hand-derived backward on a GPU too, for comparison
+    """
+    global _backend
+    if name not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(map(repr, _BACKENDS))}, got {name!r}")
+    previous, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = previous
 
 
 class _NormFunction(torch.autograd.Function):
@@ -173,16 +215,14 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     """
     if isinstance(input, torch.Tensor) and input.is_nested:
         return _nested(layer_norm, input, normalized_shape, weight, bias, eps)
+    if _use_kernels(input):   # one door: the kernels validate and flatten, once
+        from normbook.kernels import ops
+
+        return ops.layer_norm(input, normalized_shape, weight, bias, eps)
     eps = _validate.as_eps(eps)
     shape = _validate.check_norm_args(input, normalized_shape, {"weight": weight, "bias": bias}, eps)
     x, w, b = _flatten(input, shape, weight, bias)
-    if _use_kernels(input):
-        from normbook import kernels
-
-        y = kernels.layer_norm(x, (x.shape[-1],), w, b, eps)
-    else:
-        y = _apply(x, w, b, eps, False)[0]
-    return y.reshape(input.shape)
+    return _apply(x, w, b, eps, False)[0].reshape(input.shape)
 
 
 def rms_norm(input, normalized_shape, weight=None, eps=None):
@@ -209,13 +249,11 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     """
     if isinstance(input, torch.Tensor) and input.is_nested:
         return _nested(rms_norm, input, normalized_shape, weight, eps)
+    if _use_kernels(input):   # one door: the kernels validate and flatten, once
+        from normbook.kernels import ops
+
+        return ops.rms_norm(input, normalized_shape, weight, eps)
     eps = _validate.as_eps(_validate.default_eps(input, eps))
     shape = _validate.check_norm_args(input, normalized_shape, {"weight": weight}, eps)
     x, w = _flatten(input, shape, weight)
-    if _use_kernels(input):
-        from normbook import kernels
-
-        y = kernels.rms_norm(x, (x.shape[-1],), w, eps)
-    else:
-        y = _apply(x, w, None, eps, True)[0]
-    return y.reshape(input.shape)
+    return _apply(x, w, None, eps, True)[0].reshape(input.shape)

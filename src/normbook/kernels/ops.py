@@ -369,7 +369,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     eps = eps if type(eps) is float else _validate.as_eps(eps)
     x, _, w, b = _prepare(input, normalized_shape, eps, weight, bias)
     y = _route(x)(x, None, w, b, eps, False)[0]
-    return y if input.dim() == 2 else y.view(input.shape)
+    return y if x is input else y.view(input.shape)   # (M, D) rows back to the input's shape
 
 
 def rms_norm(input, normalized_shape, weight=None, eps=None):
@@ -390,7 +390,7 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
         eps = _validate.as_eps(_validate.default_eps(input, eps))
     x, _, w, _ = _prepare(input, normalized_shape, eps, weight, _NO_BIAS)
     y = _route(x)(x, None, w, None, eps, True)[0]
-    return y if input.dim() == 2 else y.view(input.shape)
+    return y if x is input else y.view(input.shape)   # (M, D) rows back to the input's shape
 
 
 def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5):
