@@ -49,8 +49,9 @@ def _use_kernels(input) -> bool:
 
 @contextlib.contextmanager
 def backend(name: str):
-    """Choose, inside a ``with`` block, what computes :func:`layer_norm`, :func:`rms_norm`
-    and the modules :class:`normbook.LayerNorm`, :class:`normbook.RMSNorm`.
+    """Choose, inside a ``with`` block, what computes :func:`normbook.layer_norm`,
+    :func:`normbook.rms_norm` and the modules :class:`normbook.LayerNorm`,
+    :class:`normbook.RMSNorm`.
 
     Args:
         name: ``"auto"`` (the default outside any block): the Triton kernels for CUDA tensors
