@@ -72,27 +72,44 @@ def merge_stats(n: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor):
     return n_a, mean_a, m2_a
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """t summed over the ranks of ``group``, differentiable: every rank's input reaches every
+    rank's sum, so the gradient of a rank's input is the sum over the ranks of the gradients
+    arriving at their sums (again this Function: differentiable twice and more)."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        t = t.clone()
+        dist.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _SumOverRanks.apply(grad.contiguous(), ctx.group), None
+
+
 def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """t summed (or reduced by ``op``) over the ranks, as a new tensor.
 
     While autograd records (a backward run with ``create_graph=True``), a sum goes through
-    torch.distributed.nn's all-reduce, whose backward all-reduces the gradient: the graph of
-    the backward then reaches every rank's x, and second derivatives are right.
+    :class:`_SumOverRanks`, whose backward sums the gradients over the ranks: the graph of the
+    backward then reaches every rank's x, and second derivatives are right.
     """
     if op == dist.ReduceOp.SUM and torch.is_grad_enabled():
-        from torch.distributed.nn.functional import all_reduce
-        return all_reduce(t, group=dist.group.WORLD if group is None else group)
+        return _SumOverRanks.apply(t, group)
     t = t.clone()
     dist.all_reduce(t, op=op, group=group)
     return t
 
 
 def _gather(t: torch.Tensor, group) -> torch.Tensor:
-    """(world, *t.shape): every rank's t, in rank order; differentiable as :func:`_all_reduce`."""
+    """(world, *t.shape): every rank's t, in rank order; differentiable as :func:`_all_reduce`
+    (each rank writes its t into its row of zeros, and the rows are summed over the ranks)."""
     if torch.is_grad_enabled():
-        from torch.distributed.nn.functional import all_gather
-        return torch.stack(all_gather(t.contiguous(),
-                                      group=dist.group.WORLD if group is None else group))
+        rows = t.new_zeros((dist.get_world_size(group), *t.shape))
+        rows[dist.get_rank(group)] = t
+        return _SumOverRanks.apply(rows, group)
     out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, t.contiguous(), group=group)
     return torch.stack(out)

@@ -147,7 +147,8 @@ def norm_bwd_rows_kernel(
             dw += dy * xhat
         if HAS_BIAS:
             db += dy
-    part = pid.to(tl.int64) * D    # this program's partial row: programs x D may pass 2^31
+    # this program's partial row (int64: programs x D may pass 2^31)
+    part = pid.to(tl.int64) * D
     if HAS_WEIGHT:
         tl.store(
             DW + part + cols,
@@ -277,7 +278,8 @@ def norm_bwd_chunked_kernel(
             dw += dy * xhat
         if HAS_BIAS:
             db += dy
-    part = pid.to(tl.int64) * D    # this program's partial row: programs x D may pass 2^31
+    # this program's partial row (int64: programs x D may pass 2^31)
+    part = pid.to(tl.int64) * D
     if HAS_WEIGHT:
         tl.store(DW + part + c, dw.to(DW.dtype.element_ty), mask=mask)
     if HAS_BIAS:
@@ -402,7 +404,7 @@ def norm_bwd_coop_kernel(
     deferred = first * 0 + M       # first row left for the end (M: none)
     x_next = tl.load(X + start * stride_x + c, mask=mask, other=0.0)
     dy_next = tl.load(DY + start * stride_dy + c, mask=mask, other=0.0)
-    dh = dy_next                   # (a value for the calls below without DH)
+    dh = dy_next                   # (a value for calls without DH)
     for row in range(first, M, groups):
         x = x_next                 # this row as loaded (16-bit: compact)
         dy = dy_next
@@ -414,7 +416,8 @@ def norm_bwd_coop_kernel(
                                   IS_RMS, HAS_WEIGHT)
         # publish: the owner's sums, the bits a program computing them for
         # a late owner also writes (same code, see the end of the loop)
-        tl.atomic_xchg(Slots + row * S + j, _slice_sums(xhat, ghat), sem="relaxed")
+        tl.atomic_xchg(Slots + row * S + j, _slice_sums(xhat, ghat),
+                       sem="relaxed")
         # (ln-dparams) before the wait, so dy's fp32 copy can go
         if HAS_WEIGHT:
             dw += dy.to(tl.float32) * xhat
@@ -439,9 +442,10 @@ def norm_bwd_coop_kernel(
             # the loop (below), where registers are free
             deferred = tl.minimum(deferred, row)
         if row < deferred:
-            _slice_dx(got, valid, D, x, dy, dh, W, DX, row, c, mask, mean, rstd,
-                      IS_RMS, HAS_WEIGHT, HAS_DH)
-    part = first * D               # this group's partial row (int64: groups x D may pass 2^31)
+            _slice_dx(got, valid, D, x, dy, dh, W, DX, row, c, mask, mean,
+                      rstd, IS_RMS, HAS_WEIGHT, HAS_DH)
+    # this group's partial row (int64: groups x D may pass 2^31)
+    part = first * D
     if HAS_WEIGHT:
         tl.store(DW + part + c, dw.to(DW.dtype.element_ty), mask=mask)
     if HAS_BIAS:
@@ -454,15 +458,16 @@ def norm_bwd_coop_kernel(
         mean = 0.0
         if not IS_RMS:
             mean = tl.load(Stats + row)
-        got = tl.load(Slots + row * S + t, mask=valid, other=1, volatile=True)
+        got = tl.load(Slots + row * S + t, mask=valid, other=1,
+                      volatile=True)
         for u in range(0, S):
             if _slot_empty(got, t, u):
                 cu = c + (u - j) * BLOCK_D     # slice u's columns
                 mu = cu < D
                 xu = tl.load(X + row * stride_x + cu, mask=mu, other=0.0)
                 dyu = tl.load(DY + row * stride_dy + cu, mask=mu, other=0.0)
-                xhat_u, ghat_u = _slice_terms(xu, dyu, W, cu, mu, mean, rstd,
-                                              IS_RMS, HAS_WEIGHT)
+                xhat_u, ghat_u = _slice_terms(xu, dyu, W, cu, mu, mean,
+                                              rstd, IS_RMS, HAS_WEIGHT)
                 got = tl.where(t == u, _claim(Slots + row * S + u,
                                _slice_sums(xhat_u, ghat_u)), got)
         x = tl.load(X + row * stride_x + c, mask=mask, other=0.0)
