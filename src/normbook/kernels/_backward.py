@@ -36,8 +36,8 @@ import triton.language as tl
 from normbook.kernels import _config
 from normbook.kernels._config import (Config, backward_plan, launch_shared, maxnreg_for,
                                       other_device, shared_rows)
-from normbook.kernels._forward import (_any_empty, _claim, _pack, _slot_empty, _unpack,
-                                       _wait_for_slots, multiple)
+from normbook.kernels._forward import (_claim, _exchange, _pack, _slot_empty, _unpack,
+                                       multiple)
 
 CHUNK_STAGES = tl.constexpr(_config.CHUNK_STAGES)   # chunk and row loops of wide rows
 
@@ -429,18 +429,10 @@ def norm_bwd_coop_kernel(
         dy_next = tl.load(DY + nxt * stride_dy + c, mask=mask, other=0.0)
         if HAS_DH:
             dh = tl.load(DH + row * stride_dh + c, mask=mask, other=0.0)
-        # every slot of the row, this program's too (read back, so that its
-        # sums need no registers through the wait)
-        slots = Slots + row * S + t
-        got = tl.load(slots, mask=valid, other=1, volatile=True)
-        # wait, at most POLLS reads, and none once a wait has run out
-        got = _wait_for_slots(slots, valid, got,
-                              tl.where(deferred == M, POLLS, 0))
-        if _any_empty(got):
-            # the wait ran out: a program of this row is late or not
-            # running. This row and every later one wait for the end of
-            # the loop (below), where registers are free
-            deferred = tl.minimum(deferred, row)
+        # wait for the row's sums; a row whose wait runs out, and every
+        # later one, are finished after the loop, where registers are free
+        got, deferred = _exchange(Slots, row, S, t, valid, deferred, M,
+                                  POLLS)
         if row < deferred:
             _slice_dx(got, valid, D, x, dy, dh, W, DX, row, c, mask, mean,
                       rstd, IS_RMS, HAS_WEIGHT, HAS_DH)

@@ -93,6 +93,21 @@ def _wait_for_slots(slots, others, got, polls):
 
 
 @triton.jit
+def _exchange(Slots, row, S, t, valid, deferred, M, POLLS: tl.constexpr):
+    """The row's S slots, this program's own among them (read back, so that its share needs
+    no registers through the wait), once none is empty or the wait has run out: at most POLLS
+    reads, none once a wait of this program has run out (``deferred`` < M). Returns them and
+    ``deferred``: the first row left for the end of the program's loop, ``row`` if this
+    wait ran out (a program of the row is late or not running), else as it was."""
+    slots = Slots + row * S + t
+    got = tl.load(slots, mask=valid, other=1, volatile=True)
+    got = _wait_for_slots(slots, valid, got, tl.where(deferred == M, POLLS, 0))
+    if _any_empty(got):
+        deferred = tl.minimum(deferred, row)
+    return got, deferred
+
+
+@triton.jit
 def _claim(slot, value):
     """Publish ``value`` in an empty slot, first writer wins (compare-and-swap): returns the
     slot's bits after it, the winner's, which every program of the row then uses. The owner
@@ -511,18 +526,10 @@ def norm_fwd_coop_kernel(
         x_next = tl.load(X + nxt * stride_x + c, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r_next = tl.load(R + nxt * stride_r + c, mask=mask, other=0.0)
-        # every slot of the row, this program's too (read back, so that its
-        # moments need no registers through the wait)
-        slots = Slots + row * S + t
-        got = tl.load(slots, mask=valid, other=1, volatile=True)
-        # wait, at most POLLS reads, and none once a wait has run out
-        got = _wait_for_slots(slots, valid, got,
-                              tl.where(deferred == M, POLLS, 0))
-        if _any_empty(got):
-            # the wait ran out: a program of this row is late or not
-            # running. This row and every later one wait for the end of
-            # the loop (below), where registers are free
-            deferred = tl.minimum(deferred, row)
+        # wait for the row's moments; a row whose wait runs out, and every
+        # later one, are finished after the loop, where registers are free
+        got, deferred = _exchange(Slots, row, S, t, valid, deferred, M,
+                                  POLLS)
         if row < deferred:
             _slice_normalize(got, valid, t, S, D, BLOCK_D, eps, x, Y, W, B,
                              Stats, M, row, j, c, mask, IS_RMS, HAS_WEIGHT,
