@@ -419,3 +419,20 @@ def test_host_refuses_a_count_below_one(argv, monkeypatch, capsys):
         host.main(argv)
     assert e.value.code == 2
     assert f"argument {argv[0]}: expected a positive integer" in capsys.readouterr().err
+
+
+def test_cpu_benchmark_writes_every_ratio(tmp_path):
+    """python -m normbook.bench cpu: both norms x fwd/fwd_bwd x fp32/bf16 x D = 1024, 4096, each
+    a positive ratio of two positive timings (one repeat: a smoke test, not a measurement)."""
+    from normbook.bench import cpu
+
+    path = tmp_path / "cpu.json"
+    assert cli.main(["cpu", "--repeat", "1", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    keys = {f"{n}_{d}_{D}_{m}" for n in ("layer", "rms") for d in ("fp32", "bf16")
+            for D in (1024, 4096) for m in ("fwd", "fwd_bwd")}
+    assert {k[:-len("_ratio")] for k in data if k.endswith("_ratio")} == keys
+    for k in keys:
+        assert data[f"{k}_normbook_ms"] > 0 and data[f"{k}_torch_ms"] > 0
+        assert data[f"{k}_ratio"] == data[f"{k}_normbook_ms"] / data[f"{k}_torch_ms"]
+    assert data["goal"] == cpu.GOAL

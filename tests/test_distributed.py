@@ -75,7 +75,6 @@ def _module_checks(mesh, rank, failures):
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
     import normbook
-    from normbook import functional
 
     torch.manual_seed(1)
     x, dy = torch.randn(2, 8, D), torch.randn(2, 8, D)

@@ -8,8 +8,6 @@ TRITON_INTERPRET=1 there) and compiled on a GPU.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,16 +17,7 @@ pytest.importorskip("triton")
 import normbook.kernels as K  # noqa: E402
 from normbook.kernels import _config  # noqa: E402
 from normbook import checks, reference  # noqa: E402
-from helpers import grads  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-EPS = 1e-5
-
-# Allowance, in units of the dtype's machine epsilon at the scale of the reference: both
-# implementations round each output to the dtype once (up to half an ulp), and a borderline value
-# may round up in one and down in the other, so a kernel that computes at least as accurately as
-# torch can still trail it by about one ulp; two ulps cover that.
-ULPS = 2.0
+from helpers import DEVICE, EPS, ULPS, assert_within_torch, error, grads, make  # noqa: E402
 
 # (M, D): M in {0, 1, 37}, D in {1, 3, 760, 1000, 4097, 10000, 20000, 70000}. D = 4097 is the
 # first D of its power-of-two bucket (BLOCK_D = 8192) with a ragged tail; 10000 uses the fused
@@ -39,36 +28,6 @@ ULPS = 2.0
 SHAPES = [(0, 760), (1, 1), (37, 1), (1, 3), (37, 3), (37, 760), (1, 1000), (37, 1000),
           (1, 4097), (37, 4097), (3, 10000), (2, 20000), (0, 70000), (1, 70000), (1, 32769)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return (got.double() - ref).abs().max().item() if ref.numel() else 0.0
-
-
-def assert_within_torch(got, base, ref, *, name, sum_rows=1, extra=0.0):
-    """error(got) <= 2 * error(base) + allowance; ``base`` is torch in the same dtype.
-
-    ``sum_rows``: for dweight and dbias, sums over that many rows. The kernel adds them in another
-    order than torch (per-program fp32 partials, then a sum of partials), and the rounding error
-    of a sum of M terms grows like sqrt(M) (a random walk), so the allowance grows with it.
-    ``extra``: an error both implementations share by design, added to the allowance.
-    """
-    assert got.dtype == base.dtype, f"{name}: dtype {got.dtype}, torch gives {base.dtype}"
-    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)}, expected {tuple(ref.shape)}"
-    scale = ref.abs().max().item() if ref.numel() else 0.0
-    allow = ULPS * torch.finfo(got.dtype).eps * scale * math.sqrt(max(sum_rows, 1)) + extra
-    e_got, e_base = error(got, ref), error(base, ref)
-    assert e_got <= 2 * e_base + allow, (
-        f"{name}: kernel error {e_got:.3e} > 2 * torch error {e_base:.3e} + allowance {allow:.3e}")
-
-
-def make(M, D, dtype, seed=0, mean=0.5):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(M, D, generator=g) * 2 + mean).to(dtype)
-    w = (1 + 0.5 * torch.randn(D, generator=g)).to(dtype)
-    b = (0.5 * torch.randn(D, generator=g)).to(dtype)
-    dy = torch.randn(M, D, generator=g).to(dtype)
-    return (t.to(DEVICE) for t in (x, w, b, dy))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 import normbook  # noqa: E402
 import normbook.kernels as K  # noqa: E402
-from test_kernels_accuracy import DEVICE, EPS, make  # noqa: E402
+from helpers import DEVICE, EPS, make  # noqa: E402
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:

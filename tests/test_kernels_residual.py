@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 import normbook.kernels as K  # noqa: E402
 from normbook import reference  # noqa: E402
-from test_kernels_accuracy import EPS, assert_within_torch, make  # noqa: E402
+from helpers import EPS, assert_within_torch, make  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 import normbook.kernels as K  # noqa: E402
 from normbook import reference  # noqa: E402
 from normbook.kernels import _config  # noqa: E402
-from test_kernels_accuracy import DEVICE  # noqa: E402
+from helpers import DEVICE  # noqa: E402
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])

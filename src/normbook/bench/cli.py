@@ -10,6 +10,7 @@ Examples:
     python -m normbook.bench --ops layer_norm,rms_norm --modes fwd --dtypes bf16 --D 1024..16384
     python -m normbook.bench --plot benchmarks/results --out figures/
     python -m normbook.bench host --json host.json     # host time per call, launches stubbed
+    python -m normbook.bench cpu --json cpu.json       # the CPU backend against torch
 """
 
 from __future__ import annotations
@@ -231,6 +232,10 @@ def main(argv=None) -> int:
         from normbook.bench import host
 
         return host.main(argv[1:])
+    if argv[:1] == ["cpu"]:
+        from normbook.bench import cpu
+
+        return cpu.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     flag = next((f"--{k.replace('_', '-')}" for k in ("overview", "model_check", "merge", "plot",

@@ -1,0 +1,127 @@
+"""The CPU backend against torch on the CPU: what a reader running the book on a laptop pays.
+
+    python -m normbook.bench cpu [--json FILE] [--repeat R]
+
+Both norms, forward and forward + backward, fp32 and bf16, at M = 4096 x D = 1024 and
+M = 2048 x D = 4096: ``normbook.layer_norm`` / ``normbook.rms_norm`` on the torch-ops backend
+(``normbook.backend("torch")``: the book's backward, equations (ln-dx) and (rms-dx)) beside
+``torch.nn.functional`` on the same tensors, in one run, the two interleaved repeat by repeat.
+Time per call: the best of ``repeat`` calls (``time.perf_counter``), after two warm-up calls.
+
+JSON keys: ``<norm>_<dtype>_<D>_<fwd|fwd_bwd>_ratio`` (normbook over torch; norm ``layer`` or
+``rms``), the milliseconds behind each as ``..._ms`` for ``normbook`` and ``torch``, ``goal``
+(every ratio <= 2.0), ``threads`` and ``torch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+__all__ = ["SHAPES", "GOAL", "measure", "main"]
+
+SHAPES = ((4096, 1024), (2048, 4096))          # (M, D)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+GOAL = 2.0
+
+
+def _best_ms(f, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def _calls(norm: str, M: int, D: int, dtype: torch.dtype) -> dict:
+    """{(provider, mode): zero-argument callable} on one set of tensors."""
+    import torch.nn.functional as F
+
+    import normbook
+
+    g = torch.Generator().manual_seed(M + D)
+    x = torch.randn(M, D, generator=g).to(dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype).requires_grad_()
+    b = (0.1 * torch.randn(D, generator=g)).to(dtype).requires_grad_()
+    dy = torch.randn(M, D, generator=g).to(dtype)
+    if norm == "layer":
+        fns = {"normbook": lambda: normbook.layer_norm(x, (D,), w, b),
+               "torch": lambda: F.layer_norm(x, (D,), w, b)}
+        wrt = (x, w, b)
+    else:
+        fns = {"normbook": lambda: normbook.rms_norm(x, (D,), w),
+               "torch": lambda: F.rms_norm(x, (D,), w)}
+        wrt = (x, w)
+
+    def forward(f):
+        def run():
+            with torch.no_grad():
+                f()
+        return run
+    out = {}
+    for provider, f in fns.items():
+        out[provider, "fwd"] = forward(f)
+        out[provider, "fwd_bwd"] = (lambda f=f: torch.autograd.grad(f(), wrt, dy))
+    return out
+
+
+def measure(repeat: int = 10) -> dict:
+    """The JSON's keys (see the module docstring) for every norm, dtype, shape and mode."""
+    import normbook
+
+    out = {}
+    with normbook.backend("torch"):
+        for norm in ("layer", "rms"):
+            for name, dtype in DTYPES.items():
+                for M, D in SHAPES:
+                    calls = _calls(norm, M, D, dtype)
+                    for f in calls.values():            # warm up: allocator, caches
+                        f()
+                        f()
+                    ms = {k: float("inf") for k in calls}
+                    for _ in range(repeat):             # interleaved: drift hits both alike
+                        for k, f in calls.items():
+                            ms[k] = min(ms[k], _best_ms(f, 1))
+                    for mode in ("fwd", "fwd_bwd"):
+                        key = f"{norm}_{name}_{D}_{mode}"
+                        out[f"{key}_normbook_ms"] = ms["normbook", mode]
+                        out[f"{key}_torch_ms"] = ms["torch", mode]
+                        out[f"{key}_ratio"] = ms["normbook", mode] / ms["torch", mode]
+    return out
+
+
+def report(data: dict) -> tuple[str, bool]:
+    lines = [f"CPU backend against torch.nn.functional on the CPU ({torch.get_num_threads()} "
+             f"threads, torch {torch.__version__}); best of the repeats, milliseconds",
+             f"{'':26}{'normbook':>10}{'torch':>10}{'ratio':>8}"]
+    ok = True
+    for key in sorted(k[:-len("_ratio")] for k in data if k.endswith("_ratio")):
+        ratio = data[f"{key}_ratio"]
+        ok &= ratio <= GOAL
+        lines.append(f"{key:26}{data[key + '_normbook_ms']:>10.2f}{data[key + '_torch_ms']:>10.2f}"
+                     f"{ratio:>7.2f}x {'PASS' if ratio <= GOAL else 'FAIL'}")
+    lines.append(f"goal: every ratio <= {GOAL}")
+    return "\n".join(lines), ok
+
+
+def main(argv=None) -> int:
+    from normbook.bench.cli import _positive_int as positive_int
+
+    p = argparse.ArgumentParser(prog="python -m normbook.bench cpu",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--json", metavar="FILE", help="write the ratios and milliseconds as JSON")
+    p.add_argument("--repeat", type=positive_int, default=10,
+                   help="timed calls of each; the best counts (default 10)")
+    args = p.parse_args(argv)
+    data = measure(args.repeat)
+    text, _ = report(data)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(data, goal=GOAL, threads=torch.get_num_threads(),
+                           torch=torch.__version__), f, indent=1)
+    return 0
