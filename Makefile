@@ -17,7 +17,7 @@ TRITON36 := build/triton36
 KERNEL_TESTS := tests/test_kernels_accuracy.py tests/test_kernels_api.py tests/test_kernels_residual.py \
   tests/test_kernels_gpu.py tests/test_torch_parity.py tests/test_kernels_minimal.py
 
-.PHONY: book test pytest triton36 gpu-dry-run gpu-wheels nbval notebooks browser-check serve clean
+.PHONY: book test quick pytest triton36 gpu-dry-run gpu-wheels nbval notebooks browser-check serve clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ book: $(STAMP)
 ## Gate 1: the package, with Triton in its interpreter on the CPU.
 pytest: $(STAMP)
 	$(PY) -m pytest tests -q
+
+## The package's tests without those marked slow (several processes, compiles, the widest rows
+## in the interpreter): the loop to run while editing; make test runs them all.
+quick: $(STAMP)
+	$(PY) -m pytest tests -q -m "not slow"
 
 ## The GPU machine runs Triton 3.6.0 (this one 3.9): every kernel compiles for sm_80/sm_90 and the
 ## interpreter kernel tests pass under 3.6 too. numpy 2.2.6 goes with it: 3.6's interpreter breaks

@@ -12,6 +12,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import normbook
 
+pytestmark = pytest.mark.slow   # torch.compile, inductor's C++ included
+
 
 def _cases(dtype):
     """(name, callable, its parameters) for the two modules and the two functions."""

@@ -11,6 +11,8 @@ import traceback
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow   # gloo processes: seconds each
+
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():   # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)

@@ -14,6 +14,8 @@ if not dist.is_available():   # pragma: no cover
 
 from normbook import distributed as nd  # noqa: E402
 
+pytestmark = pytest.mark.slow   # gloo processes: seconds each
+
 WORLD = 2
 
 

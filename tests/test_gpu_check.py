@@ -30,6 +30,7 @@ PUBLISHED = {"results.json", "summary.txt", "report.json", "overview.png", "mode
              "logs.tar.gz"}
 
 pytestmark = [
+    pytest.mark.slow,      # runs the script, a minute and more in all
     pytest.mark.skipif(shutil.which("bash") is None, reason="gpu_check.sh is a bash script"),
     pytest.mark.skipif(shutil.which("timeout") is None,
                        reason="gpu_check.sh bounds its steps with coreutils' timeout"),

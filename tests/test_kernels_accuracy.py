@@ -26,7 +26,9 @@ from helpers import DEVICE, EPS, ULPS, assert_within_torch, error, grads, make  
 # (bf16) of the backward, so its M stays small (the interpreter is slow); 32769 the chunked
 # forward's held head (32768 columns in 16-bit) and a one-column chunk past it.
 SHAPES = [(0, 760), (1, 1), (37, 1), (1, 3), (37, 3), (37, 760), (1, 1000), (37, 1000),
-          (1, 4097), (37, 4097), (3, 10000), (2, 20000), (0, 70000), (1, 70000), (1, 32769)]
+          (1, 4097), (37, 4097), (3, 10000), (2, 20000), (0, 70000),
+          pytest.param(1, 70000, marks=pytest.mark.slow),
+          pytest.param(1, 32769, marks=pytest.mark.slow)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -59,7 +61,7 @@ def test_rms_norm_three_ways(M, D, dtype):
     assert_within_torch(dw, dwt, dw64, name="dweight", sum_rows=M)
 
 
-@pytest.mark.parametrize("D", [1000, 70000])
+@pytest.mark.parametrize("D", [1000, pytest.param(70000, marks=pytest.mark.slow)])
 def test_no_cancellation_at_mean_1e4(D):
     """fp32 rows with mean 1e4 and spread 1: E[x^2] - E[x]^2 cancels, the kernel's statistics do not.
 
@@ -124,7 +126,7 @@ def test_fp32_weight_with_bf16_input(norm):
     assert_within_torch(dw, dwt, dw64, name="dweight", sum_rows=M)
 
 
-@pytest.mark.parametrize("M,D", [(37, 760), (3, 70000)])
+@pytest.mark.parametrize("M,D", [(37, 760), pytest.param(3, 70000, marks=pytest.mark.slow)])
 def test_layer_norm_identities_on_kernel_dx(M, D):
     """(ln-shift-id) and (ln-eps-residual) hold for the kernel's own dx, at eps > 0 and eps = 0."""
     x, w, b, dy = make(M, D, torch.float32)
@@ -137,7 +139,7 @@ def test_layer_norm_identities_on_kernel_dx(M, D):
             assert (checks.scale_identity(x, dx, 0.0).abs() <= 64 * torch.finfo(torch.float32).eps * scale).all()
 
 
-@pytest.mark.parametrize("M,D", [(37, 760), (3, 70000)])
+@pytest.mark.parametrize("M,D", [(37, 760), pytest.param(3, 70000, marks=pytest.mark.slow)])
 def test_rms_norm_scale_identity_on_kernel_dx(M, D):
     """RMSNorm ignores positive rescalings of x at eps = 0, so sum_d x_d dx_d = 0 per row.
 
@@ -150,6 +152,7 @@ def test_rms_norm_scale_identity_on_kernel_dx(M, D):
     assert (resid <= 64 * torch.finfo(torch.float32).eps * (x * dx).abs().sum(-1)).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_wide_rows_without_the_exchange(monkeypatch, norm, dtype):
@@ -184,7 +187,9 @@ def test_wide_rows_without_the_exchange(monkeypatch, norm, dtype):
         assert_within_torch(got, other, r, name=name, sum_rows=M if name != "dx" else 1)
 
 
-@pytest.mark.parametrize("M,D", [(37, 1000), (6, 20000)])  # 20000: the wide backward, 5 slices
+@pytest.mark.parametrize("M,D", [(37, 1000),
+                                 # 20000: the wide backward, 5 slices
+                                 pytest.param(6, 20000, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_parameter_gradients_are_deterministic(M, D, norm):
     """Two runs give bitwise equal dweight and dbias: fixed grid, fixed partials, fixed sum order."""

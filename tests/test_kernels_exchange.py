@@ -23,7 +23,8 @@ pytest.importorskip("triton")
 
 from normbook.kernels import _backward, _config, _forward, ops  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not ops.interpreted(), reason="runs programs in Triton's interpreter")
+pytestmark = [pytest.mark.slow,   # a process per program
+              pytest.mark.skipif(not ops.interpreted(), reason="runs programs in Triton's interpreter")]
 
 D = 40000            # fp32: 10 slices of 4096 forward, 20 of 2048 backward
 EPS = 1e-5

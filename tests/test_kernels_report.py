@@ -15,6 +15,8 @@ import pytest
 
 pytest.importorskip("triton")
 
+pytestmark = pytest.mark.slow   # compiles kernels for sm_80/sm_90
+
 
 def test_quick_report_compiles_without_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -110,6 +112,7 @@ def test_kernels_for_rows_too_wide_to_share_compile(residual):
 import json
 from normbook.kernels import _backward, _forward, report
 from normbook.kernels._config import chunked_backward_config, chunked_forward_config
+
 fwd = chunked_forward_config({residual}, 2)
 bwd = chunked_backward_config()
 flags = dict(IS_RMS=False, HAS_WEIGHT=True, VEC=1)

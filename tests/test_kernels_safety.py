@@ -134,6 +134,7 @@ PLANTED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow                  # compiles every kernel for sm_90
 def test_no_offset_wraps_at_2_31(tmp_path):
     """Every kernel a forward and a backward launch, at D in each regime: no int32 product of
     a program id and a size (``DW + pid * D`` once wrapped for programs x D >= 2^31 and wrote
@@ -166,6 +167,7 @@ def _wide(norm, D, residual):
     return [t.detach().clone() for t in (y, h, x.grad, w.grad)]
 
 
+@pytest.mark.slow                  # wide rows in the interpreter
 @pytest.mark.parametrize("norm,residual", [("layer", True), ("rms", False)])
 def test_bounded_wait_runs_out_and_gives_the_same_bits(monkeypatch, norm, residual):
     """The interpreter runs a launch's programs one by one, so a wait of a few reads runs out

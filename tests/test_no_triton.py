@@ -13,6 +13,8 @@ from pathlib import Path
 import jupytext
 import pytest
 
+pytestmark = pytest.mark.slow   # fresh interpreters without triton
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,6 +37,7 @@ def run(code, env, cwd):
 def test_package_without_triton(no_triton_env, tmp_path):
     code = """
 import importlib.util, torch, normbook
+
 assert importlib.util.find_spec("triton") is None
 x = torch.randn(3, 8, requires_grad=True)
 normbook.layer_norm(x, (8,)).sum().backward()

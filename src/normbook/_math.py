@@ -60,18 +60,7 @@ def xhat(x, mean, rstd):
 
 
 def forward(x, weight, bias, eps, is_rms: bool):
-    """y, mean, rstd: (ln-y) or (rms-y).
-
-    LayerNorm of a plain tensor with (D,) parameters takes torch's fused CPU kernel
-    (``torch.native_layer_norm``): the same (ln-mean), (ln-var), (ln-rstd) and (ln-y), in one
-    pass over memory instead of several. A call with a row it cannot finish (the variance
-    overflows: rstd is 0 or NaN; or var + eps < 0) is computed again by the formulas below,
-    which rescue the overflowing rows; so is everything traced, transformed or batched."""
-    if (not is_rms and x.shape[-1] and _has_values(x)
-            and (weight is None or weight.dim() == 1) and (bias is None or bias.dim() == 1)):
-        y, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
-        if (rstd > 0).all():
-            return y, mean, rstd
+    """y, mean, rstd: (ln-y) or (rms-y)."""
     mean, rstd = stats(x, eps, is_rms)
     y = xhat(x, mean, rstd)
     if weight is not None:
