@@ -135,6 +135,12 @@ def test_exit_status_says_whether_every_step_passed(tmp_path, hidden, only, fail
     _check_out(tmp_path / "out")
 
 
+def _stop(p, timeout):
+    """SIGTERM to the run's process group, as a device tool stopping it would; its output."""
+    os.killpg(p.pid, signal.SIGTERM)
+    return p.communicate(timeout=timeout)[0]
+
+
 def test_stopped_from_outside_keeps_partial_results(tmp_path):
     """SIGTERM to the run's process group once a step has finished: the running step is
     stopped with its processes, summary.txt lists what finished, logs.tar.gz holds the logs,
@@ -149,8 +155,7 @@ def test_stopped_from_outside_keeps_partial_results(tmp_path):
             assert time.monotonic() - t0 < 60, "env did not finish within 60 s"
             time.sleep(0.2)
         time.sleep(1.0)                                   # the next step is running
-        os.killpg(p.pid, signal.SIGTERM)
-        out, _ = p.communicate(timeout=30)
+        out = _stop(p, 30)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
@@ -188,8 +193,7 @@ def test_stopped_benchmark_keeps_its_rows(tmp_path):
             if rows:
                 break
             time.sleep(0.2)
-        os.killpg(p.pid, signal.SIGTERM)
-        out, _ = p.communicate(timeout=45)
+        out = _stop(p, 45)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
