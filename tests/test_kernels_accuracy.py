@@ -22,9 +22,9 @@ from helpers import DEVICE, EPS, ULPS, assert_within_torch, error, grads, make  
 # (M, D): M in {0, 1, 37}, D in {1, 3, 760, 1000, 4097, 10000, 20000, 70000}. D = 4097 is the
 # first D of its power-of-two bucket (BLOCK_D = 8192) with a ragged tail; 10000 uses the fused
 # forward with the wide backward (3 slices exchanging sums, the last one ragged), 20000 the
-# widest fused forward (32 warps, BLOCK_D = 32768); 70000 the chunked forward and 18 slices
-# (bf16) of the backward, so its M stays small (the interpreter is slow); 32769 the chunked
-# forward's held head (32768 columns in 16-bit) and a one-column chunk past it.
+# widest fused forward (32 warps, BLOCK_D = 32768); 70000 the shared forward (9 slices in
+# 16-bit, 18 in fp32) and 18 slices (bf16) of the backward, so its M stays small (the
+# interpreter is slow); 32769 the first shared forward, its last slice one column wide.
 SHAPES = [(0, 760), (1, 1), (37, 1), (1, 3), (37, 3), (37, 760), (1, 1000), (37, 1000),
           (1, 4097), (37, 4097), (3, 10000), (2, 20000), (0, 70000),
           pytest.param(1, 70000, marks=pytest.mark.slow),
@@ -67,7 +67,7 @@ def test_no_cancellation_at_mean_1e4(D):
 
     E[x^2] ~ 1e8 carries an fp32 rounding error ~ 1e8 * 6e-8 = 6, larger than the variance (1):
     the naive formula fails the same bound the kernel meets. D = 70000 checks Chan's merge of
-    the chunked path as well as the two-pass row in registers.
+    the shared row's slices as well as the two-pass row in registers.
     """
     M = 4 if D <= 1000 else 1
     x, w, b, dy = make(M, D, torch.float32, mean=1e4)
@@ -150,41 +150,6 @@ def test_rms_norm_scale_identity_on_kernel_dx(M, D):
     _, (dx,) = grads(lambda x: K.rms_norm(x, (D,), w, 0.0), dy, x)
     resid = (x * dx).sum(-1).abs()
     assert (resid <= 64 * torch.finfo(torch.float32).eps * (x * dx).abs().sum(-1)).all()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("norm", ["layer", "rms"])
-def test_wide_rows_without_the_exchange(monkeypatch, norm, dtype):
-    """Rows with more slices than the GPU holds programs take the kernels that read a row
-    twice (the forward one program per row, holding its head; the backward c1, c2 first,
-    then dx), and so do all wide rows with NORMBOOK_SHARED_ROWS=0: forced here at D = 40000,
-    against float64 and against the exchanging kernels' result."""
-    M, D = 3, 40000
-    x, w, b, dy = make(M, D, dtype)
-    norm_fn = ((lambda x, w, b: K.layer_norm(x, (D,), w, b, EPS)) if norm == "layer"
-               else (lambda x, w, b: K.rms_norm(x, (D,), w, EPS)))
-    device = torch.empty(0, device=DEVICE).get_device()
-    plans = (lambda: _config.forward_plan(M, D, device, x.element_size(), norm == "rms", False,
-                                          True, norm == "layer", 0, _config.shared_rows(D))[0],
-             lambda: _config.backward_plan(M, D, device, x.element_size(), norm == "rms", False,
-                                           True, norm == "layer", 0, _config.shared_rows(D))[0])
-    assert all(plan().SLICES for plan in plans)
-    exchanged = grads(norm_fn, dy, x, w, b)
-    # set after the plans above were made and cached: it takes effect all the same
-    monkeypatch.setenv("NORMBOOK_SHARED_ROWS", "off")
-    assert all(plan().chunked and not plan().SLICES for plan in plans)
-    y, twice = grads(norm_fn, dy, x, w, b)
-    x64, w64, b64, dy64 = (t.double() for t in (x, w, b, dy))
-    if norm == "layer":
-        y64, mean, rstd = reference.layer_norm_forward(x64, w64, b64, EPS)
-        ref = reference.layer_norm_backward(dy64, x64, w64, mean, rstd)
-    else:
-        y64, rstd = reference.rms_norm_forward(x64, w64, EPS)
-        ref = reference.rms_norm_backward(dy64, x64, w64, rstd)
-    assert_within_torch(y, exchanged[0], y64, name="y")
-    for got, other, r, name in zip(twice, exchanged[1], ref, ("dx", "dweight", "dbias")):
-        assert_within_torch(got, other, r, name=name, sum_rows=M if name != "dx" else 1)
 
 
 @pytest.mark.parametrize("M,D", [(37, 1000),

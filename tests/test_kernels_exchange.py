@@ -116,7 +116,7 @@ def test_forward_waits_for_a_late_program(monkeypatch):
     ends = _run(seen, polls=1_000_000, delays={late: 1.0})
     assert torch.equal(y, want[0]) and torch.equal(stats, want[2])
     # the late program's row partners waited for it: none ended before it started
-    S = -(-D // _config.forward_plan(2, D, -1, 4, False, False, True, True, 0, True)[0].BLOCK_D)
+    S = _config.forward_plan(2, D, -1, 4, False, False, True, True, 0, True)[0].slices
     partners = [p for p in range(seen["programs"]) if p // S == late // S and p != late]
     assert min(ends[p] for p in partners) > 1.0, ends
 
@@ -128,10 +128,10 @@ def test_forward_without_a_program_ends_and_the_rest_is_right(monkeypatch):
     x, w, b, _ = _inputs(2)
     want = _forward.norm_forward(x, None, w, b, EPS, False)
     y, stats, seen = _forward_launch(monkeypatch, x, w, b)
-    cfg = _config.forward_plan(2, D, -1, 4, False, False, True, True, 0, True)[0]
+    block = _config.forward_plan(2, D, -1, 4, False, False, True, True, 0, True)[0].constexprs["BLOCK_D"]
     missing = 2                                        # slice 2 of the first row group
     _run(seen, polls=300, delays={}, never={missing})
-    cols = slice(missing * cfg.BLOCK_D, (missing + 1) * cfg.BLOCK_D)
+    cols = slice(missing * block, (missing + 1) * block)
     assert torch.isnan(y[0, cols]).all()               # nobody wrote the absent program's part
     rest = torch.ones(D, dtype=torch.bool)
     rest[cols] = False

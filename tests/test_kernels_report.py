@@ -103,32 +103,25 @@ def test_model_by_hand():
     assert abs(model.predict([k4], 4096)["predicted_fraction"] - 2 * 8192 / model.LITTLE_BYTES) < 1e-3
 
 
-@pytest.mark.parametrize("residual", [False, True])
-def test_kernels_for_rows_too_wide_to_share_compile(residual):
-    """The fallbacks for rows with more slices than a GPU holds programs (never a path of the
-    report at its M and D): the chunked forward and the two-read backward compile for sm_90
-    without spills, with 128-bit loads."""
-    code = f"""
-import json
-from normbook.kernels import _backward, _forward, report
-from normbook.kernels._config import chunked_backward_config, chunked_forward_config
+def test_traffic_is_counted_from_the_plans():
+    """report.traffic reads a plan's counts, no per-kernel table: LayerNorm at D = 4096 bf16
+    (whole rows, 2 per step), and at 65536 (shared rows: 16 bytes a slot)."""
+    from normbook.kernels import report
 
-fwd = chunked_forward_config({residual}, 2)
-bwd = chunked_backward_config()
-flags = dict(IS_RMS=False, HAS_WEIGHT=True, VEC=1)
-out = [report.compile_one(_forward.norm_fwd_chunked_kernel,
-                          dict(flags, HAS_RESIDUAL={residual}, HAS_BIAS=True, BLOCK_D=fwd.BLOCK_D,
-                               HOLD=fwd.HOLD), fwd.launch(), "bf16", 90, 1 << 21),
-       report.compile_one(_backward.norm_bwd_stats_kernel, dict(flags, BLOCK_D=bwd.BLOCK_D),
-                          bwd.launch(), "bf16", 90, 1 << 21),
-       report.compile_one(_backward.norm_bwd_chunked_kernel,
-                          dict(flags, HAS_DH={residual}, HAS_BIAS=True, BLOCK_D=bwd.BLOCK_D),
-                          bwd.launch(), "bf16", 90, 1 << 21)]
-print(json.dumps(out))
-"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
-    for r in json.loads(out.stdout.strip().splitlines()[-1]):
-        assert r["spill_bytes"] == 0 and r["load_bits"] == 128, r
+    M, e, D = report.M_REPORT, 2, 4096
+    fwd, bwd, finish = report.launches(D, False, False)
+    assert (fwd.kernel, bwd.kernel, finish.kernel) == ("norm_fwd_rows_kernel", "norm_bwd_rows_kernel",
+                                                       "norm_bwd_finish_kernel")
+    # x in, y out, mean and rstd, weight and bias once
+    assert report.traffic(fwd, D, "bf16")["bytes_per_row"] == 2 * D * e + 8 + 2 * D * e / M
+    # x and dy in, dx out, the stats, the weight once, fp32 partials of dweight, dbias per group
+    assert report.traffic(bwd, D, "bf16")["bytes_per_row"] == (3 * D * e + 8 + D * e / M
+                                                              + 2 * bwd.groups * D * 4 / M)
+    assert report.traffic(fwd, D, "bf16")["tile_bytes"] == fwd.rows * D * e
+    assert finish.partials == bwd.partials == 2 * bwd.groups
+    D = 65536
+    fwd = report.launches(D, False, False)[0]
+    assert fwd.slices == D // fwd.constexprs["BLOCK_D"] > 1
+    t = report.traffic(fwd, D, "bf16")
+    assert t["bytes_per_row"] == 2 * D * e + 8 + 16 * fwd.slices + 2 * D * e / M
+    assert t["grid"] == fwd.groups * fwd.slices and t["step_bytes"] == 2 * fwd.constexprs["BLOCK_D"] * e

@@ -20,7 +20,7 @@ from helpers import EPS, assert_within_torch, make  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("M,D", [(0, 760), (1, 3), (37, 760), (2, 20000), (1, 70000)])   # 20000: bf16 in registers, fp32 chunked
+@pytest.mark.parametrize("M,D", [(0, 760), (1, 3), (37, 760), (2, 20000), (1, 70000)])   # 20000: bf16 in registers, fp32 shared
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_add_norm_forward_and_all_grads(norm, M, D, dtype):
     x, w, b, dy = make(M, D, dtype, seed=1)
@@ -70,9 +70,10 @@ def test_add_norm_forward_and_all_grads(norm, M, D, dtype):
 @pytest.mark.parametrize("M,D", [(512, 40000), (64, 131072), (3, 70001)])
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_gpu_add_norm_wide_rows(norm, M, D, dtype):
-    """The chunked forward with the add: its second pass reads back the h that other threads of
-    the same program stored in the first, ordered by a barrier. The interpreter runs a program's
-    threads as one, so only a GPU can show a missing barrier."""
+    """The shared forward with the add, on rows whose programs really run at once: each
+    program stores its slice of h and normalizes the h it holds; a program computing a late
+    slice stores the same bits. The interpreter runs programs one by one, so only a GPU runs
+    the exchange concurrently."""
     test_add_norm_forward_and_all_grads(norm, M, D, dtype)
 
 

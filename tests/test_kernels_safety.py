@@ -1,7 +1,7 @@
 """The kernel layer off the paths the accuracy tests walk: finite answers for rows near the top
-of fp32's range on the two-read forward, offsets that cannot wrap at 2^31, launches on the
-tensor's own device, and the environment switch read in any usual spelling when plans are
-made."""
+of fp32's range on the shared forward, offsets that cannot wrap at 2^31, launches on the
+tensor's own device, the environment switch read in any usual spelling when plans are made,
+rows too wide for any plan refused clearly, and one plan for the launcher and the report."""
 
 from __future__ import annotations
 
@@ -18,22 +18,21 @@ pytest.importorskip("triton")
 
 import normbook.kernels as K  # noqa: E402
 from normbook import reference  # noqa: E402
-from normbook.kernels import _config  # noqa: E402
+from normbook.kernels import _backward, _config, _forward  # noqa: E402
 from helpers import DEVICE  # noqa: E402
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])
-def test_two_read_forward_is_finite_near_1e20(monkeypatch, norm):
-    """Rows of 1e20 + 1e19 N(0, 1), D = 32769, on the forward that reads a row twice
-    (NORMBOOK_SHARED_ROWS off): the first block's merge once computed inf * 0 = NaN. Now the
-    rescue gives the float64 reference's answer."""
-    monkeypatch.setenv("NORMBOOK_SHARED_ROWS", "off")
+def test_shared_forward_is_finite_near_1e20(norm):
+    """Rows of 1e20 + 1e19 N(0, 1), D = 32769 (fp32), on the forward that shares a row among
+    slices (the last one a column wide): each slice's M2 overflows, and the rescue (slices
+    sending minus the root of their scaled sum) gives the float64 reference's answer."""
     g = torch.Generator().manual_seed(0)
     D = 32769
     x = (1e20 + 1e19 * torch.randn(2, D, generator=g)).to(DEVICE)
     plan = _config.forward_plan(2, D, x.get_device(), 4, norm == "rms", False, False, False, 0,
                                 _config.shared_rows(D))[0]
-    assert plan.HOLD and not plan.SLICES                     # the two-read kernel
+    assert plan.slices > 1 and plan.kernel == "norm_fwd_coop_kernel"
     if norm == "layer":
         y, y64 = K.layer_norm(x, D), reference.layer_norm_forward(x.double(), None, None, 1e-5)[0]
     else:
@@ -60,19 +59,152 @@ def test_shared_rows_switch_refuses_a_guess(monkeypatch):
 
 def test_shared_rows_switch_takes_effect_after_plans_are_cached(monkeypatch):
     """Changed after a wide row's plan was made and cached, the switch still decides the next
-    launch (the plan cache is keyed by it)."""
+    launch (the plan cache is keyed by it): off, rows wider than one program holds have no
+    plan, the kernels do not take them and the launcher refuses them."""
     monkeypatch.delenv("NORMBOOK_SHARED_ROWS", raising=False)
     D = 20000
     x = torch.randn(3, D, device=DEVICE)
 
     def plan():
         return _config.backward_plan(3, D, x.get_device(), 4, False, False, True, True, 0,
-                                     _config.shared_rows(D))[0]
-    y = K.layer_norm(x, D)
-    assert plan().SLICES
+                                     _config.shared_rows(D))
+    K.layer_norm(x, D)
+    assert plan()[0].slices > 1 and _config.kernels_take(D, 4, False, x.get_device())
     monkeypatch.setenv("NORMBOOK_SHARED_ROWS", "off")
-    assert not plan().SLICES and plan().chunked
-    torch.testing.assert_close(K.layer_norm(x, D), y)
+    assert plan() is None and not _config.kernels_take(D, 4, False, x.get_device())
+    assert _config.kernels_take(_config.MAX_FUSED_D_BWD, 4, True, x.get_device())
+    _, _, stats = _forward.norm_forward(x, None, None, None, 1e-5, False)   # 20000: in registers
+    with pytest.raises(ValueError, match=r"D = 20000 .*wider than 8192.*NORMBOOK_SHARED_ROWS is off"):
+        _backward.norm_backward(x, None, x, None, stats, None, False)
+
+
+def test_narrow_rows_never_read_the_switch(monkeypatch):
+    """kernels_take is called on every call: for rows one program holds it answers without
+    looking at the environment (a bad value there would raise if it did)."""
+    monkeypatch.setenv("NORMBOOK_SHARED_ROWS", "sometimes")
+    assert _config.kernels_take(_config.MAX_FUSED_D_BWD, 2, False, -1)
+    with pytest.raises(ValueError, match="NORMBOOK_SHARED_ROWS"):
+        _config.kernels_take(_config.MAX_FUSED_D_BWD + 1, 2, False, -1)
+
+
+@pytest.fixture
+def few_cpu_slices(monkeypatch):
+    """The interpreter shares rows among at most 8 slices: the rows too wide to share stay
+    small enough to run."""
+    monkeypatch.delenv("NORMBOOK_SHARED_ROWS", raising=False)
+    monkeypatch.setattr(_config, "CPU_SLICES", 8)
+    for cached in (_config.forward_plan, _config.backward_plan, _config._fits):
+        cached.cache_clear()
+    yield 8
+    for cached in (_config.forward_plan, _config.backward_plan, _config._fits):
+        cached.cache_clear()
+
+
+def test_rows_too_wide_to_share_are_not_taken(few_cpu_slices):
+    """fp32 slices are 4096 values forward (2048 with the residual), 2048 backward: 8 of them
+    hold rows of 16384 backward, so 16385 has no backward plan; the forward holds 32768 in
+    registers and its slices no more, so 32769 has no forward plan (with the residual: 16385)."""
+    fwd, bwd = _config.COOP_FWD_BYTES // 4, _config.COOP_BYTES // 4
+    assert _config.kernels_take(few_cpu_slices * bwd, 4, False, -1)
+    assert not _config.kernels_take(few_cpu_slices * bwd + 1, 4, False, -1)
+    # bf16 with the residual: 8 slices of 4096 both ways hold 32768
+    assert _config.kernels_take(few_cpu_slices * 2 * bwd, 2, True, -1)
+    assert not _config.kernels_take(few_cpu_slices * 2 * bwd + 1, 2, True, -1)
+    wide = few_cpu_slices * fwd + 1                               # 32769
+    assert _config.forward_plan(1, wide, -1, 4, False, False, True, True) is None
+    assert _config.forward_plan(1, wide - 1, -1, 4, False, False, True, True)[0].slices == 1
+    assert _config.forward_plan(1, 16385, -1, 4, False, True, True, True) is None  # x and r
+    assert _config.forward_plan(1, 16384, -1, 4, False, True, True, True)[0].slices == 1
+
+
+def test_launchers_refuse_rows_too_wide_by_name(few_cpu_slices):
+    """A launcher called for rows that no plan takes says which D and what the limit is."""
+    if DEVICE != "cpu":
+        pytest.skip("the interpreter's CPU_SLICES sets the limit here")
+    x = torch.randn(2, 32769)
+    with pytest.raises(ValueError, match=r"norm_forward: rows of D = 32769 .*at most D = 32768"):
+        _forward.norm_forward(x, None, None, None, 1e-5, False)
+    x = torch.randn(2, 16400)                                     # 9 slices of 2048
+    with pytest.raises(ValueError, match=r"norm_backward: rows of D = 16400 .*at most D = 16384"):
+        _backward.norm_backward(x, None, x, None, torch.ones(2, 2), None, False)
+    # the widest row both directions hold works, and agrees with the reference
+    D = 16384                                                     # 8 slices backward
+    x, w = torch.randn(2, D), torch.randn(D)
+    y, _, stats = _forward.norm_forward(x, None, w, None, 1e-6, True)
+    dy = torch.randn(2, D)
+    dx, dw, _ = _backward.norm_backward(dy, None, x, w, stats, None, True)
+    y64, rstd = reference.rms_norm_forward(x.double(), w.double(), 1e-6)
+    dx64, dw64 = reference.rms_norm_backward(dy.double(), x.double(), w.double(), rstd)
+    torch.testing.assert_close(y.double(), y64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx.double(), dx64, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dw.double(), dw64, rtol=1e-4, atol=1e-4)
+
+
+def test_backward_of_narrow_strides_copies_rather_than_refuses(few_cpu_slices):
+    """Odd row strides halve the backward's slices; a row that dense copies would fit (the
+    promise of kernels_take, which plans for dense rows) is copied, not refused."""
+    if DEVICE != "cpu":
+        pytest.skip("the interpreter's CPU_SLICES sets the limit here")
+    D = 16384                                                     # 8 slices of 2048, fp32
+    x, dy = torch.randn(2, D + 3)[:, :D], torch.randn(2, D)
+    assert _config.backward_plan(2, D, -1, 4, True, False, False, False, x.stride(0) & 15) is None
+    _, _, stats = _forward.norm_forward(x, None, None, None, 1e-6, True)
+    dx, _, _ = _backward.norm_backward(dy, None, x, None, stats, None, True)
+    want, _, _ = _backward.norm_backward(dy, None, x.contiguous(), None, stats, None, True)
+    assert torch.equal(dx, want)
+
+
+def test_the_unshared_exchange_reads_a_row_many_times():
+    """kernels_take's argument, by the model: launched without the cooperative guarantee, a
+    row of twice the resident slices is read over a hundred times (an H200: 264 resident
+    slices of the backward): more than twice the passes of autograd through the composed
+    torch ops, forward and backward together."""
+    from normbook.bench import counting, model
+
+    cfg = _config.backward_config(1, 1 << 22)
+    resident = _config.resident_per_sm(cfg) * model.H200["sms"]
+    assert resident == 264
+    assert model.unshared_reads(resident, resident) == 1
+    reads = model.unshared_reads(2 * resident, resident)
+    fwd, bwd = counting.count("naive", "layer_norm")
+    assert reads > 100 and reads > 2 * (fwd[1] + bwd[1])
+
+
+class _Seen:
+    """Stands in for the kernels of a launcher's module: records the kernel names launched."""
+
+    def __init__(self, name, seen):
+        self.name, self.seen = name, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **flags):
+            self.seen.append((self.name, grid, {k: v for k, v in flags.items()}))
+        return launch
+
+
+@pytest.mark.parametrize("D", [64, 3000, 9000, 40000, 70000])
+def test_report_and_launchers_use_one_plan(monkeypatch, D):
+    """For rows of several widths, what the compile report compiles for a device is what the
+    launchers launch on it: kernel names, grids and flags (the launchers, captured, run on
+    the interpreter's plans; the report plans for the interpreter's device here)."""
+    from normbook.kernels import report
+
+    seen = []
+    for mod in (_forward, _backward):
+        for name in dir(mod):
+            if name.endswith("_kernel"):
+                monkeypatch.setattr(mod, name, _Seen(name, seen))
+    M = 5
+    x, w, b = torch.randn(M, D), torch.randn(D), torch.randn(D)
+    for is_rms in (False, True):
+        seen.clear()
+        _, _, stats = _forward.norm_forward(x, x, w, None if is_rms else b, 1e-5, is_rms)
+        _backward.norm_backward(x, x, x, w, stats, None if is_rms else b.dtype, is_rms)
+        plans = report.launches(D, is_rms, True, "fp32", M=M, sms=0)
+        assert [(p.kernel, p.grid, p.flags) for p in plans] == seen
+        names = {p.kernel for p in plans}
+        assert names <= {"norm_fwd_rows_kernel", "norm_fwd_coop_kernel", "norm_bwd_rows_kernel",
+                         "norm_bwd_coop_kernel", "norm_bwd_finish_kernel"}
 
 
 def test_launches_switch_to_the_tensors_device(monkeypatch):
@@ -116,9 +248,10 @@ LINT = textwrap.dedent("""
                               options=dict(num_warps=8)).asm["ttir"]
 
     out = {"planted": report.int32_offsets(ttir(planted_kernel, dict(BLOCK_D=64), 64))}
-    for D in (1024, 65536, 1 << 22):       # rows kernels; shared rows; rows too wide to share
-        for kernel, constexprs, _, _ in report.launches(D, False, True):
-            out[f"{report._jit(kernel).__name__} D={D}"] = report.int32_offsets(ttir(kernel, constexprs, D))
+    for D in (1024, 9000, 65536):    # whole rows both ways; shared backward; shared both ways
+        for plan in report.launches(D, False, True):
+            out[f"{plan.kernel} D={D}"] = report.int32_offsets(ttir(report.kernel_of(plan),
+                                                                   plan.constexprs, D))
     print(json.dumps(out))
 """)
 
@@ -147,7 +280,7 @@ def test_no_offset_wraps_at_2_31(tmp_path):
     found = json.loads(done.stdout.strip().splitlines()[-1])
     planted = found.pop("planted")
     assert len(planted) == 1 and planted[0].endswith(": i32") and "muli" in planted[0], planted
-    assert len(found) >= 8 and any("chunked" in k for k in found), sorted(found)
+    assert len(found) == 9 and any("coop" in k for k in found), sorted(found)
     assert all(v == [] for v in found.values()), {k: v for k, v in found.items() if v}
 
 
@@ -184,7 +317,7 @@ def test_bounded_wait_runs_out_and_gives_the_same_bits(monkeypatch, norm, residu
     _config.backward_plan.cache_clear()
     try:
         assert _config.forward_plan(2, D, -1, 4, norm == "rms", True, True, norm == "layer", 0,
-                                    True)[2]["POLLS"] == 3
+                                    True)[0].flags["POLLS"] == 3
         waited = _wide(norm, D, residual)
     finally:
         _config.forward_plan.cache_clear()

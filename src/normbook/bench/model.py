@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["H200", "LITTLE_BYTES", "programs_per_sm", "predict"]
+__all__ = ["H200", "LITTLE_BYTES", "programs_per_sm", "predict", "unshared_reads"]
 
 H200 = dict(sms=132, registers=65536, shared=228 * 1024, warps=64, blocks=32,
             bandwidth=4.3e12, latency=1e-6, exchange=1e-6)
@@ -79,3 +79,14 @@ def predict(kernels: list[dict], min_bytes_per_row: float, hw=H200) -> dict:
                 programs_per_sm=main["programs_per_sm"],
                 inflight_bytes_per_sm=round(main["inflight_bytes_per_sm"]),
                 predicted_fraction=round(min_bytes_per_row / time, 3) if time else 0.0)
+
+
+def unshared_reads(slices: int, resident: int) -> float:
+    """Reads of a row, in rows, by the kernel that shares it among ``slices`` programs when
+    only ``resident`` of them run at once (a launch without the cooperative guarantee): each
+    resident program publishes its slice, waits out its bound, and then computes every slice
+    still missing itself (first writer wins, but all of them are racing), so the S - R missing
+    slices are read R times over: 1 + R (S - R) / S rows. 1 when all are resident."""
+    if slices <= resident:
+        return 1.0
+    return 1 + resident * (slices - resident) / slices

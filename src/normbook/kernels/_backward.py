@@ -17,29 +17,24 @@ Kernels, chosen by row length:
 - ``norm_bwd_coop_kernel``: wide rows, one read of x and dy. S programs share each row, one
   column slice each, and exchange their slices' partial sums of c1 and c2 through a small
   buffer of 64-bit slots; each keeps its slice's partials of dweight and dbias.
-- ``norm_bwd_stats_kernel`` then ``norm_bwd_chunked_kernel``: rows with more slices than the
-  GPU holds programs. c1 and c2 are computed first chunk by chunk (two fp32 scalars per row),
-  then a grid over (programs, column chunks) forms dx and the partials with each chunk's
-  accumulators in registers: x and dy are read twice.
 - ``norm_bwd_finish_kernel``: sums the partials and writes dweight, dbias in the
   parameters' dtypes, one launch for both.
+
+Which ones, with what grids and flags, are plans (``_config.backward_plan``): the launcher
+runs them, the compile report compiles them. Rows with more slices than the device runs at
+once have no plan (``_config.kernels_take``).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from normbook.kernels import _config
-from normbook.kernels._config import (Config, backward_plan, launch_shared, maxnreg_for,
-                                      other_device, shared_rows)
+from normbook.kernels._config import (backward_plan, launch_shared, narrow_loads, other_device,
+                                      refusal, shared_rows)
 from normbook.kernels._forward import (_claim, _exchange, _pack, _slot_empty, _unpack,
                                        multiple)
-
-CHUNK_STAGES = tl.constexpr(_config.CHUNK_STAGES)   # chunk and row loops of wide rows
 
 
 @triton.jit
@@ -161,129 +156,6 @@ def norm_bwd_rows_kernel(
             tl.sum(db, axis=0).to(DB.dtype.element_ty),
             mask=col_mask,
         )
-
-
-@triton.jit
-def norm_bwd_stats_kernel(
-    X,                       # (M, D) forward input (h when the residual
-                             # add was fused)
-    DY,                      # (M, D) gradient arriving at y, rows
-                             # stride_dy apart
-    W,                       # (D,) weight gamma (if HAS_WEIGHT)
-    Stats,                   # (2, M) fp32 mean [0], rstd [1] saved by the
-                             # forward; RMSNorm (1, M)
-    C1,                      # (M,) fp32 output: c1 = mean_d(ghat)
-                             # (LayerNorm only)
-    C2,                      # (M,) fp32 output: c2 = mean_d(ghat * xhat)
-    stride_x,                # row stride of X, in elements
-    stride_dy,               # row stride of DY, in elements
-    M,                       # number of rows
-    D,                       # row length, any size
-    IS_RMS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    BLOCK_D: tl.constexpr,   # chunk width
-    VEC: tl.constexpr,       # D and the strides are multiples of VEC
-                             # (see _config.vec)
-):
-    """(ln-c) for rows wider than the registers: c1 and c2 of one row per
-    program, chunk by chunk."""
-    D = multiple(D, VEC)
-    stride_x = multiple(stride_x, VEC)
-    stride_dy = multiple(stride_dy, VEC)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    rstd = tl.load(Stats + (0 if IS_RMS else M) + row)
-    if not IS_RMS:
-        mean = tl.load(Stats + row)
-    sum_ghat = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    sum_ghat_xhat = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for start in tl.range(0, D, BLOCK_D, num_stages=CHUNK_STAGES):
-        c = start + cols
-        mask = c < D
-        x = tl.load(
-            X + row * stride_x + c, mask=mask, other=0.0
-        ).to(tl.float32)
-        dy = tl.load(
-            DY + row * stride_dy + c, mask=mask, other=0.0
-        ).to(tl.float32)
-        if IS_RMS:
-            xhat = x * rstd
-        else:
-            xhat = tl.where(mask, (x - mean) * rstd, 0.0)
-        if HAS_WEIGHT:
-            ghat = dy * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
-        else:
-            ghat = dy
-        sum_ghat += ghat
-        sum_ghat_xhat += ghat * xhat
-    if not IS_RMS:
-        tl.store(C1 + row, tl.sum(sum_ghat, axis=0) / D)
-    tl.store(C2 + row, tl.sum(sum_ghat_xhat, axis=0) / D)
-
-
-@triton.jit
-def norm_bwd_chunked_kernel(
-    X,                       # (M, D) forward input (h when the residual add was fused)
-    DY,                      # (M, D) gradient arriving at y, rows stride_dy apart
-    DH,                      # (M, D) gradient arriving at h, rows stride_dh apart (if HAS_DH)
-    DX,                      # (M, D) output dx, contiguous
-    W,                       # (D,) weight gamma (if HAS_WEIGHT)
-    Stats,                   # (2, M) fp32 mean [0], rstd [1] saved by the forward; RMSNorm (1, M)
-    C1,                      # (M,) fp32 c1 from norm_bwd_stats_kernel (LayerNorm only)
-    C2,                      # (M,) fp32 c2 from norm_bwd_stats_kernel
-    DW,                      # (programs, D) fp32 partial dweight, one row per program; with
-                             # one program, the (D,) dweight itself, in the weight's dtype
-    DB,                      # (programs, D) fp32 partial dbias, or the (D,) dbias (as DW)
-    stride_x,                # row stride of X, in elements
-    stride_dy,               # row stride of DY, in elements
-    stride_dh,               # row stride of DH, in elements
-    M,                       # number of rows
-    D,                       # row length, any size
-    IS_RMS: tl.constexpr,
-    HAS_DH: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_D: tl.constexpr,   # chunk width
-    VEC: tl.constexpr,       # D and the strides are multiples of VEC (see _config.vec)
-):
-    """(ln-dx), (rms-dx), (ln-dparams) and (fork-rule) for wide rows: grid (programs, chunks)."""
-    D = multiple(D, VEC)
-    stride_x = multiple(stride_x, VEC)
-    stride_dy = multiple(stride_dy, VEC)
-    stride_dh = multiple(stride_dh, VEC)
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)        # this program's columns
-    mask = c < D
-    if HAS_WEIGHT:
-        w = tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
-    dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    db = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for row in tl.range(pid.to(tl.int64), M, programs, num_stages=CHUNK_STAGES):  # int64 rows
-        x = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * stride_dy + c, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(Stats + (0 if IS_RMS else M) + row)
-        c2 = tl.load(C2 + row)
-        if IS_RMS:
-            xhat = x * rstd
-            dx = ((dy * w if HAS_WEIGHT else dy) - c2 * xhat) * rstd          # (rms-dx)
-        else:
-            xhat = tl.where(mask, (x - tl.load(Stats + row)) * rstd, 0.0)
-            c1 = tl.load(C1 + row)
-            dx = ((dy * w if HAS_WEIGHT else dy) - c1 - c2 * xhat) * rstd     # (ln-dx)
-        if HAS_DH:
-            dx += tl.load(DH + row * stride_dh + c, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + row * D + c, dx.to(DX.dtype.element_ty), mask=mask)
-        if HAS_WEIGHT:
-            dw += dy * xhat
-        if HAS_BIAS:
-            db += dy
-    # this program's partial row (int64: programs x D may pass 2^31)
-    part = pid.to(tl.int64) * D
-    if HAS_WEIGHT:
-        tl.store(DW + part + c, dw.to(DW.dtype.element_ty), mask=mask)
-    if HAS_BIAS:
-        tl.store(DB + part + c, db.to(DB.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -504,11 +376,6 @@ def norm_bwd_finish_kernel(
         tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=col_mask)
 
 
-# The finish sums (32, 64) fp32 tiles of partials, 8 KB per program: narrow column blocks, so
-# D / 64 programs share the reduction. ROWS is its BLOCK_P, the partials summed per step.
-FINISH_CONFIG = Config(chunked=False, BLOCK_D=64, ROWS=32, num_warps=4, maxnreg=maxnreg_for(4))
-
-
 def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     """(ln-dx), (rms-dx), (ln-dparams) and (fork-rule): launch the backward on (M, D) rows.
 
@@ -524,6 +391,9 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     Returns:
         dx: (M, D) contiguous, x's dtype; dweight: (D,) in weight's dtype, or None without a
         weight; dbias: (D,) in ``bias_dtype``, or None without a bias.
+
+    Raises:
+        ValueError: rows that no plan takes (:func:`normbook.kernels._config.kernels_take`).
     """
     M, D = x.shape
     device = x.get_device()
@@ -544,45 +414,40 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
         return dx, dweight if not has_w else dweight.zero_(), dbias if not has_b else dbias.zero_()
     stride_x, stride_dy = x.stride(0), dy.stride(0)
     dhp, stride_dh = (dy, stride_dy) if dh is None else (dh, dh.stride(0))
-    cfg, programs, flags = backward_plan(M, D, device, x.element_size(), is_rms,
-                                         dh is not None, has_w, has_b,
-                                         (stride_x | stride_dy | stride_dh) & 15, shared_rows(D))
-    if programs == 1 or not (has_w or has_b):
-        pw, pb = dweight, dbias             # one program writes the sums over rows itself
-    else:                                   # fp32 partial sums, one (D,) row per program
-        part = x.new_empty((2, programs, D), dtype=torch.float32)
+    e = x.element_size()
+    plans = backward_plan(M, D, device, e, is_rms, dh is not None, has_w, has_b,
+                          (stride_x | stride_dy | stride_dh) & 15, shared_rows(D))
+    if plans is None and narrow_loads(D, e, stride_x | stride_dy | stride_dh) and not narrow_loads(D, e):
+        # a wide row whose odd strides halve the slices: dense copies load 16 bytes at a time
+        # and take the plan that kernels_take promised (it plans for dense rows)
+        x, dy = x.contiguous(), dy.contiguous()
+        dhp = dy if dh is None else dh.contiguous()
+        stride_x = stride_dy = stride_dh = D
+        plans = backward_plan(M, D, device, e, is_rms, dh is not None, has_w, has_b, D & 15,
+                              shared_rows(D))
+    if plans is None:
+        raise refusal("bwd", D, e, dh is not None, device, narrow_loads(D, e))
+    plan = plans[0]
+    if len(plans) == 1:
+        pw, pb = dweight, dbias             # one group writes the sums over rows itself
+    else:                                   # fp32 partial sums, one (D,) row per group
+        part = x.new_empty((2, plan.groups, D), dtype=torch.float32)
         pw, pb = part[0], part[1]
     w = weight if has_w else x                          # placeholders: never read when absent
     pw = pw if has_w else stats
     pb = pb if has_b else stats
-    if not cfg.chunked:
-        norm_bwd_rows_kernel[(programs,)](
-            x, dy, dhp, dx, w, stats, pw, pb, stride_x, stride_dy, stride_dh, M, D, **flags)
-    elif cfg.SLICES:        # groups of S programs, one per slice of a row, exchanging sums
-        slices = -(-D // cfg.BLOCK_D)
-        slots = torch.zeros((M, slices), dtype=torch.int64, device=x.device)
-        launch_shared(norm_bwd_coop_kernel, (programs * slices,),
-                      (x, dy, dhp, dx, w, stats, slots, pw, pb, stride_x, stride_dy, stride_dh,
-                       M, D), flags)
+    kernel = globals()[plan.kernel]
+    if plan.slices > 1:     # groups of S programs, one per slice of a row, exchanging sums
+        slots = torch.zeros((M, plan.slices), dtype=torch.int64, device=x.device)
+        launch_shared(kernel, plan.grid, (x, dy, dhp, dx, w, stats, slots, pw, pb, stride_x,
+                                          stride_dy, stride_dh, M, D), plan.flags)
     else:
-        c1 = x.new_empty((M,), dtype=torch.float32) if not is_rms else stats
-        c2 = x.new_empty((M,), dtype=torch.float32)
-        norm_bwd_stats_kernel[(M,)](
-            x, dy, w, stats, c1, c2, stride_x, stride_dy, M, D,
-            **cfg.flags(IS_RMS=is_rms, HAS_WEIGHT=has_w, VEC=flags["VEC"]))
-        norm_bwd_chunked_kernel[(programs, -(-D // cfg.BLOCK_D))](
-            x, dy, dhp, dx, w, stats, c1, c2, pw, pb, stride_x, stride_dy, stride_dh, M, D,
-            **flags)
-    if programs > 1 and (has_w or has_b):
-        # the one small reduction, (programs, D) -> (D,), in a fixed order: deterministic
-        norm_bwd_finish_kernel[(-(-D // FINISH_CONFIG.BLOCK_D),)](
-            pw, pb, dweight if has_w else stats, dbias if has_b else stats, programs, D,
-            **_finish_flags(has_w, has_b, D))
+        kernel[plan.grid](x, dy, dhp, dx, w, stats, pw, pb, stride_x, stride_dy, stride_dh, M, D,
+                          **plan.flags)
+    if len(plans) > 1:
+        # the one small reduction, (groups, D) -> (D,), in a fixed order: deterministic
+        finish = plans[1]
+        globals()[finish.kernel][finish.grid](
+            pw, pb, dweight if has_w else stats, dbias if has_b else stats, plan.groups, D,
+            **finish.flags)
     return dx, dweight, dbias
-
-
-@functools.lru_cache(maxsize=4096)
-def _finish_flags(has_w: bool, has_b: bool, D: int) -> dict:
-    cfg = FINISH_CONFIG
-    return dict(HAS_WEIGHT=has_w, HAS_BIAS=has_b, BLOCK_P=cfg.ROWS, BLOCK_D=cfg.BLOCK_D,
-                VEC=_config.vec(D, 4), **cfg.launch())

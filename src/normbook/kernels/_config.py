@@ -1,27 +1,37 @@
-"""Launch configuration: how a (M, D) problem maps onto Triton programs.
+"""Launch configuration as data: how a (M, D) problem maps onto Triton programs.
+
+One kernel per direction, its row split into S slices, plus the backward's small finish
+kernel. A :class:`Plan` is one launch as data: the kernel, its grid, its constexprs and
+launch options, and what the compile report needs to count its traffic.
+:func:`forward_plan` and :func:`backward_plan` build them (cached: a launch computes
+nothing); the launchers run them and ``python -m normbook.kernels.report`` compiles them and
+counts their bytes, so the dispatch exists once.
 
 D and the row strides are runtime arguments, so a new D does not recompile. Only the block
 shape is constexpr, and it is bucketed: BLOCK_D = next_power_of_2(D), so every D in
 (2^(k-1), 2^k] shares one compiled kernel. (Triton's JIT does specialize on D % 16 == 0 and
 on 16-byte-aligned pointers and strides: that is what lets the loads be 128 bits wide.)
 
-- D <= MAX_FUSED_D_FWD (forward) or MAX_FUSED_D_BWD (backward): the whole row lives in
+- S = 1, D <= MAX_FUSED_D_FWD (forward) or MAX_FUSED_D_BWD (backward): the whole row lives in
   registers; statistics take two passes over those registers and HBM is read once. When D is
-  small a program takes several rows (ROWS), so each program still moves a useful number of bytes.
-- wider rows (never refused): each row is split into S slices, one program per slice holding
-  it in registers (``SLICES``: COOP_FWD_BYTES of loads in the forward, COOP_BYTES of x in the
-  backward), and the S programs of a row exchange their partial sums (forward: mean and M2;
-  backward: the shares of c1, c2) through 64-bit slots, launched cooperatively so that all are
-  resident: the row is read once. Rows with more slices than the GPU holds programs (and all
-  wide rows with NORMBOOK_SHARED_ROWS=0, see :func:`shared_rows`) go to
-  kernels that read a row twice: the forward holds its first HOLD columns
-  (:func:`chunked_forward_config`) and reads the rest twice; the backward reads x and dy once
-  for c1, c2 and again for dx.
+  small a program takes several rows (ROWS), so each program still moves a useful number of
+  bytes (``norm_fwd_rows_kernel``, ``norm_bwd_rows_kernel``).
+- S > 1, wider rows: each row is split into S slices, one program per slice holding it in
+  registers (COOP_FWD_BYTES of loads in the forward, COOP_BYTES of x in the backward), and
+  the S programs of a row exchange their partial sums (forward: mean and M2; backward: the
+  shares of c1, c2) through 64-bit slots with a bounded wait, launched cooperatively so that
+  all are resident: the row is read once (``norm_fwd_coop_kernel``, ``norm_bwd_coop_kernel``).
+- Rows with more slices than the device runs programs at once (the interpreter: CPU_SLICES),
+  and every row wider than MAX_FUSED_D_BWD when NORMBOOK_SHARED_ROWS is off
+  (:func:`shared_rows`), have no plan: :func:`kernels_take` says so, and the front door sends
+  them to the torch-ops backend (see there why not a launch without the cooperative
+  attribute).
 - The backward's cap is a quarter of the forward's because it keeps four row-sized fp32 tensors live
   (x, dy and the dweight, dbias partials): at D = 16384 that is about 160 registers per thread
   at 16 warps, over the 128 available, and ptxas spills (see ``python -m normbook.kernels.report``).
-- Backward: a persistent grid of a fixed number of programs, each looping over its rows with
-  fp32 partial sums of dweight and dbias, so the final reduction is small and deterministic.
+- Backward: a persistent grid of a fixed number of programs (groups of S programs), each
+  looping over its rows with fp32 partial sums of dweight and dbias, so the final reduction
+  is small and deterministic.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -39,13 +49,11 @@ MAX_FUSED_D_BWD = 8192    # backward holds x, dy, dweight and dbias partials: 32
 ELEMS_FWD = 32            # values per thread: four 128-bit loads of bf16; 4 warps up to a
                           # 4096-value tile, so three programs share an SM
 MAX_STAGES = 4            # rows kernels: up to three tiles' loads in flight ahead
-CHUNK_STAGES = 3          # chunk loops of wide rows: two chunks' loads in flight ahead
 SMEM_PER_PROGRAM = 64 * 1024   # shared memory for pipelined tiles: two programs fit on sm_80 too
 ELEMS_BWD = 32            # values per thread in the backward: 4 warps (8 at D = 8192), so two
                           # programs (one) share an SM and each pipelines its loads
 
 MAX_WARPS = 32            # 1024 threads, the most a program can have
-CHUNK_D = 4096            # chunk width of the wide-row backward (rows too wide to share)
 COOP_BYTES = 8192         # slice of x per program of the wide-row backward: 4096 bf16 or 2048
                           # fp32 values; its x and dy for the next row (16 KB) are in flight
                           # while it waits for the row's sums, two programs per SM: 32 KB
@@ -56,17 +64,17 @@ COOP_WARPS = 8            # 256 threads, 16 values each (bf16 on sm_90): about 1
 COOP_MAXNREG = 128        # half the register file, so that two programs are resident
 COOP_VALUES_SM80 = 8      # before Hopper, values a thread of it holds: ptxas for sm_80 needs
                           # more registers for 16 and would spill (python -m normbook.kernels.report)
-FWD_CHUNK_BYTES = 16384   # chunk of the wide-row forward past its held head: 8192 bf16 or
-                          # 4096 fp32 values, two chunks (32 KB) in flight ahead
-CHUNK_WARPS = 8
 TILE_ELEMS = 4096         # target elements per tile when several small rows share one
 MAX_ROWS = 32             # at most this many rows per tile
 MIN_BLOCK_D = 16          # narrower blocks only waste the 128-bit loads
 CPU_PROGRAMS = 4          # persistent grid size in the interpreter (any fixed number is deterministic)
 EXCHANGE_POLLS = 1 << 16  # bound of a wait for the other slices of a row: about 50 ms of
                           # L2 reads, far past the programs' skew under a cooperative launch
-CPU_SLICES = 64           # the interpreter's wide backward exchanges sums up to this many slices
-                          # a row (a GPU: as many as it holds programs), past it reads x twice
+CPU_SLICES = 64           # the interpreter shares a row among up to this many slices (it runs
+                          # them one by one: the first program of a row computes every slot)
+FINISH_BLOCK_D = 64       # the finish kernel sums (32, 64) fp32 tiles of partials, 8 KB per
+FINISH_BLOCK_P = 32       # program: narrow column blocks, so D / 64 programs share the reduction
+FINISH_WARPS = 4
 
 
 _ON = ("1", "true", "yes", "on")
@@ -89,11 +97,12 @@ def env_switch(name: str, default: bool) -> bool:
 
 def shared_rows(D: int) -> bool:
     """Whether rows of D values may be shared among programs that exchange sums.
-    NORMBOOK_SHARED_ROWS=0 (or off, false, no) turns the sharing off: wide rows then take the
-    kernels that read a row twice, a way around a GPU or driver that refuses cooperative
-    launches. Read each time a plan is looked up, so that a change takes effect at once (the
-    plans are cached with it); rows narrow enough for one program never share and do not
-    read it, which keeps the environment off the hot path of small rows."""
+    NORMBOOK_SHARED_ROWS=0 (or off, false, no) turns the sharing off: rows wider than
+    MAX_FUSED_D_BWD then have no plan and take the torch-ops backend, a way around a GPU or
+    driver that misbehaves with cooperative launches. Read each time a plan is looked up, so
+    that a change takes effect at once (the plans are cached with it); rows narrow enough for
+    one program never share and do not read it, which keeps the environment off the hot path
+    of small rows."""
     return D > MAX_FUSED_D_BWD and env_switch("NORMBOOK_SHARED_ROWS", True)
 
 
@@ -111,42 +120,62 @@ def next_power_of_2(n: int) -> int:
 
 
 class Config(NamedTuple):
-    """One launch shape. BLOCK_D and ROWS are constexpr; everything else is a runtime argument.
-    (A NamedTuple: it hashes in C, and the launch caches below hash it on every call.)"""
+    """One block shape. BLOCK_D and ROWS are constexpr; everything else is a runtime argument.
+    (A NamedTuple: it hashes in C, and the plan caches below hash it.)"""
 
-    chunked: bool   # D too wide for registers: loop over chunks instead of holding the row
-    BLOCK_D: int    # columns per block: next_power_of_2(D), or CHUNK_D when chunked
-    ROWS: int       # rows per tile, one step of a program's row loop (1 when chunked)
+    BLOCK_D: int    # columns per block: next_power_of_2(D), or a slice's width when SLICES
+    ROWS: int       # rows per tile, one step of a program's row loop (1 for slices)
     num_warps: int
     maxnreg: int    # register cap: the whole register file for one program (see below)
-    HOLD: int = 0   # chunked forward: the row's first HOLD columns stay in registers
-    SLICES: int = 0  # wide backward: next_power_of_2(slices per row), 0 without the exchange
+    SLICES: int = 0  # rows shared by S programs: next_power_of_2(S); 0 for whole rows
 
     def launch(self) -> dict:
         """Launch options. ``maxnreg`` stops ptxas from squeezing a kernel that needs, say,
         34 registers into 32 for occupancy by spilling: it takes what it needs up to the cap."""
         return dict(num_warps=self.num_warps, maxnreg=self.maxnreg)
 
-    def flags(self, stages: int = 1, **constexprs) -> dict:
-        """Keyword arguments of one launch: the flags given, the block shape, the options, and
-        for the rows kernels ROWS and their loop's pipeline stages."""
-        out = dict(constexprs, BLOCK_D=self.BLOCK_D, **self.launch())
-        if self.HOLD:
-            out["HOLD"] = self.HOLD
-        if self.SLICES:
-            out["SLICES"] = self.SLICES
-        if not self.chunked:
-            out.update(ROWS=self.ROWS, NUM_STAGES=stages)
-        return out
+
+class Device(NamedTuple):
+    """What a plan needs to know of a device: its compute capability (see :func:`arch`) and
+    its streaming multiprocessors, 0 for Triton's interpreter (which runs a launch's programs
+    one by one on the CPU). The compile report plans for the model's H200 with one."""
+
+    arch: int
+    sms: int
+
+
+class Plan(NamedTuple):
+    """One launch, as data: what the launcher runs and what the compile report compiles and
+    counts the traffic of. S = ``slices`` programs share each row (1: whole rows, ``rows`` of
+    them per step of a program's loop); ``groups`` persistent groups of S programs each keep
+    one (D,) row of fp32 partials (the backward). The counts say what one row of the problem
+    moves: row-sized tensors read and written, fp32 statistics, (D,) parameter vectors and
+    fp32 partial rows for the whole launch, and ``ahead``, the row-sized tensors whose next
+    tile is loaded while a program works on (or, sharing a row, waits for) the current one."""
+
+    kernel: str          # the @triton.jit function's name in _forward or _backward
+    grid: tuple          # (groups x slices,) programs
+    constexprs: dict     # compile-time arguments (do not mutate: the plan is cached)
+    options: dict        # launch options: num_warps, maxnreg, launch_cooperative_grid
+    flags: dict          # constexprs and options together: the launch's keywords
+    slices: int          # S = cdiv(D, BLOCK_D) programs per row; 1: whole rows
+    groups: int          # persistent programs (of S slices each)
+    rows: int            # ROWS: rows per step of a program's loop
+    per_sm: int          # programs per SM the grid assumes resident (the report checks it)
+    reads: int           # row-sized tensors read, per row
+    writes: int          # row-sized tensors written, per row
+    stats: int           # fp32 statistics per row, read or written
+    params: int          # (D,) parameter vectors read (the finish: written)
+    partials: int        # (D,) fp32 rows of partials, in all: written (the finish: read)
+    ahead: int           # row-sized tensors of a tile in flight ahead of the arithmetic
+    elem_bytes: int      # bytes of one value of those tensors
 
 
 def _config(M: int, D: int, max_fused: int, elems: int) -> Config:
-    if D > max_fused:
-        return Config(True, CHUNK_D, 1, CHUNK_WARPS, maxnreg_for(CHUNK_WARPS))
     block_d = max(MIN_BLOCK_D, next_power_of_2(D))
     rows = max(1, min(MAX_ROWS, TILE_ELEMS // block_d, next_power_of_2(max(M, 1))))
     num_warps = max(1, min(MAX_WARPS, rows * block_d // (32 * elems)))
-    return Config(False, block_d, rows, num_warps, maxnreg_for(num_warps))
+    return Config(block_d, rows, num_warps, maxnreg_for(num_warps))
 
 
 def maxnreg_for(num_warps: int) -> int:
@@ -156,13 +185,12 @@ def maxnreg_for(num_warps: int) -> int:
 @functools.lru_cache(maxsize=4096)
 def forward_config(M: int, D: int, has_residual: bool = False, itemsize: int = 2,
                    arch: int = 90) -> Config:
-    """Block shape of the forward for M rows of length D (cached: called on every launch).
+    """Block shape of the forward for M rows of length D (cached).
     With the fused residual add a thread loads two values per element of its share; in fp32
     those are 64 registers, all a 32-warp thread has, so fp32 rows with the add are held in
     registers only up to MAX_FUSED_D_ADD_FP32. Wider rows: slices whose loads are
-    COOP_FWD_BYTES (x, and the residual) that exchange their statistics (``SLICES``);
-    :func:`forward_plan` falls back to :func:`chunked_forward_config` when a row has more
-    slices than the GPU holds programs. ``arch``: the compute capability (see :func:`arch`)."""
+    COOP_FWD_BYTES (x, and the residual) that exchange their statistics (``SLICES``).
+    ``arch``: the compute capability (see :func:`arch`)."""
     wide_add = has_residual and itemsize > 2
     max_fused = MAX_FUSED_D_ADD_FP32 if wide_add else MAX_FUSED_D_FWD
     if D > max_fused:
@@ -170,54 +198,76 @@ def forward_config(M: int, D: int, has_residual: bool = False, itemsize: int = 2
     return _config(M, D, max_fused, ELEMS_FWD)
 
 
+@functools.lru_cache(maxsize=4096)
+def backward_config(M: int, D: int, narrow: bool = False, itemsize: int = 2,
+                    arch: int = 90) -> Config:
+    """Block shape of the backward for M rows of length D (cached).
+    ``narrow``: loads narrower than 16 bytes (:func:`narrow_loads`), which take more registers
+    per value: half as many values per thread, twice the warps, then. Wider rows than
+    MAX_FUSED_D_BWD: slices of COOP_BYTES (half that with narrow loads) that exchange their
+    sums (``SLICES``). ``arch``: the compute capability (see :func:`arch`)."""
+    if D > MAX_FUSED_D_BWD:
+        return _shared_config(D, COOP_BYTES // itemsize // (2 if narrow else 1), arch)
+    return _config(M, D, MAX_FUSED_D_BWD, ELEMS_BWD // 2 if narrow else ELEMS_BWD)
+
+
 def _shared_config(D: int, block: int, arch: int) -> Config:
     """Slices of ``block`` columns (fewer values a thread before Hopper, see COOP_VALUES_SM80)
     for the kernels that share a row among S programs."""
     if arch < 90:
         block = min(block, COOP_VALUES_SM80 * 32 * COOP_WARPS)
-    return Config(True, block, 1, COOP_WARPS, COOP_MAXNREG, SLICES=next_power_of_2(-(-D // block)))
+    return Config(block, 1, COOP_WARPS, COOP_MAXNREG, SLICES=next_power_of_2(-(-D // block)))
 
 
-def chunked_forward_config(has_residual: bool, itemsize: int) -> Config:
-    """The one-program-per-row forward for rows too wide to share: it holds as much of the row
-    as one program can without spills (HOLD columns) and streams the rest twice."""
-    hold = MAX_FUSED_D_FWD if itemsize <= 2 and not has_residual else MAX_FUSED_D_FWD // 2
-    return Config(True, FWD_CHUNK_BYTES // itemsize, 1, MAX_WARPS, maxnreg_for(MAX_WARPS),
-                  HOLD=hold)
+def resident_per_sm(cfg: Config) -> int:
+    """Programs of a persistent kernel that one SM holds, which sizes its grid.
+
+    At most 255 registers per thread (the launch's maxnreg) means a 4-warp program takes at
+    most 32K of the 64K registers, so two fit; an 8-warp program or wider, one (two of the
+    wide kernels', capped at COOP_MAXNREG). Pipelined tiles take at most SMEM_PER_PROGRAM of
+    shared memory each. The compile report checks it against the registers and shared memory
+    each kernel really needs.
+    """
+    return max(1, min(64 // cfg.num_warps, 65536 // (cfg.maxnreg * 32 * cfg.num_warps)))
 
 
-def chunked_backward_config() -> Config:
-    """The two-read backward for rows too wide to share: c1, c2 chunk by chunk, then dx on a
-    grid of (programs, chunks of CHUNK_D)."""
-    return Config(True, CHUNK_D, 1, CHUNK_WARPS, maxnreg_for(CHUNK_WARPS))
+def persistent_programs(tiles: int, sms: int, per_sm: int) -> int:
+    """Grid size of a persistent kernel: as many programs as the GPU holds
+    at once (``per_sm`` on each of its ``sms`` SMs; 0 SMs means Triton's
+    interpreter, which takes CPU_PROGRAMS), never more than the tiles.
+
+    The count depends only on the device and the shapes, so two runs with
+    the same shapes split the rows the same way and sum the backward's
+    partials in the same order: bitwise equal.
+    """
+    # the interpreter: any fixed number is deterministic
+    programs = per_sm * sms if sms else CPU_PROGRAMS
+    return max(1, min(programs, tiles))
 
 
-def coop_groups(M: int, D: int, cfg: Config, device_index: int, shared: bool = True) -> int:
-    """Groups of S = cdiv(D, BLOCK_D) programs that a wide kernel exchanging sums launches
-    (grid: groups x S), or 0 when a row has more slices than can run at once: every program
-    of a GPU's grid must be resident (the interpreter, which runs them one by one, takes up to
-    CPU_SLICES slices and CPU_PROGRAMS groups). 0 as well when ``shared`` is off
-    (:func:`shared_rows`)."""
-    if not shared:
-        return 0
-    if device_index < 0:
-        return min(M, CPU_PROGRAMS) if -(-D // cfg.BLOCK_D) <= CPU_SLICES else 0
-    return shared_groups(M, D, cfg, persistent_programs(1 << 62, device_index, resident_per_sm(cfg)))
+def shared_capacity(cfg: Config, dev: Device) -> int:
+    """Programs that share rows and can all run at once: what a GPU holds of them (all of a
+    cooperative grid must be resident), or CPU_SLICES in the interpreter."""
+    return resident_per_sm(cfg) * dev.sms if dev.sms else CPU_SLICES
 
 
-def shared_groups(M: int, D: int, cfg: Config, resident: int) -> int:
-    """Groups of S = cdiv(D, BLOCK_D) programs when ``resident`` programs run at once (all of
-    a cooperative grid must): as many as fit, at most one per row; 0 when S > resident."""
+def shared_groups(M: int, D: int, cfg: Config, dev: Device) -> int:
+    """Groups of S = cdiv(D, BLOCK_D) programs, all resident at once: as many as fit, at most
+    one per row (CPU_PROGRAMS at most in the interpreter); 0 when S exceeds
+    :func:`shared_capacity`: no plan shares such rows."""
     slices = -(-D // cfg.BLOCK_D)
-    return max(1, min(M, resident // slices)) if slices <= resident else 0
+    capacity = shared_capacity(cfg, dev)
+    if slices > capacity:
+        return 0
+    return max(1, min(M, CPU_PROGRAMS if not dev.sms else capacity // slices))
 
 
-def coop_flags(device_index: int) -> dict:
+def coop_flags(dev: Device) -> dict:
     """How a kernel exchanging sums is launched: on a GPU cooperatively (all programs resident
     at once, so that no wait runs out; see :func:`launch_shared` for a refusal) and with waits
     of at most EXCHANGE_POLLS reads; in the interpreter, which runs programs one by one, with
     waits of 0 reads (a program computes and publishes a slot still empty itself)."""
-    if device_index < 0:
+    if not dev.sms:
         return dict(POLLS=0)
     return dict(POLLS=EXCHANGE_POLLS, launch_cooperative_grid=True)
 
@@ -266,60 +316,122 @@ def narrow_loads(D: int, itemsize: int, strides: int = 0) -> bool:
     return (D | strides) & 15 != 0 and vec(D, itemsize, strides) * itemsize < 16
 
 
+@functools.lru_cache(maxsize=64)
+def arch(device_index: int) -> int:
+    """Compute capability of CUDA device ``device_index`` as 80, 90, ...; 90 for the
+    interpreter (-1), whose launch shapes are those of the goal's GPU."""
+    if device_index < 0:
+        return 90
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return 10 * major + minor
+
+
+@functools.lru_cache(maxsize=64)
+def device(device_index) -> Device:
+    """The :class:`Device` of Tensor.get_device() (-1: the interpreter); a Device is itself."""
+    if isinstance(device_index, Device):
+        return device_index
+    if device_index < 0:
+        return Device(90, 0)
+    return Device(arch(device_index),
+                  torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def _plan(kernel: str, grid: int, constexprs: dict, options: dict, **counts) -> Plan:
+    return Plan(kernel, (grid,), constexprs, options, dict(constexprs, **options), **counts)
+
+
+def _rows_plan(kernel: str, M: int, D: int, cfg: Config, dev: Device, itemsize: int, inputs: int,
+               flags: dict, **counts) -> Plan:
+    """S = 1: a persistent grid of what the GPU holds, each program ROWS whole rows a step,
+    with its row loop's pipeline stages (``inputs``: row-sized tensors it loads)."""
+    per_sm = resident_per_sm(cfg)
+    groups = persistent_programs(-(-M // cfg.ROWS), dev.sms, per_sm)
+    constexprs = dict(flags, ROWS=cfg.ROWS, BLOCK_D=cfg.BLOCK_D,
+                      NUM_STAGES=num_stages(cfg, itemsize, inputs))
+    return _plan(kernel, groups, constexprs, cfg.launch(), slices=1, groups=groups,
+                 rows=cfg.ROWS, per_sm=per_sm, ahead=inputs, elem_bytes=itemsize, **counts)
+
+
+def _shared_plan(kernel: str, M: int, D: int, cfg: Config, dev: Device, itemsize: int,
+                 ahead: int, flags: dict, **counts) -> Optional[Plan]:
+    """S > 1: groups of S programs, one per slice of a row, exchanging sums; None when a row
+    has more slices than can run at once (:func:`shared_groups`)."""
+    groups = shared_groups(M, D, cfg, dev)
+    if not groups:
+        return None
+    slices = -(-D // cfg.BLOCK_D)
+    coop = coop_flags(dev)
+    constexprs = dict(flags, BLOCK_D=cfg.BLOCK_D, SLICES=cfg.SLICES, POLLS=coop["POLLS"])
+    options = dict(cfg.launch(), **{k: v for k, v in coop.items() if k != "POLLS"})
+    return _plan(kernel, groups * slices, constexprs, options, slices=slices, groups=groups,
+                 rows=1, per_sm=resident_per_sm(cfg), ahead=ahead, elem_bytes=itemsize, **counts)
+
+
 @functools.lru_cache(maxsize=4096)
-def forward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool,
+def forward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool,
                  has_residual: bool, has_weight: bool, has_bias: bool,
-                 strides: int = 0, shared: bool = True) -> tuple[Config, tuple, dict]:
-    """(config, grid, launch keywords) of the forward on a device (Tensor.get_device(): -1 for
-    the CPU), cached: a launch computes and builds nothing. Rows in registers: a persistent
-    grid of what the GPU holds, with the row loop's pipeline stages. ``strides``: the low four
-    bits of the row strides ORed (see :func:`vec`); ``shared``: :func:`shared_rows`."""
-    cfg = forward_config(M, D, has_residual, itemsize, arch(device_index))
+                 strides: int = 0, shared: bool = True) -> Optional[tuple[Plan]]:
+    """The forward's launches, one :class:`Plan`, on a device (Tensor.get_device(): -1 for the
+    interpreter; or a :class:`Device`), cached: a launch computes and builds nothing. None when
+    no plan takes the rows (too wide to share, or ``shared`` off: :func:`shared_rows`).
+    ``strides``: the low four bits of the row strides ORed (see :func:`vec`)."""
+    dev = device(device_index)
+    cfg = forward_config(M, D, has_residual, itemsize, dev.arch)
     flags = dict(IS_RMS=is_rms, HAS_RESIDUAL=has_residual, HAS_WEIGHT=has_weight,
                  HAS_BIAS=has_bias, VEC=vec(D, itemsize, strides))
-    if cfg.SLICES:
-        groups = coop_groups(M, D, cfg, device_index, shared)
-        if groups:
-            return cfg, (groups * -(-D // cfg.BLOCK_D),), cfg.flags(**flags,
-                                                                   **coop_flags(device_index))
-        cfg = chunked_forward_config(has_residual, itemsize)
-    if cfg.chunked:
-        grid = (M,)
-    else:
-        grid = (persistent_programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg)),)
-    return cfg, grid, cfg.flags(num_stages(cfg, itemsize, 2 if has_residual else 1), **flags)
+    inputs = 2 if has_residual else 1                  # x (and the residual) in, y (and h) out
+    counts = dict(reads=inputs, writes=inputs, stats=1 if is_rms else 2,
+                  params=int(has_weight) + int(has_bias), partials=0)
+    if not cfg.SLICES:
+        return (_rows_plan("norm_fwd_rows_kernel", M, D, cfg, dev, itemsize, inputs, flags,
+                           **counts),)
+    if not shared:
+        return None
+    plan = _shared_plan("norm_fwd_coop_kernel", M, D, cfg, dev, itemsize, inputs, flags, **counts)
+    return None if plan is None else (plan,)
 
 
 @functools.lru_cache(maxsize=4096)
-def backward_plan(M: int, D: int, device_index: int, itemsize: int, is_rms: bool, has_dh: bool,
+def backward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool, has_dh: bool,
                   has_weight: bool, has_bias: bool, strides: int = 0,
-                  shared: bool = True) -> tuple[Config, int, dict]:
-    """(config, persistent programs, launch keywords) of the backward on a device, cached as
-    :func:`forward_plan`. With ``cfg.SLICES`` the programs are groups of S cooperating
-    programs (the grid is programs x S, launched cooperatively: all resident at once, or the
-    launch fails instead of waiting forever), each group one row of partial sums."""
-    cfg = backward_config(M, D, narrow_loads(D, itemsize, strides), itemsize, arch(device_index))
+                  shared: bool = True) -> Optional[tuple[Plan, ...]]:
+    """The backward's launches on a device, cached as :func:`forward_plan`: the kernel, then,
+    when several groups kept partials of dweight or dbias, the finish that sums them. None
+    when no plan takes the rows."""
+    dev = device(device_index)
+    cfg = backward_config(M, D, narrow_loads(D, itemsize, strides), itemsize, dev.arch)
     flags = dict(IS_RMS=is_rms, HAS_DH=has_dh, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias,
                  VEC=vec(D, itemsize, strides))
-    if cfg.SLICES:      # programs = groups of S programs, one group per row at a time
-        groups = coop_groups(M, D, cfg, device_index, shared)
-        if groups:
-            return cfg, groups, cfg.flags(**flags, **coop_flags(device_index))
-        cfg = chunked_backward_config()
-    programs = persistent_programs(-(-M // cfg.ROWS), device_index, resident_per_sm(cfg))
-    return cfg, programs, cfg.flags(num_stages(cfg, itemsize, 3 if has_dh else 2), **flags)
+    n_par = int(has_weight) + int(has_bias)
+    counts = dict(reads=2 + has_dh, writes=1, stats=1 if is_rms else 2, params=int(has_weight))
+    if not cfg.SLICES:
+        main = _rows_plan("norm_bwd_rows_kernel", M, D, cfg, dev, itemsize, 2 + has_dh, flags,
+                          partials=0, **counts)
+    elif not shared:
+        return None
+    else:   # the next row's x and dy are in flight while a program waits (dh comes after)
+        main = _shared_plan("norm_bwd_coop_kernel", M, D, cfg, dev, itemsize, 2, flags,
+                            partials=0, **counts)
+        if main is None:
+            return None
+    if main.groups == 1 or not n_par:      # one group writes dweight and dbias itself
+        return (main,)
+    main = main._replace(partials=main.groups * n_par)
+    return main, finish_plan(D, has_weight, has_bias, main.groups)
 
 
-def resident_per_sm(cfg: Config) -> int:
-    """Programs of a persistent rows kernel that one SM holds, which sizes its grid.
-
-    At most 255 registers per thread (the launch's maxnreg) means a 4-warp program takes at
-    most 32K of the 64K registers, so two fit; an 8-warp program or wider, one (two of the
-    wide backward's, capped at COOP_MAXNREG). Pipelined
-    tiles take at most SMEM_PER_PROGRAM of shared memory each. The compile report checks it
-    against the registers and shared memory each kernel really needs.
-    """
-    return max(1, min(64 // cfg.num_warps, 65536 // (cfg.maxnreg * 32 * cfg.num_warps)))
+def finish_plan(D: int, has_weight: bool, has_bias: bool, groups: int) -> Plan:
+    """(groups, D) fp32 partials summed in a fixed order into dweight and dbias: column blocks
+    of FINISH_BLOCK_D, FINISH_BLOCK_P partial rows a step."""
+    cfg = Config(FINISH_BLOCK_D, FINISH_BLOCK_P, FINISH_WARPS, maxnreg_for(FINISH_WARPS))
+    n_par = int(has_weight) + int(has_bias)
+    constexprs = dict(HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, BLOCK_P=FINISH_BLOCK_P,
+                      BLOCK_D=FINISH_BLOCK_D, VEC=vec(D, 4))
+    return _plan("norm_bwd_finish_kernel", -(-D // FINISH_BLOCK_D), constexprs, cfg.launch(),
+                 slices=1, groups=1, rows=FINISH_BLOCK_P, per_sm=resident_per_sm(cfg), reads=0,
+                 writes=0, stats=0, params=n_par, partials=groups * n_par, ahead=n_par,
+                 elem_bytes=4)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -340,46 +452,63 @@ def num_stages(cfg: Config, itemsize: int, inputs: int) -> int:
     return min(MAX_STAGES, 1 + SMEM_PER_PROGRAM // tile)
 
 
-@functools.lru_cache(maxsize=64)
-def arch(device_index: int) -> int:
-    """Compute capability of CUDA device ``device_index`` as 80, 90, ...; 90 for the
-    interpreter (-1), whose launch shapes are those of the goal's GPU."""
-    if device_index < 0:
-        return 90
-    major, minor = torch.cuda.get_device_capability(device_index)
-    return 10 * major + minor
+def kernels_take(D: int, itemsize: int, has_residual: bool, device_index: int) -> bool:
+    """Whether the kernels take rows of D values (of ``itemsize`` bytes, with or without the
+    fused residual add) on device ``device_index`` (-1: the interpreter), both directions:
+    True for every D <= MAX_FUSED_D_BWD without reading anything; past it, only when
+    NORMBOOK_SHARED_ROWS is on (read at every call, :func:`shared_rows`) and a row's slices
+    all run at once (cached per shape and device). The front door sends the rest to the
+    torch-ops backend.
 
-
-@functools.lru_cache(maxsize=4096)
-def backward_config(M: int, D: int, narrow: bool = False, itemsize: int = 2,
-                    arch: int = 90) -> Config:
-    """Block shape of the backward for M rows of length D (cached: called on every launch).
-    ``narrow``: loads narrower than 16 bytes (:func:`narrow_loads`), which take more registers
-    per value: half as many values per thread, twice the warps, then. Wider rows than
-    MAX_FUSED_D_BWD: slices of COOP_BYTES (half that with narrow loads) that exchange their
-    sums (``SLICES``); :func:`backward_plan` falls back to the two-read kernels when a row has
-    more slices than the GPU holds programs. ``arch``: the compute capability (see :func:`arch`)."""
-    if D > MAX_FUSED_D_BWD:
-        return _shared_config(D, COOP_BYTES // itemsize // (2 if narrow else 1), arch)
-    return _config(M, D, MAX_FUSED_D_BWD, ELEMS_BWD // 2 if narrow else ELEMS_BWD)
-
-
-@functools.lru_cache(maxsize=4096)
-def persistent_programs(tiles: int, device_index: int, per_sm: int) -> int:
-    """Grid size of a persistent kernel: as many programs as the GPU holds
-    at once (``per_sm`` on each SM of CUDA device ``device_index``; -1,
-    Tensor.get_device() of a CPU tensor, means the interpreter), never more
-    than the tiles.
-
-    The count depends only on the device and the shapes, so two runs with
-    the same shapes split the rows the same way and sum the backward's
-    partials in the same order: bitwise equal.
+    Why not run such rows on the sharing kernel without the cooperative attribute, which
+    its bounded wait makes correct at any residency? Only R programs of the S > R of a row
+    run at once; each publishes its slice, waits the full bound (EXCHANGE_POLLS reads,
+    about 50 ms) and then computes every slice still missing itself, so a row is read
+    :func:`normbook.bench.model.unshared_reads` (S, R) times, 1 + R (S - R) / S: at S = 2R
+    on an H200 (R = 264 slices of 4096 bf16 values in the backward, rows of over a million
+    values) that is 133 reads of each row, where torch ops take a few dozen passes at most
+    (autograd through the composed LayerNorm: 12 forward, 33 backward, counted by
+    :func:`normbook.bench.counting.count`). Such rows are rare; torch ops serve them faster.
     """
-    if device_index >= 0:
-        programs = per_sm * torch.cuda.get_device_properties(
-            device_index
-        ).multi_processor_count
+    if D <= MAX_FUSED_D_BWD:
+        return True
+    return shared_rows(D) and _fits(D, itemsize, has_residual, device_index)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fits(D: int, itemsize: int, has_residual: bool, device_index) -> bool:
+    """Both directions have a plan for rows of D with contiguous rows (any M: one row is
+    the hardest to fit, it needs one group)."""
+    return (forward_plan(1, D, device_index, itemsize, False, has_residual, True, True) is not None
+            and backward_plan(1, D, device_index, itemsize, False, has_residual, True,
+                              True) is not None)
+
+
+def widest_shared(direction: str, itemsize: int, has_residual: bool, device_index,
+                  narrow: bool = False) -> int:
+    """The widest row a direction has a plan for on the device, whole in one program or
+    shared by slices that all run at once (for the launchers' error)."""
+    dev = device(device_index)
+    if direction == "fwd":
+        held = MAX_FUSED_D_ADD_FP32 if has_residual and itemsize > 2 else MAX_FUSED_D_FWD
+        cfg = forward_config(1, 1 << 40, has_residual, itemsize, dev.arch)
     else:
-        # the interpreter: any fixed number is deterministic
-        programs = CPU_PROGRAMS
-    return max(1, min(programs, tiles))
+        held = MAX_FUSED_D_BWD
+        cfg = backward_config(1, 1 << 40, narrow, itemsize, dev.arch)
+    return max(held, shared_capacity(cfg, dev) * cfg.BLOCK_D)
+
+
+def refusal(direction: str, D: int, itemsize: int, has_residual: bool, device_index,
+            narrow: bool = False) -> ValueError:
+    """The launchers' error for rows that no plan takes, naming D and the limit."""
+    name = dict(fwd="norm_forward", bwd="norm_backward")[direction]
+    if not shared_rows(D):
+        limit = MAX_FUSED_D_BWD if direction == "bwd" else MAX_FUSED_D_FWD
+        return ValueError(f"{name}: rows of D = {D} values are wider than {limit}, the widest "
+                          "one program holds, and NORMBOOK_SHARED_ROWS is off; use the torch-ops "
+                          "backend (normbook.layer_norm / normbook.rms_norm route such rows there)")
+    limit = widest_shared(direction, itemsize, has_residual, device_index, narrow)
+    odd = ", for rows whose loads are narrower than 16 bytes" if narrow else ""
+    return ValueError(f"{name}: rows of D = {D} values need more programs sharing a row than the "
+                      f"device runs at once (at most D = {limit} here{odd}); use the torch-ops "
+                      "backend (normbook.layer_norm / normbook.rms_norm route such rows there)")

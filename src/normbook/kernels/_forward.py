@@ -9,12 +9,12 @@ Kernels, chosen by row length (see ``_config``):
   row loop is software-pipelined (the next tiles' loads in flight while one is normalized).
 - ``norm_fwd_coop_kernel``: rows too wide for one program's registers, shared by S programs, a
   column slice each, held in registers; the slices' means and M2 are exchanged through 64-bit
-  slots and merged by (kern-chan), so the row is read once.
-- ``norm_fwd_chunked_kernel``: rows with more slices than the GPU holds programs, one per
-  program: the
-  first HOLD columns held in registers, the rest in chunks read once per pass; the statistics
-  of the held head and of each chunk are merged with Chan's formula, equation (kern-chan) of
-  "Kernels" (never the cancelling E[x^2] - E[x]^2 of (kern-naive-var)).
+  slots and merged by Chan's formula, (kern-chan-all) of "Kernels" (never the cancelling
+  E[x^2] - E[x]^2 of (kern-naive-var)), so the row is read once.
+
+Which one, with what grid and flags, is a plan (``_config.forward_plan``): the launcher runs
+it, the compile report compiles it. Rows with more slices than the device runs at once have
+no plan (``_config.kernels_take``).
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from normbook.kernels import _config
-from normbook.kernels._config import forward_plan, launch_shared, other_device, shared_rows
+from normbook.kernels._config import (forward_plan, launch_shared, other_device, refusal,
+                                      shared_rows)
 
 FP32_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)   # torch.finfo(torch.float32).tiny
 FP32_MAX = tl.constexpr(3.4028234663852886e38)           # torch.finfo(torch.float32).max
-CHUNK_STAGES = tl.constexpr(_config.CHUNK_STAGES)
 
 
 @triton.jit
@@ -121,8 +120,8 @@ def _claim(slot, value):
 
 @triton.jit
 def _load_add(X, R, H, row, stride_x, stride_r, D, c, mask, HAS_RESIDUAL: tl.constexpr):
-    """Columns c of one row of the norm's input, fp32, in the chunked forward's first pass: x,
-    or h = x + residual, stored to H in its dtype and used as stored."""
+    """Columns c of one row of the norm's input, fp32: x, or h = x + residual, stored to H in
+    its dtype and used as stored (the sharing kernel computing a late program's slice)."""
     x = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(R + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
@@ -134,28 +133,11 @@ def _load_add(X, R, H, row, stride_x, stride_r, D, c, mask, HAS_RESIDUAL: tl.con
 
 @triton.jit
 def _reload(X, H, row, stride_x, D, c, mask, HAS_RESIDUAL: tl.constexpr):
-    """The same columns in a later pass: x, or the h that the first pass stored (one tensor
-    where x and the residual were two; a barrier after that pass orders the stores first)."""
+    """The same columns again, after the row's slots are complete: x, or the h stored before
+    (one tensor where x and the residual were two)."""
     if HAS_RESIDUAL:
         return tl.load(H + row * D + c, mask=mask, other=0.0).to(tl.float32)
     return tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _merge(n, mean, m2, x, mask, n_b, IS_RMS: tl.constexpr):
-    """One block of n_b values x into the row's running (n, mean, M2) by Chan's formula
-    (kern-chan), the block's own statistics two-pass in registers; from n = 0 it returns the
-    block's own. RMSNorm: M2 is the sum of squares (rms-ms), no mean."""
-    if IS_RMS:
-        return n + n_b, mean, m2 + tl.sum(x * x, axis=0)
-    m_b = tl.sum(x, axis=0) / n_b
-    xc = tl.where(mask, x - m_b, 0.0)
-    delta = m_b - mean
-    n_new = n + n_b
-    # delta * (delta * w), not delta^2 * w: on the first block (n = 0, w = 0) delta is the
-    # block's mean, whose square overflows for values past 1e19, and inf * 0 would be NaN
-    return (n_new, mean + delta * (n_b / n_new),
-            m2 + tl.sum(xc * xc, axis=0) + delta * (delta * (n * n_b / n_new)))
 
 
 @triton.jit
@@ -301,87 +283,6 @@ def norm_fwd_rows_kernel(
         else:
             tl.store(Stats + rows, mean, mask=row_mask)
             tl.store(Stats + M + rows, rstd, mask=row_mask)
-
-
-@triton.jit
-def norm_fwd_chunked_kernel(
-    X,                       # (M, D) input, rows stride_x apart
-    R,                       # (M, D) residual, rows stride_r apart (read if HAS_RESIDUAL)
-    H,                       # (M, D) output h = x + residual, contiguous (if HAS_RESIDUAL)
-    Y,                       # (M, D) output y, contiguous
-    W,                       # (D,) weight gamma (if HAS_WEIGHT)
-    B,                       # (D,) bias beta (if HAS_BIAS)
-    Stats,                   # (2, M) fp32 output: mean [0], rstd [1]; RMSNorm (1, M): rstd
-    stride_x,                # row stride of X, in elements
-    stride_r,                # row stride of R, in elements
-    M,                       # number of rows
-    D,                       # row length, any size
-    eps,                     # fp32, added inside the square root
-    IS_RMS: tl.constexpr,    # RMSNorm: no mean, no bias
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_D: tl.constexpr,   # chunk width of the columns past HOLD
-    HOLD: tl.constexpr,      # columns [0, HOLD) stay in registers between the passes (HOLD <= D)
-    VEC: tl.constexpr,       # D and the strides are multiples of VEC (see _config.vec)
-):
-    """(ln-mean) to (ln-y), (rms-ms), (rms-y) for rows too wide for the registers; statistics by
-    (kern-chan). The row's first HOLD columns are read once and held in registers; only the
-    columns past them are read twice (once per pass)."""
-    D = multiple(D, VEC)
-    stride_x = multiple(stride_x, VEC)
-    stride_r = multiple(stride_r, VEC)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-
-    # Pass 1, statistics. The held head, then each chunk, gets its own count n_b, mean m_b and
-    # sum of squared deviations M2_b, two-pass in registers; Chan's formula merges it into the
-    # running row:
-    #   delta = m_b - mean,  n' = n + n_b,  mean += delta n_b / n',  M2 += M2_b + delta^2 n n_b / n'.
-    # Every term is a sum of squares or a small correction: no cancellation.
-    hc = tl.arange(0, HOLD)
-    hmask = tl.full((HOLD,), True, tl.int1)       # HOLD <= D: a constant the compiler folds
-    x_held = _load_add(X, R, H, row, stride_x, stride_r, D, hc, hmask, HAS_RESIDUAL)
-    amax = tl.max(tl.abs(x_held), axis=0)                        # max |x|, for an overflow
-    n, mean, m2 = _merge(0.0, 0.0, 0.0, x_held, hmask, HOLD * 1.0, IS_RMS)
-    for start in tl.range(HOLD, D, BLOCK_D, num_stages=CHUNK_STAGES):
-        c = start + cols
-        mask = c < D
-        x = _load_add(X, R, H, row, stride_x, stride_r, D, c, mask, HAS_RESIDUAL)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-        n, mean, m2 = _merge(n, mean, m2, x, mask, tl.minimum(D - start, BLOCK_D).to(tl.float32),
-                             IS_RMS)
-    if HAS_RESIDUAL:
-        # h is read back from here on: every thread's stores of it before any thread's loads
-        tl.debug_barrier()
-    var = m2 / D                                                 # (ln-var)
-    if var > FP32_MAX:
-        # squares overflowed (values past about 1e19): the sum again on (x - mean) / amax,
-        # which cannot overflow, in one more pass; amax comes back out of the root
-        m2s = 0.0
-        for start in range(0, D, BLOCK_D):
-            c = start + cols
-            mask = c < D
-            x = _reload(X, H, row, stride_x, D, c, mask, HAS_RESIDUAL)
-            u = tl.where(mask, (x if IS_RMS else x - mean) / amax, 0.0)
-            m2s += tl.sum(u * u, axis=0)
-        rstd = tl.math.rsqrt(m2s / D) / amax
-    else:
-        rstd = tl.math.rsqrt(_clamp_tiny(var + eps))             # (ln-rstd)
-    if IS_RMS:
-        tl.store(Stats + row, rstd)
-    else:
-        tl.store(Stats + row, mean)
-        tl.store(Stats + M + row, rstd)
-
-    # Pass 2, normalize: the held head from registers, the rest read again (from L2 for rows
-    # that fit there).
-    _normalize_store(Y, W, B, row, D, hc, hmask, x_held, mean, rstd, IS_RMS, HAS_WEIGHT, HAS_BIAS)
-    for start in tl.range(HOLD, D, BLOCK_D, num_stages=CHUNK_STAGES):
-        c = start + cols
-        mask = c < D
-        x = _reload(X, H, row, stride_x, D, c, mask, HAS_RESIDUAL)
-        _normalize_store(Y, W, B, row, D, c, mask, x, mean, rstd, IS_RMS, HAS_WEIGHT, HAS_BIAS)
 
 
 @triton.jit
@@ -561,6 +462,9 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
         y: (M, D) contiguous, x's dtype; h: (M, D) x + residual, or None without a residual;
         stats: fp32, what backward needs, (2, M) for LayerNorm (mean, rstd) and (1, M) for
         RMSNorm (rstd): ``stats[-1]`` is rstd either way.
+
+    Raises:
+        ValueError: rows that no plan takes (:func:`normbook.kernels._config.kernels_take`).
     """
     M, D = x.shape
     device = x.get_device()
@@ -576,16 +480,18 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
         return y, h, stats
     r = residual if residual is not None else x      # placeholders: never touched when absent
     stride_x, stride_r = x.stride(0), r.stride(0)
-    cfg, grid, flags = forward_plan(M, D, device, x.element_size(), is_rms,
-                                    residual is not None, weight is not None, bias is not None,
-                                    (stride_x | stride_r) & 15, shared_rows(D))
+    plans = forward_plan(M, D, device, x.element_size(), is_rms, residual is not None,
+                         weight is not None, bias is not None, (stride_x | stride_r) & 15,
+                         shared_rows(D))
+    if plans is None:
+        raise refusal("fwd", D, x.element_size(), residual is not None, device)
+    plan = plans[0]
+    kernel = globals()[plan.kernel]
     args = (x, r, h if h is not None else y, y, weight if weight is not None else x,
             bias if bias is not None else x, stats, stride_x, stride_r, M, D, eps)
-    if cfg.SLICES:          # groups of S programs, one per slice of a row, exchanging sums
-        slots = torch.zeros((M, -(-D // cfg.BLOCK_D)), dtype=torch.int64, device=x.device)
-        launch_shared(norm_fwd_coop_kernel, grid, (*args[:7], slots, *args[7:]), flags)
-    elif cfg.chunked:
-        norm_fwd_chunked_kernel[grid](*args, **flags)
+    if plan.slices > 1:     # groups of S programs, one per slice of a row, exchanging sums
+        slots = torch.zeros((M, plan.slices), dtype=torch.int64, device=x.device)
+        launch_shared(kernel, plan.grid, (*args[:7], slots, *args[7:]), plan.flags)
     else:
-        norm_fwd_rows_kernel[grid](*args, **flags)
+        kernel[plan.grid](*args, **plan.flags)
     return y, h, stats

@@ -37,9 +37,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from normbook.bench import bytemodel, model  # noqa: E402
 from normbook.kernels import _backward, _forward  # noqa: E402
 from normbook.kernels._config import (  # noqa: E402
-    COOP_MAXNREG, EXCHANGE_POLLS, MAX_FUSED_D_FWD, MAX_WARPS, Config, backward_config,
-    chunked_backward_config, chunked_forward_config, forward_config, narrow_loads, num_stages,
-    resident_per_sm, shared_groups, vec)
+    MAX_FUSED_D_FWD, MAX_WARPS, Device, Plan, backward_plan, forward_plan, narrow_loads)
 
 M_REPORT = 32768                                   # the batch of the performance goal
 ARCHS = (80, 90)
@@ -48,7 +46,7 @@ DTYPES = ("bf16", "fp32")
 DS = (760, 1024, 2048, 3000, 4096, 8192, 12288, 16384, 32768, 65536, 131072)
 QUICK = dict(archs=(90,), dtypes=("bf16",), ds=(3000, 65536), residual_d=3000)
 ROW_TENSORS = {"X", "R", "H", "Y", "W", "B", "DY", "DH", "DX"}   # input dtype (weight too, here)
-FP32_TENSORS = {"Stats", "DW", "DB", "PW", "PB", "C1", "C2", "Mean", "Rstd"}           # statistics and partials
+FP32_TENSORS = {"Stats", "DW", "DB", "PW", "PB", "Mean", "Rstd"}    # statistics and partials
 
 
 def _jit(kernel):
@@ -56,98 +54,42 @@ def _jit(kernel):
     return kernel if isinstance(kernel, triton.runtime.JITFunction) else triton.JITFunction(kernel.fn)
 
 
-def launches(D: int, is_rms: bool, residual: bool, dtype: str = "bf16", arch: int = 90):
-    """(kernel, constexprs, launch options) of every kernel that one forward and one backward run."""
-    flags = dict(IS_RMS=is_rms, HAS_WEIGHT=True)
-    fwd_flags = dict(flags, HAS_RESIDUAL=residual, HAS_BIAS=not is_rms)
-    bwd_flags = dict(flags, HAS_DH=residual, HAS_BIAS=not is_rms)
+def launches(D: int, is_rms: bool, residual: bool, dtype: str = "bf16", arch: int = 90,
+             M: int = M_REPORT, sms: int = model.H200["sms"]) -> list[Plan]:
+    """The plans of one forward and one backward (weight, and bias for LayerNorm), as the
+    launchers make them for M rows on a GPU of ``sms`` SMs: the same functions, the same
+    cache. Empty for a direction that has no plan for rows of D."""
+    dev, e = Device(arch, sms), bytemodel.itemsize(dtype)
+    fwd = forward_plan(M, D, dev, e, is_rms, residual, True, not is_rms)
+    bwd = backward_plan(M, D, dev, e, is_rms, residual, True, not is_rms)
+    return [*(fwd or ()), *(bwd or ())]
+
+
+def kernel_of(plan: Plan):
+    """The @triton.jit function a plan launches."""
+    return getattr(_forward if plan.kernel.startswith("norm_fwd") else _backward, plan.kernel)
+
+
+def direction(plan: Plan) -> str:
+    return "fwd" if plan.kernel.startswith("norm_fwd") else "bwd"
+
+
+def traffic(plan: Plan, D: int, dtype: str, M: int = M_REPORT) -> dict:
+    """What one launch moves, counted from its plan: HBM bytes per row of the problem (its
+    row-sized tensors read and written, the fp32 statistics, 16 bytes per slot of a shared row:
+    zeroed, then exchanged at L2 and written back at most once; the parameters and the fp32
+    partials, once per launch), the bytes of loads one program has in flight per step of its
+    loop (its tile), its grid, and for programs that share rows the bytes of a step, which
+    must outlast their exchange."""
     e = bytemodel.itemsize(dtype)
-    fwd = forward_config(M_REPORT, D, residual, e, arch)
-    bwd = backward_config(M_REPORT, D, narrow_loads(D, e), e, arch)
-    flags["VEC"] = fwd_flags["VEC"] = bwd_flags["VEC"] = vec(D, e)     # contiguous rows
-    out = []
-    if fwd.SLICES and _groups(fwd, D):
-        out.append((_forward.norm_fwd_coop_kernel,
-                    dict(fwd_flags, BLOCK_D=fwd.BLOCK_D, SLICES=fwd.SLICES, POLLS=EXCHANGE_POLLS), fwd, "fwd"))
-    elif fwd.chunked:
-        fwd = chunked_forward_config(residual, e)
-        out.append((_forward.norm_fwd_chunked_kernel, dict(fwd_flags, BLOCK_D=fwd.BLOCK_D, HOLD=fwd.HOLD),
-                    fwd, "fwd"))
-    else:
-        rows = dict(ROWS=fwd.ROWS, BLOCK_D=fwd.BLOCK_D, NUM_STAGES=num_stages(fwd, e, 1 + residual))
-        out.append((_forward.norm_fwd_rows_kernel, dict(fwd_flags, **rows), fwd, "fwd"))
-    if bwd.SLICES and _groups(bwd, D):
-        out.append((_backward.norm_bwd_coop_kernel,
-                    dict(bwd_flags, BLOCK_D=bwd.BLOCK_D, SLICES=bwd.SLICES, POLLS=EXCHANGE_POLLS), bwd, "bwd"))
-    elif bwd.chunked:
-        bwd = chunked_backward_config()
-        out.append((_backward.norm_bwd_stats_kernel, dict(flags, BLOCK_D=bwd.BLOCK_D), bwd, "bwd"))
-        out.append((_backward.norm_bwd_chunked_kernel, dict(bwd_flags, BLOCK_D=bwd.BLOCK_D), bwd, "bwd"))
-    else:
-        rows = dict(ROWS=bwd.ROWS, BLOCK_D=bwd.BLOCK_D,
-                    NUM_STAGES=num_stages(bwd, e, 2 + residual))
-        out.append((_backward.norm_bwd_rows_kernel, dict(bwd_flags, **rows), bwd, "bwd"))
-    finish = _backward.FINISH_CONFIG
-    out.append((_backward.norm_bwd_finish_kernel,
-                dict(HAS_WEIGHT=True, HAS_BIAS=not is_rms, BLOCK_P=finish.ROWS, BLOCK_D=finish.BLOCK_D,
-                     VEC=vec(D, 4)),
-                finish, "bwd"))
+    out = dict(bytes_per_row=D * e * (plan.reads + plan.writes) + 4 * plan.stats
+               + (16 * plan.slices if plan.slices > 1 else 0)
+               + D * (e * plan.params + 4 * plan.partials) / M,
+               tile_bytes=plan.rows * min(D, plan.constexprs["BLOCK_D"]) * plan.elem_bytes * plan.ahead,
+               grid=plan.grid[0])
+    if plan.slices > 1:
+        out["step_bytes"] = plan.constexprs["BLOCK_D"] * e * (plan.reads + plan.writes)
     return out
-
-
-def _groups(cfg, D: int, M: int = M_REPORT, sms: int = model.H200["sms"]) -> int:
-    """Groups of programs sharing rows on the model's GPU (:func:`shared_groups`), 0 if none."""
-    return shared_groups(M, D, cfg, resident_per_sm(cfg) * sms)
-
-
-def traffic(kernel: str, D: int, dtype: str, is_rms: bool, residual: bool, cfg, M: int = M_REPORT,
-            sms: int = model.H200["sms"], arch: int = 90) -> dict:
-    """What one kernel moves, counted from its code: HBM bytes per row of the problem, the bytes
-    of loads one program issues per step of its loop (its tile), and its grid."""
-    e = bytemodel.itemsize(dtype)
-    n_par = 1 if is_rms else 2                          # weight, and bias for LayerNorm
-    n_stats = 4 * (1 if is_rms else 2)                  # fp32 (mean,) rstd per row
-    res = int(residual)
-    row = D * e
-    rows_bwd = backward_config(M, D, narrow_loads(D, e), e, arch)
-    programs = min(resident_per_sm(rows_bwd) * sms, -(-M // rows_bwd.ROWS))   # persistent grid
-    slices = -(-D // rows_bwd.BLOCK_D)
-    if rows_bwd.SLICES:                                 # groups of S programs, one row each
-        programs = _groups(rows_bwd, D, M, sms)
-    partials = 4 * D * n_par * programs / M             # fp32 partials per row, written once
-    params = row * n_par / M                            # weights: from HBM once, then L2
-    if kernel == "norm_fwd_rows_kernel":                # x (and r) in; y (and h) out
-        grid = min(resident_per_sm(cfg) * sms, -(-M // cfg.ROWS))   # persistent
-        return dict(bytes_per_row=row * (1 + res) * 2 + n_stats + params,
-                    tile_bytes=cfg.ROWS * row * (1 + res), grid=grid)
-    if kernel == "norm_fwd_coop_kernel":     # x (r) once; y (h) out; slots
-        fwd_slices = -(-D // cfg.BLOCK_D)
-        return dict(bytes_per_row=row * (1 + res) * 2 + n_stats + 16 * fwd_slices + params,
-                    tile_bytes=cfg.BLOCK_D * e * (1 + res),
-                    grid=_groups(cfg, D, M, sms) * fwd_slices,
-                    step_bytes=cfg.BLOCK_D * e * (1 + res) * 2)
-    if kernel == "norm_fwd_chunked_kernel":   # pass 1 reads x (r), writes h; pass 2 re-reads past HOLD
-        again = (D - cfg.HOLD) * e                      # x, or h with the residual
-        return dict(bytes_per_row=row * (1 + res) + again + row * res + row + n_stats + 2 * params,
-                    tile_bytes=cfg.BLOCK_D * e * (1 + res), grid=M)
-    if kernel == "norm_bwd_rows_kernel":                # x, dy (dh) in; dx out; partials
-        return dict(bytes_per_row=row * (2 + res) + row + n_stats + partials + params / n_par,
-                    tile_bytes=cfg.ROWS * row * (2 + res), grid=programs)
-    if kernel == "norm_bwd_coop_kernel":   # x, dy (dh) once; dx out; slots; partials
-        # a slot per slice of a row: zeroed, then exchanged at L2 (written back at most once)
-        tile = cfg.BLOCK_D * e * 2                      # the next row's x and dy, in flight
-        return dict(bytes_per_row=row * (2 + res) + row + n_stats + 16 * slices + partials
-                    + params / n_par, tile_bytes=tile, grid=programs * slices,
-                    step_bytes=cfg.BLOCK_D * e * (3 + res))
-    if kernel == "norm_bwd_stats_kernel":               # x, dy in; c1, c2 out
-        return dict(bytes_per_row=2 * row + n_stats + 8, tile_bytes=cfg.BLOCK_D * e * 2, grid=M)
-    if kernel == "norm_bwd_chunked_kernel":             # x, dy (dh) again; dx out; partials
-        return dict(bytes_per_row=row * (2 + res) + row + n_stats + 8 + partials + params / n_par,
-                    tile_bytes=cfg.BLOCK_D * e * (2 + res), grid=programs * -(-D // cfg.BLOCK_D))
-    if kernel == "norm_bwd_finish_kernel":              # partials in; dweight, dbias out
-        return dict(bytes_per_row=partials + params, tile_bytes=cfg.ROWS * cfg.BLOCK_D * 4 * n_par,
-                    grid=-(-D // cfg.BLOCK_D))
-    raise ValueError(f"kernel: no traffic count for {kernel!r}")
 
 
 def paths(rows: list[dict]) -> list[dict]:
@@ -292,20 +234,17 @@ def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None) -> list[dict]:
             for D in ds:
                 for is_rms in (False, True):
                     for residual in (False, True) if residual_d in (None, D) else (False,):
-                        for kernel, constexprs, cfg, direction in launches(D, is_rms, residual, dtype,
-                                                                           arch):
-                            name = kernel.fn.__name__
-                            row = dict(kernel=name, direction=direction,
+                        for plan in launches(D, is_rms, residual, dtype, arch):
+                            row = dict(kernel=plan.kernel, direction=direction(plan),
                                        arch=f"sm_{arch}", dtype=dtype, D=D,
                                        norm="rms" if is_rms else "layer", residual=residual,
-                                       num_warps=cfg.num_warps, ROWS=constexprs.get("ROWS", 1),
-                                       BLOCK_D=constexprs["BLOCK_D"], triton=triton.__version__,
-                                       **traffic(name, D, dtype, is_rms, residual, cfg, arch=arch))
+                                       num_warps=plan.options["num_warps"], ROWS=plan.rows,
+                                       BLOCK_D=plan.constexprs["BLOCK_D"], slices=plan.slices,
+                                       per_sm=plan.per_sm, triton=triton.__version__,
+                                       **traffic(plan, D, dtype))
                             try:
-                                # the kernels that share rows are launched cooperatively
-                                options = dict(cfg.launch(), **({"launch_cooperative_grid": True}
-                                                                if "SLICES" in constexprs else {}))
-                                row.update(compile_one(kernel, constexprs, options, dtype, arch, D))
+                                row.update(compile_one(kernel_of(plan), plan.constexprs,
+                                                       plan.options, dtype, arch, D))
                             except Exception as e:  # noqa: BLE001 - reported, and the exit code says so
                                 row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
                             rows.append(row)
@@ -342,14 +281,10 @@ def problems(row: dict) -> list[str]:
     wide_possible = not narrow_loads(row["D"], bytemodel.itemsize(row["dtype"]))
     if row["D"] >= 256 and wide_possible and row["load_bits"] < 128:
         out.append(f"widest load {row['load_bits']} bits, expected 128")
-    coop = row["kernel"] in ("norm_fwd_coop_kernel", "norm_bwd_coop_kernel")
-    if coop or row["kernel"] in ("norm_fwd_rows_kernel", "norm_bwd_rows_kernel"):
-        # sizes the persistent grid; the cooperative launch fails if the programs are not resident
-        cfg = Config(False, row["BLOCK_D"], row["ROWS"], row["num_warps"], COOP_MAXNREG if coop else 255)
-        need = resident_per_sm(cfg)
-        have = model.programs_per_sm(row["registers"], row["num_warps"], row["shared_bytes"])
-        if have < need:
-            out.append(f"{have} programs per SM, the persistent grid assumes {need}")
+    # the persistent grid assumes per_sm programs resident; a cooperative launch fails if not
+    have = model.programs_per_sm(row["registers"], row["num_warps"], row["shared_bytes"])
+    if row["kernel"] != "norm_bwd_finish_kernel" and have < row["per_sm"]:
+        out.append(f"{have} programs per SM, the persistent grid assumes {row['per_sm']}")
     return out
 
 
@@ -392,12 +327,13 @@ def path_table(predicted: list[dict], compact: bool = False) -> str:
 def table(rows: list[dict], compact: bool = False) -> str:
     """One line per compiled kernel (``compact``: without arch and dtype, and the kernel named
     without its ``norm_`` prefix and ``_kernel`` suffix)."""
-    head = ("kernel", "arch", "dtype", "D", "norm", "res", "warps", "ROWS", "regs", "spill", "load", "smem", "")
+    head = ("kernel", "arch", "dtype", "D", "norm", "res", "warps", "ROWS", "S", "regs", "spill", "load",
+            "smem", "")
     lines = []
     for r in rows:
         name = r["kernel"].removeprefix("norm_").removesuffix("_kernel") if compact else r["kernel"]
         lines.append((name, r["arch"], r["dtype"], str(r["D"]), r["norm"], "y" if r["residual"] else "",
-                      str(r["num_warps"]), str(r["ROWS"]), str(r.get("registers", "-")),
+                      str(r["num_warps"]), str(r["ROWS"]), str(r.get("slices", 1)), str(r.get("registers", "-")),
                       str(r.get("spill_bytes", "-")), str(r.get("load_bits", "-")),
                       str(r.get("shared_bytes", "-")), "; ".join(problems(r)) or "ok"))
     return _columns(head, lines, compact)
