@@ -203,3 +203,46 @@ def test_kernel_route_validates_once(monkeypatch):
     with normbook.backend("kernels"):
         normbook.layer_norm(torch.randn(4, 32), 32, torch.ones(32), torch.zeros(32))
     assert seen == []
+
+
+# ----------------------------------------------------------------------------- the fused add, torch backend
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_add_norm_on_the_torch_backend_is_the_norm_of_the_sum(norm):
+    """normbook.add_layer_norm / add_rms_norm on a CPU tensor: (y, h) = (norm(x + r), x + r),
+    first and second derivatives by gradcheck, the fork rule when only h is used, and the
+    transforms (vmap, jvp, forward-mode AD) through the one Function."""
+    from torch.func import jvp, vmap
+
+    torch.manual_seed(0)
+    x, r = torch.randn(3, 5, 8, **f64, requires_grad=True), torch.randn(3, 5, 8, **f64, requires_grad=True)
+    w, b = torch.randn(8, **f64, requires_grad=True), torch.randn(8, **f64, requires_grad=True)
+    if norm == "layer":
+        ours = lambda x, r, w, b: normbook.add_layer_norm(x, r, w, b)   # noqa: E731
+        theirs = lambda x, r, w, b: F.layer_norm(x + r, (8,), w, b)     # noqa: E731
+    else:
+        ours = lambda x, r, w, b: normbook.add_rms_norm(x, r, w)        # noqa: E731
+        theirs = lambda x, r, w, b: F.rms_norm(x + r, (8,), w)          # noqa: E731
+    y, h = ours(x, r, w, b)
+    torch.testing.assert_close(y, theirs(x, r, w, b), rtol=1e-12, atol=1e-12)
+    assert torch.equal(h, x + r)
+    torch.autograd.gradcheck(ours, (x, r, w, b))
+    torch.autograd.gradgradcheck(ours, (x, r, w, b))
+    h.sum().backward()                      # only h used: each of x, r receives dh
+    assert torch.equal(x.grad, torch.ones_like(x)) and torch.equal(r.grad, torch.ones_like(r))
+    torch.testing.assert_close(vmap(lambda a, c: ours(a, c, w, b)[0])(x, r), theirs(x, r, w, b),
+                               rtol=1e-12, atol=1e-12)
+    t = torch.randn_like(x)
+    got = jvp(lambda a: ours(a, r, w, b)[0], (x,), (t,))[1]
+    want = jvp(lambda a: theirs(a, r, w, b), (x,), (t,))[1]
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_add_norm_refuses_a_mismatched_residual():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"residual: expected x's shape \(2, 8\), got \(2, 4\)"):
+        normbook.add_layer_norm(x, torch.randn(2, 4))
+    with pytest.raises(TypeError, match="residual: expected x's dtype torch.float32, got torch.float64"):
+        normbook.add_rms_norm(x, x.double())
+    with pytest.raises(TypeError, match="residual: expected a torch.Tensor, got None"):
+        normbook.add_rms_norm(x, None)

@@ -6,9 +6,10 @@ The package behind the normbook textbook. Public names mirror ``torch.nn.functio
 ``import normbook`` never imports triton).
 """
 
-from normbook.functional import backend, layer_norm, rms_norm
+from normbook.functional import add_layer_norm, add_rms_norm, backend, layer_norm, rms_norm
 from normbook.modules import LayerNorm, RMSNorm
 
 __version__ = "0.1.0"
 
-__all__ = ["layer_norm", "rms_norm", "LayerNorm", "RMSNorm", "backend", "__version__"]
+__all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "LayerNorm", "RMSNorm", "backend",
+           "__version__"]

@@ -1,12 +1,22 @@
-"""The public functional API: ``normbook.layer_norm`` and ``normbook.rms_norm``.
+"""The public functional API: ``normbook.layer_norm``, ``normbook.rms_norm`` and the fused
+``normbook.add_layer_norm``, ``normbook.add_rms_norm``.
 
-Signatures, defaults and accepted inputs mirror ``torch.nn.functional``. A CUDA tensor, with
-Triton installed, goes to the fused kernels in :mod:`normbook.kernels`; everything else goes to
-an autograd Function whose backward is the book's hand-derived one, (ln-dx) and (rms-dx), so a
-reader on a CPU trains through the book's own equations. It computes them with
-:mod:`normbook._math`: the formulas of :mod:`normbook.reference` with torch's vectorised
-reductions in place of its einsum strings (accurate in fp32 at any D) and a variance that does
-not overflow.
+Signatures, defaults and accepted inputs mirror ``torch.nn.functional``. This is the one front
+door: each call is validated and flattened to (M, D) rows here, once, and handed to one
+autograd Function, :class:`NormFunction`, with the backend that computes it (see
+:func:`backend`):
+
+- **torch**: the book's formulas in torch ops (:mod:`normbook._math`): the forward (ln-y) /
+  (rms-y) and the hand-derived backward (ln-dx) / (rms-dx), so a reader on a CPU trains through
+  the book's own equations; any dtype (float64 too), any device, every transform;
+- **kernels**: the fused Triton kernels of :mod:`normbook.kernels` (CUDA tensors, or CPU
+  tensors in Triton's interpreter).
+
+Both save the same statistics, ``stats`` of shape (k, M): (mean, rstd) for LayerNorm (k = 2),
+rstd for RMSNorm (k = 1), in the compute dtype (at least fp32). Under torch.compile the kernel
+backend runs as the custom ops ``torch.ops.normbook.norm_forward`` / ``norm_backward``
+(:mod:`normbook.kernels.ops`, with their DTensor sharding rules beside them), which Dynamo
+traces through the Function without a graph break.
 """
 
 from __future__ import annotations
@@ -15,22 +25,29 @@ import contextlib
 import functools
 import importlib.util
 import math
+import warnings
 
 import torch
+import torch.autograd.forward_ad as _fwAD
+from torch import Tensor
+
 from normbook import _math, _validate
 
-__all__ = ["layer_norm", "rms_norm", "backend"]
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Reductions run in at least fp32: bf16/fp16 inputs are upcast, fp64 stays fp64."""
-    return torch.promote_types(dtype, torch.float32)
-
+__all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "backend", "NormFunction"]
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BACKENDS = ("auto", "kernels", "torch")
 _backend = "auto"          # see backend()
+_FUSED_D = 8192            # rows up to this wide always fit the kernels (kernels._config.kernels_take)
 
+try:   # DTensor inputs keep their leading dims: the custom ops' sharding rules see them
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:   # pragma: no cover - a torch built without torch.distributed
+    _DTensor = None
+
+
+# ----------------------------------------------------------------------------- backends
 
 @functools.cache
 def _triton_installed() -> bool:
@@ -42,7 +59,7 @@ def _use_kernels(input) -> bool:
     tensors in a kernel dtype, when Triton is installed; float64 stays on the torch ops (the
     oracle's precision)."""
     if _backend == "auto":
-        return (isinstance(input, torch.Tensor) and input.is_cuda
+        return (isinstance(input, Tensor) and input.is_cuda
                 and input.dtype in _KERNEL_DTYPES and _triton_installed())
     return _backend == "kernels"
 
@@ -50,7 +67,7 @@ def _use_kernels(input) -> bool:
 @contextlib.contextmanager
 def backend(name: str):
     """Choose, inside a ``with`` block, what computes :func:`normbook.layer_norm`,
-    :func:`normbook.rms_norm` and the modules :class:`normbook.LayerNorm`,
+    :func:`normbook.rms_norm`, the fused ``add_*`` and the modules :class:`normbook.LayerNorm`,
     :class:`normbook.RMSNorm`.
 
     Args:
@@ -77,73 +94,158 @@ def backend(name: str):
         _backend = previous
 
 
-class _NormFunction(torch.autograd.Function):
-    """The CPU (and float64) path of both norms: forward and backward, in torch ops.
+_K = None   # normbook.kernels' launchers and ops, imported on the first kernel call
 
-    ``apply(x, weight, bias, eps, is_rms) -> (y, stats)`` with x (..., D) and stats
-    (..., 2) = (mean, rstd) for LayerNorm, (..., 1) = rstd for RMSNorm, in the compute dtype
-    (at least fp32). The backward is (ln-dx) / (rms-dx) and (ln-dparams) from the saved stats;
-    when autograd is building a graph of the backward (``create_graph=True``) the stats are
-    recomputed from x inside it, so that second derivatives see how they depend on x. This is
-    the class torch.compile and torch.export trace (Dynamo refuses a Function with a custom
-    jvp); :class:`_NormFunctionAD` adds forward-mode AD and vmap for torch.func.
+
+def _kernels():
+    """The kernel layer (imports triton on first use: ``import normbook`` never does)."""
+    global _K
+    if _K is None:
+        from normbook.kernels import _backward, _config, _forward, ops
+
+        _K = (_forward.norm_forward, _backward.norm_backward, ops, _config)
+    return _K
+
+
+# ----------------------------------------------------------------------------- the Function
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Reductions run in at least fp32: bf16/fp16 inputs are upcast, fp64 stays fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _is_subclass(t) -> bool:
+    """A DTensor (or another tensor subclass), which takes the custom ops (their sharding rules
+    keep each token's row on one rank) and keeps its leading dims."""
+    return type(t) is not Tensor and isinstance(t, Tensor)
+
+
+def _torch_forward(x, residual, weight, bias, eps, is_rms):
+    """The torch backend's forward: h = x + residual (in x's dtype), then (ln-y) / (rms-y) of h
+    in the compute dtype; stats (k, ...)."""
+    h = x if residual is None else x + residual
+    ct = _compute_dtype(h.dtype)
+    y, mean, rstd = _math.forward(h.to(ct), None if weight is None else weight.to(ct),
+                                  None if bias is None else bias.to(ct), eps, is_rms)
+    stats = rstd.movedim(-1, 0) if is_rms else torch.cat([mean, rstd], -1).movedim(-1, 0)
+    return y.to(x.dtype), None if residual is None else h, stats
+
+
+def _kernel_forward(x, residual, weight, bias, eps, is_rms):
+    """The kernel backend's forward: the launcher, or the custom op where a tracer or a DTensor
+    needs one."""
+    launch, _, ops, _ = _kernels()
+    if torch.compiler.is_compiling() or _is_subclass(x):
+        y, h, stats = ops.norm_forward(x, residual, weight, bias, eps, is_rms)
+        return y, None if residual is None else h, stats
+    return launch(x, residual, weight, bias, eps, is_rms)
+
+
+def _torch_backward(dy, dh, x, weight, stats, eps, is_rms, bias_dtype, recompute):
+    """(ln-dx) / (rms-dx) and (ln-dparams) in torch ops, plus the fork rule's dh. ``recompute``:
+    the statistics are taken again from x, inside the graph autograd is building of this
+    backward, so that a second derivative sees how they depend on x."""
+    ct = _compute_dtype(x.dtype)
+    xc = x.to(ct)
+    w = None if weight is None else weight.to(ct)
+    if recompute:
+        mean, rstd = _math.stats(xc, eps, is_rms)
+    else:
+        rstd = stats[-1].unsqueeze(-1).to(ct)
+        mean = None if is_rms else stats[0].unsqueeze(-1).to(ct)
+    dx, dweight, dbias = _math.backward(dy.to(ct), xc, w, mean, rstd, bias_dtype is not None)
+    if dh is not None:
+        dx = dx + dh                                        # fork rule
+    return (dx.to(x.dtype), None if weight is None else dweight.to(weight.dtype),
+            None if bias_dtype is None else dbias.to(bias_dtype))
+
+
+class NormFunction(torch.autograd.Function):
+    """Both norms, both backends, with the fused residual add: the one autograd Function.
+
+    ``apply(x, residual, weight, bias, eps, is_rms, kernels) -> (y, h, stats)``: x and the
+    residual (or None) (M, D) rows (a DTensor keeps its leading dims), weight and bias (D,) or
+    None, ``kernels`` the backend (True: the Triton kernels; False: torch ops). y = norm(h) with
+    h = x + residual (h is None without a residual); stats (k, M), not differentiable.
+
+    The backward is (ln-dx) / (rms-dx) and (ln-dparams), with the gradient arriving at h added
+    to x's and the residual's (the fork rule). When autograd is building a graph of the backward
+    (``create_graph=True``), or a torch.func transform wraps the tensors, it is computed in
+    torch ops with the statistics recomputed from x, so that second derivatives are right on
+    either backend. This class has no jvp, so that torch.compile traces it (Dynamo refuses a
+    Function with a custom jvp); :class:`_NormFunctionAD` adds forward-mode AD and vmap.
     """
 
     @staticmethod
-    def forward(x, weight, bias, eps, is_rms):
-        ct = _compute_dtype(x.dtype)
-        w = None if weight is None else weight.to(ct)
-        b = None if bias is None else bias.to(ct)
-        y, mean, rstd = _math.forward(x.to(ct), w, b, eps, is_rms)
-        stats = rstd if is_rms else torch.cat([mean, rstd], -1)   # one or two scalars per token
-        return y.to(x.dtype), stats
+    def forward(x, residual, weight, bias, eps, is_rms, kernels):
+        if kernels:
+            return _kernel_forward(x, residual, weight, bias, eps, is_rms)
+        return _torch_forward(x, residual, weight, bias, eps, is_rms)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, eps, is_rms = inputs
-        _, stats = output
-        ctx.save_for_backward(x, weight, stats)
-        ctx.save_for_forward(x, weight, stats)
+        x, residual, weight, bias, eps, is_rms, kernels = inputs
+        _, h, stats = output
+        saved = (x if residual is None else h, weight, stats)
+        ctx.save_for_backward(*saved)
+        if _fwAD._current_level >= 0 or torch._C._are_functorch_transforms_active():
+            ctx.save_for_forward(*saved)      # forward-mode AD (jvp) reads them too
         ctx.mark_non_differentiable(stats)
-        ctx.meta = (eps, is_rms, None if weight is None else weight.dtype,
-                    None if bias is None else bias.dtype)
+        ctx.set_materialize_grads(False)      # no zeros for unused outputs
+        ctx.meta = (residual is not None, None if bias is None else bias.dtype, is_rms, eps, kernels)
 
     @staticmethod
-    def _unpack(ctx):
+    def backward(ctx, dy, dh, dstats):
         x, weight, stats = ctx.saved_tensors
-        eps, is_rms, wdt, bdt = ctx.meta
-        ct = _compute_dtype(x.dtype)
-        xc = x.to(ct)
-        w = None if weight is None else weight.to(ct)
-        return xc, w, stats, eps, is_rms, wdt, bdt
-
-    @staticmethod
-    def backward(ctx, dy, dstats):
-        xc, w, stats, eps, is_rms, wdt, bdt = _NormFunction._unpack(ctx)
-        if torch.is_grad_enabled():   # a graph of the backward is being built: stats from x
-            mean, rstd = _math.stats(xc, eps, is_rms)
+        has_residual, bias_dtype, is_rms, eps, kernels = ctx.meta
+        if dy is None:                       # only h was used downstream
+            dy = torch.zeros_like(x)
+        dh = dh if has_residual else None
+        if (not kernels or torch.is_grad_enabled()
+                or torch._C._are_functorch_transforms_active()):
+            dx, dweight, dbias = _torch_backward(dy, dh, x, weight, stats, eps, is_rms,
+                                                 bias_dtype, torch.is_grad_enabled())
         else:
-            mean, rstd = _split(stats, is_rms)
-        dx, dweight, dbias = _math.backward(dy.to(xc.dtype), xc, w, mean, rstd, bdt is not None)
-        return (dx.to(ctx.saved_tensors[0].dtype), None if wdt is None else dweight.to(wdt),
-                None if bdt is None else dbias.to(bdt), None, None)
+            dx, dweight, dbias = _kernel_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)
+        # fork rule: h = x + residual, so x and the residual receive the same gradient
+        return dx, dx if has_residual else None, dweight, dbias, None, None, None
 
 
+def _kernel_backward(dy, dh, x, weight, stats, bias_dtype, is_rms):
+    _, launch, ops, _ = _kernels()
+    if torch.compiler.is_compiling() or _is_subclass(x):
+        dx, dweight, dbias = ops.norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)
+        return dx, None if weight is None else dweight, None if bias_dtype is None else dbias
+    if not dy.is_contiguous() and dy.stride(-1) != 1:   # gradients may be any view (an expand)
+        dy = dy.contiguous()
+    if dh is not None and not dh.is_contiguous() and dh.stride(-1) != 1:
+        dh = dh.contiguous()
+    return launch(dy, dh, x, weight, stats, bias_dtype, is_rms)
 
-class _NormFunctionAD(_NormFunction):
-    """:class:`_NormFunction` in torch.func's form: with the forward-mode tangent (jvp) and a
-    generated vmap rule, for forward-mode AD and torch.func transforms."""
+
+class _NormFunctionAD(NormFunction):
+    """:class:`NormFunction` with the forward-mode tangent (jvp) and a generated vmap rule,
+    for forward-mode AD and torch.func (which run the torch backend, see :func:`_apply`)."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def jvp(ctx, tx, tw, tb, teps, tis_rms):
-        xc, w, stats, eps, is_rms, wdt, bdt = _NormFunction._unpack(ctx)
-        mean, rstd = _split(stats, is_rms)
-        ct = xc.dtype
-        ty = _math.jvp(None if tx is None else tx.to(ct), None if tw is None else tw.to(ct),
-                       None if tb is None else tb.to(ct), xc, w, mean, rstd)
-        return ty.to(ctx.saved_tensors[0].dtype), None
+    def jvp(ctx, tx, tresidual, tweight, tbias, teps, tis_rms, tkernels):
+        """Tangents of (y, h): th = tx + tresidual, ty = weight * J th (ln-jac) plus the
+        parameters' terms, in torch ops on the saved statistics."""
+        x, weight, stats = ctx.saved_tensors
+        has_residual, _, is_rms, _, _ = ctx.meta
+        th = tx
+        if has_residual and tresidual is not None:
+            th = tresidual if th is None else th + tresidual
+        ct = _compute_dtype(x.dtype)
+        rstd = stats[-1].unsqueeze(-1).to(ct)
+        mean = None if is_rms else stats[0].unsqueeze(-1).to(ct)
+        ty = _math.jvp(None if th is None else th.to(ct), None if tweight is None else tweight.to(ct),
+                       None if tbias is None else tbias.to(ct), x.to(ct),
+                       None if weight is None else weight.to(ct), mean, rstd)
+        th_out = None if not has_residual else (torch.zeros_like(x) if th is None else th)
+        return ty.to(x.dtype), th_out, None
 
 
 # torch's Function.apply binds its arguments with inspect.signature on every call (about 12 us
@@ -153,27 +255,141 @@ class _NormFunctionAD(_NormFunction):
 _fast_apply = super(torch.autograd.Function, _NormFunctionAD).apply
 
 
-def _apply(x, weight, bias, eps, is_rms):
-    """The norm's Function on (..., D) rows, by whichever ``apply`` the context needs: torch's,
+def _apply(x, residual, weight, bias, eps, is_rms, kernels):
+    """:class:`NormFunction` on (M, D) rows by whichever ``apply`` the context needs: torch's,
     of the jvp-free class, for torch.compile and torch.export (their tracers see the Function);
-    torch's, of :class:`_NormFunctionAD`, under torch.func transforms; the C++ one otherwise."""
+    torch's, of :class:`_NormFunctionAD` on the torch backend, under torch.func transforms
+    (which wrap tensors no kernel can read); the C++ one otherwise, forward-mode AD included."""
     if torch.compiler.is_compiling():
-        return _NormFunction.apply(x, weight, bias, eps, is_rms)
+        return NormFunction.apply(x, residual, weight, bias, eps, is_rms, kernels)
     if torch._C._are_functorch_transforms_active():
-        return _NormFunctionAD.apply(x, weight, bias, eps, is_rms)
-    return _fast_apply(x, weight, bias, eps, is_rms)
+        return _NormFunctionAD.apply(x, residual, weight, bias, eps, is_rms, False)
+    return _fast_apply(x, residual, weight, bias, eps, is_rms, kernels)
 
 
-def _split(stats, is_rms):
-    """stats (..., 2) or (..., 1) -> mean (..., 1) or None, rstd (..., 1)."""
-    return (None, stats) if is_rms else (stats[..., :1], stats[..., 1:])
+# ----------------------------------------------------------------------------- the front door
+
+_NO_BIAS = object()   # RMSNorm has no bias argument at all (so none is named in its errors)
+_warned_wide = set()
 
 
-def _flatten(input, shape, *params):
-    """(..., *normalized_shape) -> (..., D) and each parameter -> (D,)."""
-    D = math.prod(shape)
-    x = input.reshape(*input.shape[: input.dim() - len(shape)], D)
-    return (x, *(None if p is None else p.reshape(D) for p in params))
+def _rows(t: Tensor) -> Tensor:
+    """(..., D) -> (M, D) with a unit stride along D. Row strides are kept (a slice of a wider
+    tensor is read in place); only a non-contiguous last dim is copied. A DTensor keeps its
+    leading dims (flattening (B, T) sharded over T would all-gather it)."""
+    if t.dim() != 2 and not _is_subclass(t):
+        D = t.shape[-1]
+        t = t.reshape(-1, D) if D else t.reshape(math.prod(t.shape[:-1]), 0)
+    return t.contiguous() if t.stride(-1) != 1 and t.shape[-1] > 1 else t
+
+
+_INTERPRETED = None   # whether Triton's interpreter runs the kernels (known on the first kernel call)
+
+
+def _check_kernel_args(input, weight, bias, name):
+    """What only the kernels refuse: float64 (and other dtypes they do not take), and a CPU
+    tensor while Triton's interpreter is off."""
+    global _INTERPRETED
+    if input.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"{name}: the Triton kernels take float16, bfloat16 or float32, got {input.dtype}"
+                        " (normbook.layer_norm / normbook.rms_norm compute float64 on the torch backend)")
+    for pname, p in (("weight", weight), ("bias", bias)):
+        if p is not None and p.dtype not in _KERNEL_DTYPES:
+            raise TypeError(f"{pname}: the Triton kernels take float16, bfloat16 or float32, "
+                            f"got {p.dtype}")
+    if input.is_cuda:
+        return
+    if _INTERPRETED is None:
+        _INTERPRETED = _kernels()[2].interpreted()
+    if input.is_cpu and _INTERPRETED:
+        return
+    if input.is_cpu:
+        raise ValueError(f"{name}: expected a CUDA tensor, got a CPU tensor while Triton's interpreter "
+                         "is off; set TRITON_INTERPRET=1 in the environment before triton is imported "
+                         "to run the kernels on the CPU")
+    raise ValueError(f"{name}: expected a CUDA tensor (or a CPU tensor under TRITON_INTERPRET=1), "
+                     f"got device {input.device}")
+
+
+def _check_residual(residual, input) -> None:
+    _validate.check_input(residual, "residual")
+    if residual.shape != input.shape:
+        raise ValueError(f"residual: expected x's shape {tuple(input.shape)}, got {tuple(residual.shape)}")
+    if residual.dtype != input.dtype:
+        raise TypeError(f"residual: expected x's dtype {input.dtype}, got {residual.dtype}")
+    if residual.device != input.device:
+        raise ValueError(f"residual: expected x's device {input.device}, got {residual.device}")
+
+
+def _kernels_take(x, residual) -> bool:
+    """Whether the kernels compute rows this wide on this device (rows wider than its programs
+    can share go to the torch backend, with one warning per width)."""
+    D = x.shape[-1]
+    if D <= _FUSED_D:
+        return True
+    config = _kernels()[3]
+    if config.kernels_take(D, x.element_size(), residual is not None, x.get_device()):
+        return True
+    if D not in _warned_wide:
+        _warned_wide.add(D)
+        warnings.warn(f"normbook: rows of D = {D} are wider than the kernels share among the "
+                      "programs this device holds; they are computed by the torch backend "
+                      "(same results, more passes over memory)", RuntimeWarning, stacklevel=4)
+    return False
+
+
+def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, name="input",
+          kernels=None):
+    """Validate and flatten once, choose the backend, apply :class:`NormFunction`; returns
+    (y, h) in input's shape (h None without a residual). ``kernels``: None to follow
+    :func:`backend`, True to force the kernels (:mod:`normbook.kernels`).
+
+    The common case is recognised in a few attribute reads: a floating tensor whose last dim
+    is D, parameters None or (D,) floating tensors on its device, eps a float. Anything else
+    goes through the full checks, which raise with a message or accept the rare case.
+    """
+    original = input
+    t = type(normalized_shape)
+    D = normalized_shape if t is int else (
+        normalized_shape[0] if t in (tuple, list, torch.Size) and len(normalized_shape) == 1 else None)
+    fast = (D is not None and isinstance(input, Tensor) and input.dtype in _FLOAT_DTYPES
+            and input.ndim and input.shape[-1] == D and type(eps) is float)
+    if fast:
+        for p in (weight, bias):
+            if p is not None and p is not _NO_BIAS and not (
+                    isinstance(p, Tensor) and p.ndim == 1 and p.shape[0] == D
+                    and p.dtype in _FLOAT_DTYPES and p.device == input.device):
+                fast = False
+    if not fast:
+        params = {"weight": weight} if bias is _NO_BIAS else {"weight": weight, "bias": bias}
+        shape = _validate.check_norm_args(input, normalized_shape, params, eps, name)
+        D = math.prod(shape)
+        if len(shape) != 1:
+            input = input.reshape(*input.shape[: input.dim() - len(shape)], D)
+            weight = None if weight is None else weight.reshape(D)
+            bias = None if bias is None or bias is _NO_BIAS else bias.reshape(D)
+    if bias is _NO_BIAS:
+        bias = None
+    if residual is not None and not (isinstance(residual, Tensor) and residual.shape == input.shape
+                                     and residual.dtype == input.dtype
+                                     and residual.device == input.device):
+        _check_residual(residual, input)
+    if kernels is None:
+        kernels = _use_kernels(input)
+    if kernels:
+        _check_kernel_args(input, weight, bias, name)
+        kernels = _kernels_take(input, residual)
+    x = input if input.ndim == 2 and (input.is_contiguous() or input.stride(1) == 1) else _rows(input)
+    r = None if residual is None else _rows(residual)
+    if weight is not None and not weight.is_contiguous():
+        weight = weight.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    y, h, _ = _apply(x, r, weight, bias, eps, is_rms, kernels)
+    if x is not original:
+        y = y.view(original.shape)
+        h = None if h is None else h.view(original.shape)
+    return y, h
 
 
 def _nested(fn, input, normalized_shape, *args):
@@ -186,6 +402,14 @@ def _nested(fn, input, normalized_shape, *args):
                          f"got {shape}")
     values = fn(input.values(), shape, *args)
     return torch.nested.nested_tensor_from_jagged(values, input.offsets(), lengths=input.lengths())
+
+
+def _ln_eps(eps):
+    return eps if type(eps) is float else _validate.as_eps(eps)
+
+
+def _rms_eps(input, eps):
+    return eps if type(eps) is float else _validate.as_eps(_validate.default_eps(input, eps))
 
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
@@ -206,24 +430,18 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         eps: a number or a 0-d tensor, added to the variance inside the square root.
 
     Returns:
-        Tensor of input's shape and dtype. CUDA inputs use the Triton kernels when Triton is
-        installed; all others an autograd Function in torch ops (fp32 reductions for
-        bf16/fp16), which supports double backward, forward-mode AD and torch.func.
+        Tensor of input's shape and dtype, computed by the backend :func:`backend` chooses
+        (by default the Triton kernels for CUDA tensors when Triton is installed, torch ops
+        with fp32 reductions for bf16/fp16 otherwise). Double backward, forward-mode AD,
+        torch.func, torch.compile and torch.export work on both.
 
     Differs from torch on purpose: weight and bias may have another floating dtype than the
     input (torch's CPU kernel refuses that); rows whose variance overflows (fp32 values past
     about 1e19) give the finite, correct answer where torch gives NaN.
     """
-    if isinstance(input, torch.Tensor) and input.is_nested:
+    if type(input) is not Tensor and isinstance(input, Tensor) and input.is_nested:
         return _nested(layer_norm, input, normalized_shape, weight, bias, eps)
-    if _use_kernels(input):   # one door: the kernels validate and flatten, once
-        from normbook.kernels import ops
-
-        return ops.layer_norm(input, normalized_shape, weight, bias, eps)
-    eps = _validate.as_eps(eps)
-    shape = _validate.check_norm_args(input, normalized_shape, {"weight": weight, "bias": bias}, eps)
-    x, w, b = _flatten(input, shape, weight, bias)
-    return _apply(x, w, b, eps, False)[0].reshape(input.shape)
+    return _norm(input, normalized_shape, weight, bias, _ln_eps(eps), False)[0]
 
 
 def rms_norm(input, normalized_shape, weight=None, eps=None):
@@ -248,13 +466,51 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     may have another floating dtype than the input; rows whose mean square overflows give the
     finite, correct answer where torch gives NaN.
     """
-    if isinstance(input, torch.Tensor) and input.is_nested:
+    if type(input) is not Tensor and isinstance(input, Tensor) and input.is_nested:
         return _nested(rms_norm, input, normalized_shape, weight, eps)
-    if _use_kernels(input):   # one door: the kernels validate and flatten, once
-        from normbook.kernels import ops
+    return _norm(input, normalized_shape, weight, _NO_BIAS, _rms_eps(input, eps), True)[0]
 
-        return ops.rms_norm(input, normalized_shape, weight, eps)
-    eps = _validate.as_eps(_validate.default_eps(input, eps))
-    shape = _validate.check_norm_args(input, normalized_shape, {"weight": weight}, eps)
-    x, w = _flatten(input, shape, weight)
-    return _apply(x, w, None, eps, True)[0].reshape(input.shape)
+
+def _last_dim(x) -> int:
+    return x.shape[-1] if isinstance(x, Tensor) and x.dim() > 0 else 0
+
+
+def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5):
+    """(fork-rule): h = x + residual, y = LayerNorm(h) over the last dim, in one pass.
+
+    x and the residual are each read once, h is written once (on the kernel backend). In
+    backward, h forks into the norm and the next residual branch, so its gradient is the sum
+    of both, and that sum is the gradient of x and of the residual alike ("Residual
+    connections").
+
+    Args:
+        x, residual: ``(..., D)``, of one dtype and device.
+        weight, bias: (D,) or None.
+        eps: added to the variance inside the square root.
+
+    Returns:
+        (y, h), both of x's shape and dtype.
+    """
+    if residual is None:
+        raise TypeError("residual: expected a torch.Tensor, got None")
+    return _norm(x, _last_dim(x), weight, bias, _ln_eps(eps), False, residual, "x")
+
+
+def add_rms_norm(x, residual, weight=None, eps=None):
+    """(fork-rule): h = x + residual, y = RMSNorm(h) over the last dim, in one pass.
+
+    Forward (rms-ms), (rms-y) on h; gradient (rms-dx) plus the gradient arriving at h. As
+    :func:`add_layer_norm` without the mean and the bias.
+
+    Args:
+        x, residual: ``(..., D)``, of one dtype and device.
+        weight: (D,) or None.
+        eps: added to the mean square inside the square root; None means fp32's machine
+            epsilon for half and fp32 inputs (as :func:`rms_norm`).
+
+    Returns:
+        (y, h), both of x's shape and dtype.
+    """
+    if residual is None:
+        raise TypeError("residual: expected a torch.Tensor, got None")
+    return _norm(x, _last_dim(x), weight, _NO_BIAS, _rms_eps(x, eps), True, residual, "x")

@@ -7,14 +7,17 @@ imported, a clear error otherwise):
 - :func:`layer_norm`, :func:`rms_norm`;
 - :func:`add_layer_norm`, :func:`add_rms_norm`: the residual add fused in front, -> (y, h).
 
-All are autograd-capable. In eager mode they call an ``autograd.Function`` directly (host cost
-near torch's own, see ``python -m normbook.bench host``); under ``torch.compile`` they are the
-custom ops ``torch.ops.normbook.norm_forward`` and ``norm_backward``, so
-``torch.compile(fullgraph=True)`` traces through them. Kernels compile under Triton 3.6 and 3.9.
+Each is :func:`normbook.layer_norm` (and its kin) with the kernel backend forced: the same
+front door, validating and flattening once, and the same autograd Function
+(``normbook.functional.NormFunction``). In eager mode it calls the launchers directly (host
+cost near torch's own, see ``python -m normbook.bench host``); under ``torch.compile`` and for
+a DTensor it calls them through the custom ops ``torch.ops.normbook.norm_forward`` and
+``norm_backward``, which torch.compile(fullgraph=True) traces through. Kernels compile under
+Triton 3.6 and 3.9.
 
 Modules, one topic each: ``_forward`` and ``_backward`` (kernels and launchers), ``_config``
 (block sizes, rows per program, persistent grid, cached launch options), ``ops`` (the
-Function, the custom ops, argument checks, public functions), ``report``
+custom ops and these public functions), ``report``
 (``python -m normbook.kernels.report``: the static compile report).
 """
 
