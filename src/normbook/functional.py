@@ -128,7 +128,7 @@ def _torch_forward(x, residual, weight, bias, eps, is_rms):
     y, mean, rstd = _math.forward(h.to(ct), None if weight is None else weight.to(ct),
                                   None if bias is None else bias.to(ct), eps, is_rms)
     stats = rstd.movedim(-1, 0) if is_rms else torch.cat([mean, rstd], -1).movedim(-1, 0)
-    return y.to(x.dtype), None if residual is None else h, stats
+    return (y.to(x.dtype), stats) if residual is None else (y.to(x.dtype), h, stats)
 
 
 def _kernel_forward(x, residual, weight, bias, eps, is_rms):
@@ -137,8 +137,9 @@ def _kernel_forward(x, residual, weight, bias, eps, is_rms):
     launch, _, ops, _ = _kernels()
     if torch.compiler.is_compiling() or _is_subclass(x):
         y, h, stats = ops.norm_forward(x, residual, weight, bias, eps, is_rms)
-        return y, None if residual is None else h, stats
-    return launch(x, residual, weight, bias, eps, is_rms)
+    else:
+        y, h, stats = launch(x, residual, weight, bias, eps, is_rms)
+    return (y, stats) if residual is None else (y, h, stats)
 
 
 def _torch_backward(dy, dh, x, weight, stats, eps, is_rms, bias_dtype, recompute):
@@ -163,10 +164,11 @@ def _torch_backward(dy, dh, x, weight, stats, eps, is_rms, bias_dtype, recompute
 class NormFunction(torch.autograd.Function):
     """Both norms, both backends, with the fused residual add: the one autograd Function.
 
-    ``apply(x, residual, weight, bias, eps, is_rms, kernels) -> (y, h, stats)``: x and the
-    residual (or None) (M, D) rows (a DTensor keeps its leading dims), weight and bias (D,) or
-    None, ``kernels`` the backend (True: the Triton kernels; False: torch ops). y = norm(h) with
-    h = x + residual (h is None without a residual); stats (k, M), not differentiable.
+    ``apply(x, residual, weight, bias, eps, is_rms, kernels) -> (y, stats)``, or ``(y, h,
+    stats)`` with a residual: x and the residual (M, D) rows (a DTensor keeps its leading dims),
+    weight and bias (D,) or None, ``kernels`` the backend (True: the Triton kernels; False:
+    torch ops). y = norm(h) with h = x + residual (h = x without one, and then not returned:
+    an output fewer is a microsecond less per call); stats (k, M), not differentiable.
 
     The backward is (ln-dx) / (rms-dx) and (ln-dparams), with the gradient arriving at h added
     to x's and the residual's (the fork rule). When autograd is building a graph of the backward
@@ -185,8 +187,8 @@ class NormFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, residual, weight, bias, eps, is_rms, kernels = inputs
-        _, h, stats = output
-        saved = (x if residual is None else h, weight, stats)
+        stats = output[-1]
+        saved = (x if residual is None else output[1], weight, stats)
         ctx.save_for_backward(*saved)
         if _fwAD._current_level >= 0 or torch._C._are_functorch_transforms_active():
             ctx.save_for_forward(*saved)      # forward-mode AD (jvp) reads them too
@@ -195,12 +197,12 @@ class NormFunction(torch.autograd.Function):
         ctx.meta = (residual is not None, None if bias is None else bias.dtype, is_rms, eps, kernels)
 
     @staticmethod
-    def backward(ctx, dy, dh, dstats):
+    def backward(ctx, dy, *rest):
         x, weight, stats = ctx.saved_tensors
         has_residual, bias_dtype, is_rms, eps, kernels = ctx.meta
         if dy is None:                       # only h was used downstream
             dy = torch.zeros_like(x)
-        dh = dh if has_residual else None
+        dh = rest[0] if has_residual else None
         if (not kernels or torch.is_grad_enabled()
                 or torch._C._are_functorch_transforms_active()):
             dx, dweight, dbias = _torch_backward(dy, dh, x, weight, stats, eps, is_rms,
@@ -244,8 +246,9 @@ class _NormFunctionAD(NormFunction):
         ty = _math.jvp(None if th is None else th.to(ct), None if tweight is None else tweight.to(ct),
                        None if tbias is None else tbias.to(ct), x.to(ct),
                        None if weight is None else weight.to(ct), mean, rstd)
-        th_out = None if not has_residual else (torch.zeros_like(x) if th is None else th)
-        return ty.to(x.dtype), th_out, None
+        if not has_residual:
+            return ty.to(x.dtype), None
+        return ty.to(x.dtype), torch.zeros_like(x) if th is None else th, None
 
 
 # torch's Function.apply binds its arguments with inspect.signature on every call (about 12 us
@@ -385,7 +388,8 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
         weight = weight.contiguous()
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    y, h, _ = _apply(x, r, weight, bias, eps, is_rms, kernels)
+    out = _apply(x, r, weight, bias, eps, is_rms, kernels)
+    y, h = out[0], None if r is None else out[1]
     if x is not original:
         y = y.view(original.shape)
         h = None if h is None else h.view(original.shape)
