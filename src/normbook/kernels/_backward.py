@@ -409,11 +409,11 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
         if has_w:
             dbias = torch.empty_like(weight) if bias_dtype == weight.dtype else torch.empty_like(weight, dtype=bias_dtype)
         else:
-            dbias = x.new_empty((D,), dtype=bias_dtype)
+            dbias = x.new_empty(D, dtype=bias_dtype)
     if M == 0:  # no rows: the sums over rows are zero
         return dx, dweight if not has_w else dweight.zero_(), dbias if not has_b else dbias.zero_()
-    stride_x, stride_dy = x.stride(0), dy.stride(0)
-    dhp, stride_dh = (dy, stride_dy) if dh is None else (dh, dh.stride(0))
+    stride_x, stride_dy = x.stride()[0], dy.stride()[0]    # faster than stride(0)
+    dhp, stride_dh = (dy, stride_dy) if dh is None else (dh, dh.stride()[0])
     e = x.element_size()
     plans = backward_plan(M, D, device, e, is_rms, dh is not None, has_w, has_b,
                           (stride_x | stride_dy | stride_dh) & 15, shared_rows(D))
@@ -431,7 +431,7 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     if len(plans) == 1:
         pw, pb = dweight, dbias             # one group writes the sums over rows itself
     else:                                   # fp32 partial sums, one (D,) row per group
-        part = x.new_empty((2, plan.groups, D), dtype=torch.float32)
+        part = x.new_empty(2, plan.groups, D, dtype=torch.float32)
         pw, pb = part[0], part[1]
     w = weight if has_w else x                          # placeholders: never read when absent
     pw = pw if has_w else stats
