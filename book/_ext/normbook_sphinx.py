@@ -14,10 +14,13 @@ wrong for this book:
   still builds; the page says so.
 - Citations as "(Ba et al., 2016)": the ``author_year_round`` referencing style, and an
   author-year label style for the bibliography.
+- The version: Sphinx's ``version`` and ``release`` are the package's (pyproject.toml, through
+  the installed metadata), as is this extension's.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import shutil
 from dataclasses import dataclass, field
@@ -80,6 +83,24 @@ sphinxcontrib.bibtex.plugin.register_plugin(
 
 # -- hooks -------------------------------------------------------------------------------------
 
+def normbook_version() -> str:
+    """The package's version: pyproject.toml's, from the installed metadata (or, in a checkout
+    that was never installed, what ``normbook.__version__`` finds)."""
+    try:
+        return importlib.metadata.version("normbook")
+    except importlib.metadata.PackageNotFoundError:
+        import normbook
+
+        return normbook.__version__
+
+
+def _set_version(app, config):
+    if not config.release:
+        config.release = normbook_version()
+    if not config.version:
+        config.version = config.release
+
+
 def _mock_triton_if_missing(app, config):
     if importlib.util.find_spec("triton") is None:
         config.autodoc_mock_imports = [*config.autodoc_mock_imports, "triton"]
@@ -113,7 +134,8 @@ def _dedupe_scripts(app, pagename, templatename, context, doctree):
 
 def setup(app):
     app.connect("config-inited", _mock_triton_if_missing)
+    app.connect("config-inited", _set_version)
     # before sphinx-book-theme builds its header buttons (priority 501)
     app.connect("html-page-context", _offer_ipynb, priority=400)
     app.connect("html-page-context", _dedupe_scripts, priority=999)  # after every other handler
-    return {"version": "0.1.0", "parallel_read_safe": True, "parallel_write_safe": True}
+    return {"version": normbook_version(), "parallel_read_safe": True, "parallel_write_safe": True}

@@ -6,10 +6,35 @@ The package behind the normbook textbook. Public names mirror ``torch.nn.functio
 ``import normbook`` never imports triton).
 """
 
+from __future__ import annotations
+
 from normbook.functional import add_layer_norm, add_rms_norm, backend, layer_norm, rms_norm
 from normbook.modules import LayerNorm, RMSNorm
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The version in pyproject.toml, its one source: from the installed metadata (a wheel or
+    ``pip install -e .``), else, in a source checkout on ``sys.path``, from pyproject.toml."""
+    from importlib.metadata import PackageNotFoundError, version
+    from pathlib import Path
+
+    try:
+        return version("normbook")
+    except PackageNotFoundError:
+        pass
+    try:
+        import tomllib
+
+        pyproject = Path(__file__).parents[2] / "pyproject.toml"     # src/normbook/ -> the root
+        project = tomllib.loads(pyproject.read_text())["project"]
+        if project["name"] == "normbook":
+            return str(project["version"])
+    except (ImportError, OSError, KeyError, ValueError):   # Python 3.10, no pyproject.toml
+        pass
+    return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "LayerNorm", "RMSNorm", "backend",
            "__version__"]

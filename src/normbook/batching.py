@@ -11,6 +11,7 @@ check the batched path and to time it; they are not meant to be fast.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from normbook import reference
 
@@ -21,7 +22,9 @@ __all__ = ["layer_norm_backward_loop", "rms_norm_backward_loop"]
 layer_norm_backward_loop = reference.layer_norm_rows_backward
 
 
-def rms_norm_backward_loop(dy, x, weight, rstd):
+def rms_norm_backward_loop(
+    dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor
+) -> tuple[Tensor, Tensor | None]:
     """RMSNorm backward (rms-dx), token by token; the same returns as the batched reference.
 
     Args:

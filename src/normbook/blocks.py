@@ -19,6 +19,7 @@ Shapes: tokens are rows, ``(..., D)``; ``dim`` is D, ``hidden`` the MLP's inner 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import nn
@@ -45,12 +46,12 @@ class MLP(nn.Module):
     torch's default Linear initialisation (uniform, scale 1/sqrt(fan_in)).
     """
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.up = nn.Linear(dim, hidden)
         self.down = nn.Linear(hidden, dim)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """F(x) for x of shape (..., D)."""
         return self.down(nn.functional.gelu(self.up(x)))   # (..., D)
 
@@ -58,12 +59,13 @@ class MLP(nn.Module):
 class PreNormBlock(nn.Module):
     """Pre-norm residual block, equation (pre-norm): y = x + F(N(x))."""
 
-    def __init__(self, dim: int, hidden: int, norm=LayerNorm):
+    def __init__(self, dim: int, hidden: int,
+                 norm: Callable[[int], torch.nn.Module] = LayerNorm) -> None:
         super().__init__()
         self.norm = norm(dim)
         self.mlp = MLP(dim, hidden)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x + F(N(x)) for x of shape (..., D)."""
         return x + self.mlp(self.norm(x))  # identity path: a bare +
 
@@ -71,12 +73,13 @@ class PreNormBlock(nn.Module):
 class PostNormBlock(nn.Module):
     """Post-norm residual block, equation (post-norm): y = N(x + F(x))."""
 
-    def __init__(self, dim: int, hidden: int, norm=LayerNorm):
+    def __init__(self, dim: int, hidden: int,
+                 norm: Callable[[int], torch.nn.Module] = LayerNorm) -> None:
         super().__init__()
         self.norm = norm(dim)
         self.mlp = MLP(dim, hidden)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """N(x + F(x)) for x of shape (..., D)."""
         return self.norm(x + self.mlp(x))  # identity path goes through N
 
@@ -99,7 +102,9 @@ class ResidualStack(nn.Module):
     """
 
     def __init__(self, d_in: int, d_out: int, dim: int, depth: int, arrangement: str = "pre",
-                 hidden: int | None = None, norm=LayerNorm, final_norm: bool | None = None):
+                 hidden: int | None = None,
+                 norm: Callable[[int], torch.nn.Module] = LayerNorm,
+                 final_norm: bool | None = None) -> None:
         super().__init__()
         if arrangement not in ARRANGEMENTS:
             raise ValueError(f"arrangement: expected one of {ARRANGEMENTS}, got {arrangement!r}")
@@ -119,7 +124,7 @@ class ResidualStack(nn.Module):
                 nn.init.xavier_uniform_(mod.weight)        # analyse, instead of torch's default,
                 nn.init.zeros_(mod.bias)                   # whose branches start smaller
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., d_in) -> (..., d_out)."""
         h = self.embed(x)            # (..., D) the residual stream
         for blk in self.blocks:
@@ -127,7 +132,8 @@ class ResidualStack(nn.Module):
         return self.head(self.final_norm(h))       # (..., d_out)
 
 
-def teacher_batch(teacher, batch: int, d_in: int, generator):
+def teacher_batch(teacher: nn.Module, batch: int, d_in: int,
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A regression batch: Gaussian inputs and the outputs of a fixed random ``teacher``.
 
     Args:
@@ -145,7 +151,7 @@ def teacher_batch(teacher, batch: int, d_in: int, generator):
     return x, target
 
 
-def make_teacher(d_in: int, d_out: int, width: int = 64, seed: int = 0):
+def make_teacher(d_in: int, d_out: int, width: int = 64, seed: int = 0) -> nn.Sequential:
     """The task: a fixed random two-layer tanh network, x (..., d_in) -> (..., d_out).
 
     Gaussian weights, scaled so that tanh works in its curved range and each output has a
@@ -154,15 +160,17 @@ def make_teacher(d_in: int, d_out: int, width: int = 64, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     W1 = torch.randn(width, d_in, generator=g) / math.sqrt(d_in)
     W2 = torch.randn(d_out, width, generator=g) / math.sqrt(width) * 2
-    teacher = nn.Sequential(nn.Linear(d_in, width, bias=False), nn.Tanh(),
-                            nn.Linear(width, d_out, bias=False))
+    first = nn.Linear(d_in, width, bias=False)
+    last = nn.Linear(width, d_out, bias=False)
+    teacher = nn.Sequential(first, nn.Tanh(), last)
     with torch.no_grad():
-        teacher[0].weight.copy_(W1)
-        teacher[2].weight.copy_(W2)
+        first.weight.copy_(W1)
+        last.weight.copy_(W2)
     return teacher.requires_grad_(False)
 
 
-def layer_grad_norms(model, x, target):
+def layer_grad_norms(model: ResidualStack, x: torch.Tensor,
+                     target: torch.Tensor) -> torch.Tensor:
     """Per-block gradient norms of the MSE loss at the current parameters.
 
     Args:
@@ -185,8 +193,8 @@ def layer_grad_norms(model, x, target):
     return torch.tensor(norms, dtype=torch.float64)
 
 
-def train(model, teacher, *, steps: int, lr: float, warmup: int = 0,
-          batch: int = 64, seed: int = 0):
+def train(model: ResidualStack, teacher: nn.Module, *, steps: int, lr: float,
+          warmup: int = 0, batch: int = 64, seed: int = 0) -> torch.Tensor:
     """Train ``model`` on fresh teacher batches with Adam.
 
     Return the loss at every step. The learning rate rises linearly from

@@ -56,7 +56,8 @@ def scale_identity(x: torch.Tensor, dx: torch.Tensor, eps: float) -> torch.Tenso
 
 
 def scale_identity_residual(
-    x: torch.Tensor, dy: torch.Tensor, weight, eps: float
+    x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor | None,
+    eps: float,
 ) -> torch.Tensor:
     """Equation (ln-eps-residual): the exact sum_d xhat_d dx_d when eps > 0.
 
@@ -81,7 +82,10 @@ def scale_identity_residual(
     return D * c2 * eps * rstd**3
 
 
-def assert_layer_norm_identities(x, dy, weight, dx, eps, atol=None):
+def assert_layer_norm_identities(
+    x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor | None,
+    dx: torch.Tensor, eps: float, atol: float | None = None,
+) -> None:
     """Assert both free checks on a LayerNorm input gradient ``dx``.
 
     Raise AssertionError if either fails. Checks (ln-shift-id),

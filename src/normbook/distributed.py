@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 import traceback
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,8 @@ __all__ = ["merge_stats", "layer_norm_sharded", "rms_norm_sharded", "all_reduce_
            "dtensor_experiment", "fsdp_experiment"]
 
 
-def merge_stats(n: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor):
+def merge_stats(n: torch.Tensor, mean: torch.Tensor,
+                m2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chan's merge (kern-chan) of K chunks' statistics, in chunk order (deterministic).
 
     A chunk may be empty (n = 0, a rank that holds no features): it adds nothing, whatever
@@ -233,7 +235,9 @@ def _check(x, weight, bias, eps):
         raise ValueError(f"eps: expected a number >= 0, got {eps}")
 
 
-def layer_norm_sharded(x, weight=None, bias=None, eps=1e-5, group=None):
+def layer_norm_sharded(x: torch.Tensor, weight: torch.Tensor | None = None,
+                       bias: torch.Tensor | None = None, eps: float = 1e-5,
+                       group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """LayerNorm of rows split over the features across the ranks of ``group``.
 
     Each rank holds ``x[..., its slice of D]``, a slice of any length (uneven splits, and
@@ -258,7 +262,8 @@ def layer_norm_sharded(x, weight=None, bias=None, eps=1e-5, group=None):
     return _ShardedNorm.apply(x, weight, bias, float(eps), False, group)
 
 
-def rms_norm_sharded(x, weight=None, eps=1e-6, group=None):
+def rms_norm_sharded(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
+                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """RMSNorm of rows split over the features across the ranks of ``group``: (rms-ms) as one
     all-reduce of the sum of squares per token, divided by the whole row's length, then
     (rms-y) locally; backward (rms-dx) with c2 all-reduced. Arguments, result and what any
@@ -267,7 +272,8 @@ def rms_norm_sharded(x, weight=None, eps=1e-6, group=None):
     return _ShardedNorm.apply(x, weight, None, float(eps), True, group)
 
 
-def all_reduce_param_grads(module: torch.nn.Module, group=None) -> int:
+def all_reduce_param_grads(module: torch.nn.Module,
+                           group: dist.ProcessGroup | None = None) -> int:
     """Sum the gradients of ``module``'s parameters over the ranks of ``group`` (in place).
 
     With tokens split over ranks, each rank's dweight and dbias sum only its own tokens
@@ -421,7 +427,8 @@ def _collect(procs, tmp: str, name: str, timeout_s: float, start: float) -> list
         time.sleep(_POLL_S)
 
 
-def launch(fn, *args, world: int = 2, timeout_s: float = 300.0) -> list:
+def launch(fn: Callable[..., Any], *args: Any, world: int = 2,
+           timeout_s: float = 300.0) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` fresh CPU processes joined by gloo.
 
     Each child is a new Python (as with the "spawn" method) in its own process group, with
@@ -532,8 +539,9 @@ def _sgd(norm, x, t, n_total, steps, lr, sync):
     return norm
 
 
-def sequence_parallel_experiment(rank, world, n=64, d=16,
-                                 steps=20, lr=0.2):
+def sequence_parallel_experiment(rank: int, world: int, n: int = 64,
+                                 d: int = 16, steps: int = 20,
+                                 lr: float = 0.2) -> dict[str, float]:
     """Tokens split over ranks: local dweight, and SGD with and
     without the all-reduce (chapter "Norms across devices")."""
     from normbook import LayerNorm
@@ -542,7 +550,7 @@ def sequence_parallel_experiment(rank, world, n=64, d=16,
     x = 2 + torch.randn(n, d, generator=g, dtype=torch.float64)
     t = torch.randn(n, d, generator=g, dtype=torch.float64)
     mine = _rows(n, rank, world)             # this rank's tokens
-    f64 = dict(dtype=torch.float64)
+    f64: dict[str, Any] = dict(dtype=torch.float64)
 
     one = _sgd(LayerNorm(d, **f64), x, t, n, 1, 0.0, False)
     local = _sgd(LayerNorm(d, **f64), x[mine], t[mine], n, 1, 0.0,
@@ -565,13 +573,14 @@ def sequence_parallel_experiment(rank, world, n=64, d=16,
     return out
 
 
-def feature_parallel_experiment(rank, world, n=8, d=64):
+def feature_parallel_experiment(rank: int, world: int, n: int = 8,
+                                d: int = 64) -> dict[str, float]:
     """Features split over ranks: layer_norm_sharded and
     rms_norm_sharded against one process, in float64."""
     from normbook import reference
 
     g = torch.Generator().manual_seed(1)
-    f64 = dict(generator=g, dtype=torch.float64)
+    f64: dict[str, Any] = dict(generator=g, dtype=torch.float64)
     x = 3 + torch.randn(n, d, **f64)        # (N, D)
     w = 1 + 0.1 * torch.randn(d, **f64)      # (D,)
     b = 0.1 * torch.randn(d, **f64)          # (D,)
@@ -585,6 +594,7 @@ def feature_parallel_experiment(rank, world, n=8, d=64):
     y1, mean, rstd = reference.layer_norm_forward(x, w, b, 1e-5)
     dx1, dw1, db1 = reference.layer_norm_backward(dy, x, w, mean,
                                                   rstd)
+    assert dw1 is not None                   # w given: dweight too
     ln = max(_max(y, y1[:, cols]), _max(xs.grad, dx1[:, cols]),
              _max(ws.grad, dw1[cols]), _max(bs.grad, db1[cols]))
 
@@ -593,12 +603,14 @@ def feature_parallel_experiment(rank, world, n=8, d=64):
     y.backward(dy[:, cols])
     y1, rstd = reference.rms_norm_forward(x, w, 1e-6)
     dx1, dw1 = reference.rms_norm_backward(dy, x, w, rstd)
+    assert dw1 is not None
     rms = max(_max(y, y1[:, cols]), _max(xs.grad, dx1[:, cols]),
               _max(ws.grad, dw1[cols]))
     return {"layer_norm_err": ln, "rms_norm_err": rms}
 
 
-def dtensor_experiment(rank, world, n=2, s=8, d=16):
+def dtensor_experiment(rank: int, world: int, n: int = 2, s: int = 8,
+                       d: int = 16) -> dict[int, dict[str, Any]]:
     """normbook.kernels.layer_norm on DTensors sharded over the
     sequence (dim 1) and over the features (dim 2)."""
     import torch.nn.functional as F
@@ -615,7 +627,7 @@ def dtensor_experiment(rank, world, n=2, s=8, d=16):
     w = 1 + 0.1 * torch.randn(d, generator=g)
     b = 0.1 * torch.randn(d, generator=g)
     leaves = [v.clone().requires_grad_() for v in (x, w, b)]
-    F.layer_norm(leaves[0], (d,), *leaves[1:]).backward(dy)
+    F.layer_norm(leaves[0], (d,), leaves[1], leaves[2]).backward(dy)
 
     out = {}
     for dim in (1, 2):                    # the sequence, the features
@@ -629,17 +641,18 @@ def dtensor_experiment(rank, world, n=2, s=8, d=16):
         y.backward(distribute_tensor(dy, mesh, y.placements))
         out[dim] = {
             "x": str(xd.placements[0]), "y": str(y.placements[0]),
-            "dweight": str(wd.grad.placements[0]),
+            "dweight": str(wd.grad.placements[0]),  # type: ignore[union-attr]
             "comms": {str(k): v for k, v in
                       comm.get_comm_counts().items()},
             "err": max(_max(y.full_tensor(), F.layer_norm(
                 x, (d,), w, b)),
-                *(_max(v.grad.full_tensor(), l.grad)
+                *(_max(v.grad.full_tensor(), l.grad)  # type: ignore[union-attr]
                   for v, l in zip((xd, wd, bd), leaves)))}
     return out
 
 
-def fsdp_experiment(rank, world, n=8, d=16):
+def fsdp_experiment(rank: int, world: int, n: int = 8,
+                    d: int = 16) -> dict[str, Any]:
     """A LayerNorm under FSDP2's fully_shard against one process;
     each rank runs its own n // world tokens."""
     import warnings
@@ -662,14 +675,14 @@ def fsdp_experiment(rank, world, n=8, d=16):
     fs = LayerNorm(d)
     fs.load_state_dict(one.state_dict())
     fully_shard(fs, mesh=init_device_mesh("cpu", (world,)))
-    at_rest = tuple(fs.weight.to_local().shape)   # (D / world,)
+    at_rest = tuple(fs.weight.to_local().shape)  # type: ignore[attr-defined]  # (D / world,)
     mine = _rows(n, rank, world)
     y = fs(x[mine])                          # whole weight inside
     y.backward(dy[mine])
     # FSDP2 averages the ranks' gradients: the sum over ranks / world
-    grads = [p.grad.full_tensor() for p in fs.parameters()]
+    grads = [p.grad.full_tensor() for p in fs.parameters()]  # type: ignore[union-attr]
     return {"at_rest": at_rest, "placement": str(
-                fs.weight.placements[0]),
+                fs.weight.placements[0]),  # type: ignore[attr-defined]
             "y_err": _max(y, one(x)[mine]),
             "grad_err": max(_max(gr * world, p.grad) for gr, p in
                             zip(grads, one.parameters()))}

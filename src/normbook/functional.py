@@ -26,6 +26,7 @@ import functools
 import importlib.util
 import math
 import warnings
+from typing import Iterator, Sequence   # typing's: the book's API page resolves these names
 
 import torch
 import torch.autograd.forward_ad as _fwAD
@@ -44,7 +45,7 @@ _FUSED_D = 8192            # rows up to this wide always fit the kernels (kernel
 try:   # DTensor inputs keep their leading dims: the custom ops' sharding rules see them
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:   # pragma: no cover - a torch built without torch.distributed
-    _DTensor = None
+    _DTensor = None  # type: ignore[assignment,misc]
 
 
 # ----------------------------------------------------------------------------- backends
@@ -65,7 +66,7 @@ def _use_kernels(input) -> bool:
 
 
 @contextlib.contextmanager
-def backend(name: str):
+def backend(name: str) -> Iterator[None]:
     """Choose, inside a ``with`` block, what computes :func:`normbook.layer_norm`,
     :func:`normbook.rms_norm`, the fused ``add_*`` and the modules :class:`normbook.LayerNorm`,
     :class:`normbook.RMSNorm`.
@@ -273,7 +274,7 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
 # ----------------------------------------------------------------------------- the front door
 
 _NO_BIAS = object()   # RMSNorm has no bias argument at all (so none is named in its errors)
-_warned_wide = set()
+_warned_wide: set[int] = set()
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -416,7 +417,9 @@ def _rms_eps(input, eps):
     return eps if type(eps) is float else _validate.as_eps(_validate.default_eps(input, eps))
 
 
-def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+def layer_norm(input: Tensor, normalized_shape: int | Sequence[int],
+               weight: Tensor | None = None, bias: Tensor | None = None,
+               eps: float | Tensor = 1e-5) -> Tensor:
     """LayerNorm over the trailing ``normalized_shape`` dims, as ``torch.nn.functional.layer_norm``.
 
     Implements equations (ln-mean) to (ln-y) of the chapter "One token's vector":
@@ -448,7 +451,8 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     return _norm(input, normalized_shape, weight, bias, _ln_eps(eps), False)[0]
 
 
-def rms_norm(input, normalized_shape, weight=None, eps=None):
+def rms_norm(input: Tensor, normalized_shape: int | Sequence[int],
+             weight: Tensor | None = None, eps: float | Tensor | None = None) -> Tensor:
     """RMSNorm over the trailing ``normalized_shape`` dims, as ``torch.nn.functional.rms_norm``.
 
     Implements equations (rms-ms) and (rms-y) of the chapter "One token's vector":
@@ -479,7 +483,9 @@ def _last_dim(x) -> int:
     return x.shape[-1] if isinstance(x, Tensor) and x.dim() > 0 else 0
 
 
-def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5):
+def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None,
+                   bias: Tensor | None = None,
+                   eps: float | Tensor = 1e-5) -> tuple[Tensor, Tensor]:
     """(fork-rule): h = x + residual, y = LayerNorm(h) over the last dim, in one pass.
 
     x and the residual are each read once, h is written once (on the kernel backend). In
@@ -500,7 +506,8 @@ def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5):
     return _norm(x, _last_dim(x), weight, bias, _ln_eps(eps), False, residual, "x")
 
 
-def add_rms_norm(x, residual, weight=None, eps=None):
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None,
+                 eps: float | Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(fork-rule): h = x + residual, y = RMSNorm(h) over the last dim, in one pass.
 
     Forward (rms-ms), (rms-y) on h; gradient (rms-dx) plus the gradient arriving at h. As

@@ -11,7 +11,9 @@ import numpy as np
 __all__ = ["layer_norm", "rms_norm"]
 
 
-def layer_norm(x, weight, bias, eps=1e-5):
+def layer_norm(
+    x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float = 1e-5
+) -> np.ndarray:
     """LayerNorm forward, equations (ln-mean) to (ln-y).
 
     From the chapter "One token's vector". y = weight * (x - mean) /
@@ -31,7 +33,9 @@ def layer_norm(x, weight, bias, eps=1e-5):
     return weight * (x - mean) / np.sqrt(var + eps) + bias  # (..., D)
 
 
-def rms_norm(x, weight, eps=1e-5):
+def rms_norm(
+    x: np.ndarray, weight: np.ndarray, eps: float = 1e-5
+) -> np.ndarray:
     """RMSNorm forward, equations (rms-ms) and (rms-y).
 
     From the chapter "One token's vector". y = weight * x /

@@ -19,6 +19,7 @@ reductions are exactly the einsum strings of the batching chapter: per-token sta
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 __all__ = [
     "layer_norm_token_forward",
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def _rows(t: Tensor) -> Tensor:
     """View ``t`` of shape (..., D) as (N, D), N the product of the leading dims."""
     return t.reshape(-1, t.shape[-1])
 
@@ -63,7 +64,9 @@ def _check_rows(x, dy=None):
 # Every public function keeps its lines within 72 characters: the chapters show them whole.
 
 
-def layer_norm_token_forward(x, weight, bias, eps):
+def layer_norm_token_forward(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """One token's LayerNorm forward, (ln-mean) to (ln-y) of the
     chapter "One token's vector".
 
@@ -95,7 +98,10 @@ def layer_norm_token_forward(x, weight, bias, eps):
     return y, mean, rstd
 
 
-def layer_norm_token_backward(dy, x, weight, mean, rstd):
+def layer_norm_token_backward(
+    dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor,
+    rstd: Tensor,
+) -> tuple[Tensor, Tensor | None, Tensor]:
     """One token's LayerNorm backward, (ln-ghat), (ln-c), (ln-dx) and
     (ln-dparams) of the chapter "The backward pass".
 
@@ -124,7 +130,9 @@ def layer_norm_token_backward(dy, x, weight, mean, rstd):
     return dx, dweight, dbias
 
 
-def rms_norm_token_forward(x, weight, eps):
+def rms_norm_token_forward(
+    x: Tensor, weight: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor]:
     """One token's RMSNorm forward, (rms-ms) and (rms-y) of the
     chapter "One token's vector".
 
@@ -148,7 +156,9 @@ def rms_norm_token_forward(x, weight, eps):
     return y, rstd
 
 
-def rms_norm_token_backward(dy, x, weight, rstd):
+def rms_norm_token_backward(
+    dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor
+) -> tuple[Tensor, Tensor | None]:
     """One token's RMSNorm backward, (rms-dx) and (rms-dparams) of
     the chapter "RMSNorm": (ln-dx) without c1.
 
@@ -176,7 +186,9 @@ def rms_norm_token_backward(dy, x, weight, rstd):
 # Row by row, x of shape (N, D): the algorithm a kernel runs ("Kernels").
 
 
-def layer_norm_rows_forward(x, weight, bias, eps):
+def layer_norm_rows_forward(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """LayerNorm forward over N rows, one row at a time, as a kernel
     runs it: (ln-mean) to (ln-y) of "One token's vector" on each row.
 
@@ -203,7 +215,10 @@ def layer_norm_rows_forward(x, weight, bias, eps):
     return y, mean, rstd
 
 
-def layer_norm_rows_backward(dy, x, weight, mean, rstd):
+def layer_norm_rows_backward(
+    dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor,
+    rstd: Tensor,
+) -> tuple[Tensor, Tensor | None, Tensor]:
     """LayerNorm backward over N rows, one row at a time, as a kernel
     runs it: (ln-dx) per row, (ln-dparams) added up over the rows.
 
@@ -237,7 +252,9 @@ def layer_norm_rows_backward(dy, x, weight, mean, rstd):
 # The batched functions, x of shape (..., D): chapter "Batching with einsum".
 
 
-def layer_norm_forward(x, weight, bias, eps):
+def layer_norm_forward(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """LayerNorm forward, (ln-mean) to (ln-y) of "One token's vector",
     for N tokens at once: (batch-stats) of "Batching with einsum".
 
@@ -271,7 +288,10 @@ def layer_norm_forward(x, weight, bias, eps):
     return y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead)
 
 
-def layer_norm_backward(dy, x, weight, mean, rstd):
+def layer_norm_backward(
+    dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor,
+    rstd: Tensor,
+) -> tuple[Tensor, Tensor | None, Tensor]:
     """LayerNorm backward, (ln-ghat), (ln-c), (ln-dx), (ln-dparams) of
     "The backward pass", for N tokens at once: (batch-stats),
     (batch-dx) and (batch-params) of "Batching with einsum".
@@ -305,7 +325,7 @@ def layer_norm_backward(dy, x, weight, mean, rstd):
     return dx.reshape(x.shape), dweight, dbias
 
 
-def layer_norm_jacobian(x, eps):
+def layer_norm_jacobian(x: Tensor, eps: float) -> Tensor:
     """The D x D Jacobian d xhat_d / d x_e of LayerNorm, equation
     (ln-jac) of "The Jacobian".
 
@@ -329,7 +349,9 @@ def layer_norm_jacobian(x, eps):
     return rstd * (eye - through_mean - through_std)
 
 
-def rms_norm_forward(x, weight, eps):
+def rms_norm_forward(
+    x: Tensor, weight: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor]:
     """RMSNorm forward, (rms-ms) and (rms-y) of "One token's vector"
     and (rms-xhat) of "RMSNorm", for N tokens at once.
 
@@ -355,7 +377,9 @@ def rms_norm_forward(x, weight, eps):
     return y.reshape(x.shape), rstd.reshape(x.shape[:-1])
 
 
-def rms_norm_backward(dy, x, weight, rstd):
+def rms_norm_backward(
+    dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor
+) -> tuple[Tensor, Tensor | None]:
     """RMSNorm backward, (rms-dparams) and (rms-dx) of "RMSNorm":
     (ln-dx) without c1, for N tokens at once.
 
@@ -384,7 +408,7 @@ def rms_norm_backward(dy, x, weight, rstd):
     return dx.reshape(x.shape), dweight
 
 
-def rms_norm_jacobian(x, eps):
+def rms_norm_jacobian(x: Tensor, eps: float) -> Tensor:
     """The D x D Jacobian d xhat_d / d x_e of RMSNorm, equation
     (rms-jac) of "RMSNorm".
 

@@ -12,6 +12,7 @@ Shapes: ``x`` is (..., D), one token per row; ``A`` is (D, D) and acts on each t
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from normbook import reference
 
@@ -37,7 +38,9 @@ def _branch_backward(dt, u, A, t):
     return du, dA
 
 
-def residual_tanh_forward(x, A):
+def residual_tanh_forward(
+    x: Tensor, A: Tensor
+) -> tuple[Tensor, Tensor]:
     """Residual block y = x + tanh(A x), equation (residual-block).
 
     Its gradient is (residual-grad).
@@ -55,7 +58,9 @@ def residual_tanh_forward(x, A):
     return x + t, t
 
 
-def residual_tanh_backward(dy, x, A, t):
+def residual_tanh_backward(
+    dy: Tensor, x: Tensor, A: Tensor, t: Tensor
+) -> tuple[Tensor, Tensor]:
     """Backward of y = x + tanh(A x): equation (residual-grad).
 
     An instance of (fork-rule). dx = dy + A^T ((1 - tanh^2(A x)) * dy):
@@ -77,7 +82,10 @@ def residual_tanh_backward(dy, x, A, t):
     return dx, dA
 
 
-def pre_norm_tanh_forward(x, A, weight, bias, eps):
+def pre_norm_tanh_forward(
+    x: Tensor, A: Tensor, weight: Tensor | None, bias: Tensor | None,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Pre-norm block y = x + tanh(A LayerNorm(x)), equation (residual-pre-norm).
 
     x feeds the identity path and the norm: the fork that :func:`pre_norm_tanh_backward` sums.
@@ -93,7 +101,11 @@ def pre_norm_tanh_forward(x, A, weight, bias, eps):
     return x + t, t, mean, rstd
 
 
-def pre_norm_tanh_backward(dy, x, A, weight, bias, eps, t, mean, rstd):
+def pre_norm_tanh_backward(
+    dy: Tensor, x: Tensor, A: Tensor, weight: Tensor | None,
+    bias: Tensor | None, eps: float, t: Tensor, mean: Tensor,
+    rstd: Tensor,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """Backward of y = x + tanh(A LayerNorm(x)) by (fork-rule).
 
     dx is dy plus LayerNorm's (ln-dx) of the branch.
