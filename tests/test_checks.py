@@ -1,9 +1,12 @@
-"""The invariance identities of normbook.checks, as property tests over random shapes and values."""
+"""The invariance identities of normbook.checks, as property tests over random shapes and values;
+check_norm_backward on torch's and normbook's norms, and on norms with a planted bug."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
+import normbook
 from normbook import checks, reference
 
 f64 = dict(dtype=torch.float64)
@@ -100,3 +103,200 @@ def test_the_checks_catch_a_wrong_c2():
     wrong = (ghat - c1 - c2 * xhat) * rstd[:, None]
     with pytest.raises(AssertionError, match=r"scale identity sum\(xhat \* dx\) = D c2 eps rstd\^3 fails: worst relative residual .* > 1.4e-14 \(token \d\)"):
         checks.assert_layer_norm_identities(x, dy, w, wrong, 1e-5)
+
+
+# ------------------------------------------------------------------------------ RMSNorm
+
+def rms_grad(x, w, dy, eps):
+    _, rstd = reference.rms_norm_forward(x, w, eps)
+    return reference.rms_norm_backward(dy, x, w, rstd)[0]
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-5, 1e-3, 1e-1])
+def test_rms_scale_identity_and_its_eps_residual_over_150_trials(eps):
+    """RMSNorm's sum(xhat * dx) = D c2 eps rstd^3 (xhat = x rstd), to rounding, at every eps."""
+    g = torch.Generator().manual_seed(int(eps * 1e5) + 1)
+    worst = 0.0
+    for _ in range(150):
+        D = int(torch.randint(2, 64, (1,), generator=g))
+        scale = 10 ** (3 * float(torch.rand(1, generator=g)) - 2)
+        x = scale * (torch.randn(D, generator=g, **f64) + float(torch.randn(1, generator=g)))
+        w, dy = torch.randn(D, generator=g, **f64), torch.randn(D, generator=g, **f64)
+        dx = rms_grad(x, w, dy, eps)
+        got = checks.rms_scale_identity(x, dx, eps)
+        want = checks.rms_scale_identity_residual(x, dy, w, eps)
+        _, rstd = reference.rms_norm_forward(x, w, eps)
+        size = (dy * w).abs().sum() * rstd * (1 + D ** 0.5)    # |xhat_d| <= sqrt(D)
+        worst = max(worst, ((got - want).abs() / size).item())
+    assert worst < 1e-14
+
+
+def test_rms_norm_has_no_shift_identity():
+    g = torch.Generator().manual_seed(2)
+    x, w, dy = torch.randn(4, 32, generator=g, **f64) + 1, torch.randn(32, generator=g, **f64), torch.randn(4, 32, generator=g, **f64)
+    dx = rms_grad(x, w, dy, 1e-5)
+    assert (checks.shift_identity(dx).abs() > 1e-3 * dx.abs().sum(-1)).all()
+    checks.assert_rms_norm_identities(x, dy, w, dx, 1e-5)              # its own check passes
+    with pytest.raises(AssertionError, match=r"shift identity"):
+        checks.assert_layer_norm_identities(x, dy, w, dx, 1e-5)         # LayerNorm's does not
+
+
+def test_assert_rms_norm_identities_catches_a_dropped_c2():
+    g = torch.Generator().manual_seed(9)
+    x, w, dy = torch.randn(5, 32, generator=g, **f64), torch.randn(32, generator=g, **f64), torch.randn(5, 32, generator=g, **f64)
+    _, rstd = reference.rms_norm_forward(x, w, 1e-5)
+    wrong = dy * w * rstd[:, None]                                      # (rms-dx) without - c2 xhat
+    with pytest.raises(AssertionError, match=r"scale identity sum\(xhat \* dx\) = D c2 eps rstd\^3 fails: worst relative residual .* > 1.4e-14 \(token \d\)"):
+        checks.assert_rms_norm_identities(x, dy, w, wrong, 1e-5)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        xd, wd, dyd = x.to(dtype), w.to(dtype), dy.to(dtype)
+        dx = torch.autograd.grad(F.rms_norm(xd.requires_grad_(), (32,), wd, 1e-5), xd, dyd)[0]
+        checks.assert_rms_norm_identities(xd, dyd, wd, dx, 1e-5)
+
+
+# ------------------------------------------------------------------------------ check_norm_backward
+
+CORRECT = {
+    ("layer", "torch"): lambda eps: lambda x, w=None: F.layer_norm(x, x.shape[-1:], w, None, eps),
+    ("layer", "normbook"): lambda eps: lambda x, w=None: normbook.layer_norm(x, x.shape[-1:], w, None, eps),
+    ("rms", "torch"): lambda eps: lambda x, w=None: F.rms_norm(x, x.shape[-1:], w, eps),
+    ("rms", "normbook"): lambda eps: lambda x, w=None: normbook.rms_norm(x, x.shape[-1:], w, eps),
+}
+
+
+@pytest.mark.parametrize("kind, impl", list(CORRECT))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_torch_and_normbook_norms_pass(kind, impl, dtype):
+    """Rows of 2 to 4096 features, centred and not, large and small, eps 0 to 1e-1, with and
+    without a weight: every identity holds within the default tolerance."""
+    g = torch.Generator().manual_seed(0)
+    for D, loc, scale, eps in [(2, 0.0, 1.0, 1e-5), (3, 5.0, 0.1, 0.0), (64, -2.0, 30.0, 1e-1),
+                               (1000, 1.0, 1e-2, 1e-5), (4096, 0.0, 3.0, 1e-3)]:
+        x = (scale * (torch.randn(3, D, generator=g, **f64) + loc)).to(dtype)
+        w = torch.randn(D, generator=g, **f64).to(dtype)
+        assert checks.check_norm_backward(CORRECT[kind, impl](eps), x, kind, eps, w)
+        assert checks.check_norm_backward(CORRECT[kind, impl](eps), x, kind, eps)
+
+
+def test_the_modules_pass_with_their_default_eps():
+    x = torch.randn(2, 5, 48)
+    for module, kind in [(torch.nn.LayerNorm(48), "layer"), (torch.nn.RMSNorm(48), "rms"),
+                         (normbook.LayerNorm(48), "layer"), (normbook.RMSNorm(48), "rms")]:
+        with torch.no_grad():
+            module.weight.normal_()
+        eps = module.eps                                  # None for RMSNorm: finfo(dtype).eps
+        assert checks.check_norm_backward(lambda x, w: torch.func.functional_call(
+            module, {"weight": w, **({"bias": module.bias} if kind == "layer" else {})}, (x,)),
+            x, kind, eps, module.weight)
+
+
+def buggy_norm(kind, bug, eps):
+    """A norm whose forward is right and whose backward has one planted bug."""
+    class Buggy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            if kind == "layer":
+                y, mean, rstd = reference.layer_norm_forward(x, w, None, eps)
+                xhat = (x - mean[..., None]) * rstd[..., None]
+            else:
+                y, rstd = reference.rms_norm_forward(x, w, eps)
+                xhat = x * rstd[..., None]
+            ctx.save_for_backward(x, xhat, rstd, w)
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, xhat, rstd, w = ctx.saved_tensors
+            D = x.shape[-1]
+            ghat = dy if bug == "forgot weight" else dy * w                  # (ln-ghat)
+            n = D - 1 if bug == "1/(D-1)" else D
+            c1 = ghat.sum(-1, keepdim=True) / n                               # (ln-c)
+            c2 = (ghat * xhat).sum(-1, keepdim=True) / n
+            if bug == "dropped c2":
+                c2 = torch.zeros_like(c2)
+            if bug == "c2 sign":
+                c2 = -c2
+            if (kind == "rms" and bug != "added c1") or bug == "dropped c1":
+                c1 = torch.zeros_like(c1)
+            r = rstd[..., None]
+            factor = {"missing rstd": 1.0, "rstd squared": r * r}.get(bug, r)
+            dx = (ghat - c1 - c2 * xhat) * factor                             # (ln-dx), (rms-dx)
+            dw = (dy * (x if bug == "x for xhat in dweight" else xhat)).reshape(-1, D).sum(0)
+            return dx, dw
+
+    return Buggy.apply
+
+
+BUGS = [  # kind, bug, eps, the identity that names it
+    ("layer", "none", 1e-5, None),
+    ("layer", "dropped c1", 1e-5, "shift identity"),
+    ("layer", "dropped c2", 1e-5, "scale identity"),
+    ("layer", "c2 sign", 0.0, "scale identity"),
+    ("layer", "1/(D-1)", 1e-5, "shift identity"),
+    ("layer", "missing rstd", 0.0, "projection identity"),
+    ("layer", "rstd squared", 0.0, "projection identity"),
+    ("layer", "forgot weight", 0.0, "projection identity"),
+    ("layer", "x for xhat in dweight", 1e-5, "weight identity"),
+    ("rms", "none", 1e-5, None),
+    ("rms", "added c1", 1e-5, "scale identity"),        # LayerNorm's (ln-dx) used for RMSNorm
+    ("rms", "dropped c2", 1e-5, "scale identity"),
+    ("rms", "1/(D-1)", 0.0, "scale identity"),
+    ("rms", "missing rstd", 0.0, "projection identity"),
+    ("rms", "forgot weight", 0.0, "projection identity"),
+    ("rms", "x for xhat in dweight", 1e-5, "weight identity"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kind, bug, eps, identity", BUGS, ids=[f"{k}-{b}" for k, b, *_ in BUGS])
+def test_check_norm_backward_catches_each_planted_bug(kind, bug, eps, identity, dtype):
+    """Each bug fails with the name of the identity it breaks, far above the tolerance (the
+    relative residuals are 1e-3 to 1); the correct backward passes."""
+    g = torch.Generator().manual_seed(11)
+    x = (3 * torch.randn(6, 64, generator=g, **f64) + 1).to(dtype)
+    w = torch.randn(64, generator=g, **f64).to(dtype)
+    fn = buggy_norm(kind, bug, eps)
+    if identity is None:
+        assert checks.check_norm_backward(fn, x, kind, eps, w)
+        return
+    with pytest.raises(AssertionError, match=rf"^{identity} .* fails: worst relative residual "
+                                             r"(\S+) > \S+ \(token \d\)$") as info:
+        checks.check_norm_backward(fn, x, kind, eps, w)
+    worst = float(info.value.args[0].split("residual ")[1].split()[0])
+    assert worst > 1e-4
+
+
+def test_at_eps_0_the_invariances_miss_what_the_projection_identity_sees():
+    """The blind spot of the invariances chapter's exercise "What the checks cannot see": a wrong
+    factor in place of rstd, or g in place of ghat, passes both free checks at eps = 0."""
+    g = torch.Generator().manual_seed(12)
+    x, w = 3 * torch.randn(6, 64, generator=g, **f64) + 1, torch.randn(64, generator=g, **f64)
+    dy = torch.randn(6, 64, generator=g, **f64)
+    for bug in ("missing rstd", "forgot weight"):
+        xg = x.clone().requires_grad_()
+        dx = torch.autograd.grad(buggy_norm("layer", bug, 0.0)(xg, w), xg, dy)[0]
+        checks.assert_layer_norm_identities(x, dy, w, dx, 0.0)       # passes
+        with pytest.raises(AssertionError, match="projection identity"):
+            checks.check_norm_backward(buggy_norm("layer", bug, 0.0), x, "layer", 0.0, w, dy=dy)
+
+
+def test_the_eps_residuals_are_needed_in_float64():
+    """At eps = 0.1 the uncorrected identities are far from zero, and the closed forms
+    D c2 eps rstd^3 and D c2^2 eps rstd^3 make them hold to rounding."""
+    g = torch.Generator().manual_seed(13)
+    x, w = 0.5 * torch.randn(4, 32, generator=g, **f64), torch.randn(32, generator=g, **f64)
+    for kind in ("layer", "rms"):
+        fn = CORRECT[kind, "torch"](0.1)
+        assert checks.check_norm_backward(fn, x, kind, 0.1, w, atol=1e-13)
+        with pytest.raises(AssertionError, match="scale identity"):
+            checks.check_norm_backward(fn, x, kind, 0.0, w)   # told eps = 0: the residual shows
+
+
+def test_a_norm_of_the_other_kind_fails():
+    x = torch.randn(4, 32, **f64) + 2
+    with pytest.raises(AssertionError, match="shift identity"):
+        checks.check_norm_backward(CORRECT["rms", "torch"](1e-5), x, "layer", 1e-5)
+    with pytest.raises(AssertionError, match="scale identity"):
+        checks.check_norm_backward(CORRECT["layer", "torch"](1e-5), x, "rms", 1e-5)
+    with pytest.raises(ValueError, match="kind"):
+        checks.check_norm_backward(CORRECT["layer", "torch"](1e-5), x, "batch")

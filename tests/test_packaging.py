@@ -28,7 +28,7 @@ EXTRAS = PROJECT["optional-dependencies"]
 
 # The typed public API: mypy runs on these files, and every public name in them is annotated.
 PUBLIC_MODULES = ["__init__", "functional", "modules", "checks", "reference", "batching",
-                  "residual", "numpy_ref", "blocks", "distributed"]
+                  "residual", "numpy_ref", "blocks", "distributed", "swap"]
 # torch's autograd.Function protocol fixes these signatures (ctx, *tensors); nothing to state.
 UNANNOTATED = {"normbook.functional.NormFunction"}
 
@@ -264,7 +264,7 @@ def test_wheel_builds_clean_and_imports_without_triton(tmp_path):
     code = f"""
 import importlib.metadata, importlib.resources, importlib.util, sys
 import torch, normbook
-from normbook import batching, blocks, checks, distributed, numpy_ref, reference, residual
+from normbook import batching, blocks, checks, distributed, numpy_ref, reference, residual, swap
 assert importlib.util.find_spec("triton") is None
 assert normbook.__file__.startswith({str(venv)!r}), normbook.__file__
 assert normbook.__version__ == importlib.metadata.version("normbook") == {PROJECT['version']!r}
@@ -272,7 +272,8 @@ assert importlib.resources.files("normbook").joinpath("py.typed").is_file()
 x = torch.randn(4, 8, requires_grad=True)
 normbook.layer_norm(x, (8,)).sum().backward()
 normbook.RMSNorm(8)(x)
-assert "triton" not in sys.modules
+assert normbook.swap_norms(torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.RMSNorm(8))) == 2
+assert "triton" not in sys.modules and "transformers" not in sys.modules
 print("imported", normbook.__version__)
 """
     env = {"PYTHONPATH": str(farm), "PATH": os.defpath, "HOME": str(tmp_path)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from normbook.functional import add_layer_norm, add_rms_norm, backend, layer_norm, rms_norm
 from normbook.modules import LayerNorm, RMSNorm
+from normbook.swap import swap_norms
 
 
 def _version() -> str:
@@ -37,4 +38,4 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "LayerNorm", "RMSNorm", "backend",
-           "__version__"]
+           "swap_norms", "__version__"]

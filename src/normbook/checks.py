@@ -1,13 +1,18 @@
-"""The two free checks: identities every correct LayerNorm backward satisfies.
+"""The free checks: identities every correct LayerNorm or RMSNorm backward satisfies.
 
 LayerNorm ignores shifts of its input (exactly) and positive rescalings (exactly only at
-eps = 0), so its input gradient has no component along either direction. These functions
-compute the identities per token; tests and chapters assert with them, with no reference
-implementation, no finite differences and no autograd. See the chapter "Invariances and the
-two free checks", equations (ln-shift-id), (ln-scale-id) and (ln-eps-residual).
+eps = 0), so its input gradient has no component along either direction. RMSNorm has no mean:
+it keeps the rescalings only, so its gradient keeps the scale identity and loses the shift one.
+These functions compute the identities per token; tests and chapters assert with them, with no
+reference implementation, no finite differences and no autograd. See the chapter "Invariances
+and the two free checks", equations (ln-shift-id), (ln-scale-id) and (ln-eps-residual), and the
+chapter "RMSNorm" for RMSNorm's residual. :func:`check_norm_backward` runs a user's norm and
+applies every identity its kind satisfies.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -18,6 +23,10 @@ __all__ = [
     "scale_identity",
     "scale_identity_residual",
     "assert_layer_norm_identities",
+    "rms_scale_identity",
+    "rms_scale_identity_residual",
+    "assert_rms_norm_identities",
+    "check_norm_backward",
 ]
 
 
@@ -123,3 +132,220 @@ def assert_layer_norm_identities(
             f"{scale_err.max().item():.3e} > {atol:.1e} "
             f"(token {int(scale_err.argmax())})"
         )
+
+
+# ------------------------------------------------------------------------------ RMSNorm
+
+def _rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm's (xhat, rstd): (..., D) and (...,)."""
+    _, rstd = reference.rms_norm_forward(x, None, eps)
+    return x * rstd[..., None], rstd
+
+
+def rms_scale_identity(x: torch.Tensor, dx: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm's scale identity: sum_d xhat_d dx_d with xhat = x * rstd, zero at eps = 0.
+
+    RMSNorm's (rms-xhat) has no mean, so this is :func:`scale_identity` with RMSNorm's xhat.
+
+    Args:
+        x: (..., D) the forward input.
+        dx: (..., D) the input gradient.
+        eps: the eps of the forward.
+
+    Returns:
+        (...,) one value per token. At eps > 0 it equals :func:`rms_scale_identity_residual`.
+    """
+    return (_rms_stats(x, eps)[0] * dx).sum(-1)
+
+
+def rms_scale_identity_residual(
+    x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """RMSNorm's exact sum_d xhat_d dx_d when eps > 0: D * c2 * eps * rstd^3, as (ln-eps-residual).
+
+    With ms = mean_d(x^2), rstd = 1 / sqrt(ms + eps) and c2 = mean_d(ghat * xhat), (rms-dx) gives
+    sum_d xhat_d dx_d = rstd * c2 * (D - sum_d xhat_d^2), and sum_d xhat_d^2 = D ms / (ms + eps)
+    = D (1 - eps rstd^2).
+
+    Args:
+        x: (..., D) the forward input.
+        dy: (..., D) the gradient arriving at y.
+        weight: (D,) or None.
+        eps: the eps of the forward.
+
+    Returns:
+        (...,) the predicted residual, one value per token.
+    """
+    D = x.shape[-1]
+    xhat, rstd = _rms_stats(x, eps)
+    ghat = dy * weight if weight is not None else dy
+    c2 = (ghat * xhat).mean(-1)
+    return D * c2 * eps * rstd**3
+
+
+def _fail(identity: str, rel: torch.Tensor, atol: float) -> None:
+    """Raise AssertionError naming ``identity`` if any token's relative residual exceeds atol."""
+    if rel.numel() and not bool((rel <= atol).all()):       # NaN fails too
+        worst = torch.where(rel.isnan(), torch.inf, rel).flatten()
+        k = int(worst.argmax())
+        raise AssertionError(
+            f"{identity} fails: worst relative residual {worst[k].item():.3e} > {atol:.1e} "
+            f"(token {k})")
+
+
+def _default_atol(dtype: torch.dtype, D: int) -> float:
+    """64 units of roundoff of ``dtype``, times sqrt(D) / 8 from D = 64 up: the c1 and c2 sums
+    of a D-wide row carry more roundoff (measured in tests/test_checks.py)."""
+    return 64 * torch.finfo(dtype).eps * max(1.0, D**0.5 / 8)
+
+
+def _identities(
+    kind: str, x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor | None,
+    dx: torch.Tensor, eps: float,
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, residual, size) per identity, (...,) tensors, computed in float64.
+
+    size sums the magnitudes of what the identity adds up: dx_d's terms before they cancel,
+    rstd (|ghat_d| + |c1| + |c2 xhat_d|), with the means of |ghat| and |ghat * xhat| for |c1|
+    and |c2| (bounds that do not cancel), times the identity's other factor, times the
+    centring's conditioning 1 + |mean| rstd for LayerNorm (x - mean loses those digits).
+    """
+    x, dy, dx = x.double(), dy.double(), dx.double()
+    w = None if weight is None else weight.double()
+    D = x.shape[-1]
+    ghat = dy * w if w is not None else dy                                # (..., D) (ln-ghat)
+    if kind == "layer":
+        _, mean, rstd = reference.layer_norm_forward(x, None, None, eps)
+        xhat = (x - mean[..., None]) * rstd[..., None]
+        cond = 1 + mean.abs() * rstd
+        m1 = ghat.abs().mean(-1, keepdim=True)
+    else:
+        xhat, rstd = _rms_stats(x, eps)
+        cond = torch.ones_like(rstd)
+        m1 = torch.zeros_like(rstd)[..., None]
+    r = rstd[..., None]
+    c2 = (ghat * xhat).mean(-1)                                           # (...,) (ln-c)
+    terms = r * (ghat.abs() + m1 + (ghat * xhat).abs().mean(-1, keepdim=True) * xhat.abs())
+    found = []
+    if kind == "layer":
+        found.append(("shift identity sum(dx) = 0", dx.sum(-1), terms.sum(-1) * cond))
+    found.append(("scale identity sum(xhat * dx) = D c2 eps rstd^3",
+                  (xhat * dx).sum(-1) - D * c2 * eps * rstd**3,
+                  (xhat.abs() * terms).sum(-1) * cond))
+    found.append(("projection identity sum(dx * (ghat - dx / rstd)) = D c2^2 eps rstd^3",
+                  (dx * (ghat - dx / r)).sum(-1) - D * c2**2 * eps * rstd**3,
+                  (terms * (ghat.abs() + 2 * dx.abs() / r)).sum(-1) * cond))
+    return found
+
+
+def assert_rms_norm_identities(
+    x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor | None,
+    dx: torch.Tensor, eps: float, atol: float | None = None,
+) -> None:
+    """Assert RMSNorm's free check on an input gradient ``dx``: the scale identity.
+
+    Raise AssertionError if, for some token, sum_d xhat_d dx_d (xhat = x * rstd) differs from
+    its closed form D c2 eps rstd^3 (:func:`rms_scale_identity_residual`) by more than ``atol``
+    times the size of the terms summed: sum_d ``abs(xhat_d)`` times the size of dx_d's terms
+    before they cancel, ``rstd * (abs(ghat_d) + m * abs(xhat_d))`` with ``m`` the mean of
+    ``abs(ghat * xhat)`` (a bound on c2 that does not cancel). There is no shift identity:
+    RMSNorm is not shift invariant, and sum_d dx_d is not zero. The identity is evaluated in
+    float64.
+
+    Args:
+        x, dy: (..., D) the forward input and the gradient arriving at y.
+        weight: (D,) or None.
+        dx: (..., D) the input gradient under test.
+        eps: the eps of the forward.
+        atol: relative tolerance per token; default 64 * finfo(dx.dtype).eps, times
+            sqrt(D) / 8 when D > 64.
+    """
+    if atol is None:
+        atol = _default_atol(dx.dtype, x.shape[-1])
+    name, residual, size = _identities("rms", x, dy, weight, dx, eps)[0]
+    _fail(name, residual.abs() / (size + torch.finfo(torch.float64).tiny), atol)
+
+
+def check_norm_backward(
+    fn: Callable[..., torch.Tensor], x: torch.Tensor,
+    kind: str = "layer", eps: float | None = 1e-5,
+    weight: torch.Tensor | None = None, *, dy: torch.Tensor | None = None,
+    atol: float | None = None,
+) -> bool:
+    """Run a norm's backward and assert every identity its gradients satisfy, as gradcheck does.
+
+    ``fn`` is any differentiable callable normalizing over the last dim: ``fn(x)``, or
+    ``fn(x, weight)`` when a weight is given (LayerNorm's bias does not enter any identity;
+    close over it). Its gradients for a random ``dy`` (seeded) are taken by autograd and
+    checked per token against (in float64, from ``x``, ``dy`` and ``weight`` alone):
+
+    - shift identity (ln-shift-id), LayerNorm only: sum_d dx_d = 0.
+    - scale identity (ln-eps-residual), both kinds with each kind's xhat:
+      sum_d xhat_d dx_d = D c2 eps rstd^3.
+    - projection identity, both kinds: (ln-proj) says dx / rstd is ghat with its components
+      along 1 (LayerNorm) and xhat removed, so at eps = 0 it is orthogonal to what was removed,
+      ghat - dx / rstd. At eps > 0, sum_d dx_d (ghat_d - dx_d / rstd) = D c2^2 eps rstd^3. This
+      one sees what the two invariances cannot: a wrong factor in place of rstd, or g in place
+      of ghat = g * weight.
+    - weight identity, with a weight: sum_d weight_d dweight_d = sum over tokens of D c2, as
+      (ln-dparams) gives dweight = sum over tokens of dy * xhat.
+
+    Each residual is divided by the size of the terms it sums (see
+    :func:`assert_rms_norm_identities`); the first identity whose worst token exceeds ``atol``
+    raises AssertionError with its name, the worst relative residual and the token.
+
+    Args:
+        fn: the norm under test, ``fn(x)`` or ``fn(x, weight)`` -> (..., D).
+        x: (..., D) the input (not modified).
+        kind: ``"layer"`` (LayerNorm: mean subtracted) or ``"rms"`` (RMSNorm).
+        eps: the eps ``fn`` uses; None, as torch.nn.RMSNorm's default, is
+            finfo(dtype).eps (at least float32's).
+        weight: (D,) gamma, or None.
+        dy: (..., D) the gradient arriving at y; default a seeded standard normal.
+        atol: relative tolerance per token; default 64 * finfo(x.dtype).eps, times
+            sqrt(D) / 8 when D > 64.
+
+    Returns:
+        True (as torch.autograd.gradcheck); every failure raises.
+    """
+    if kind not in ("layer", "rms"):
+        raise ValueError(f'kind must be "layer" or "rms", got {kind!r}')
+    if eps is None:
+        eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
+    D = x.shape[-1]
+    if atol is None:
+        atol = _default_atol(x.dtype, D)
+    xg = x.detach().clone().requires_grad_()
+    wg = None if weight is None else weight.detach().clone().requires_grad_()
+    y = fn(xg) if wg is None else fn(xg, wg)
+    if y.shape != x.shape:
+        raise AssertionError(f"fn(x) has shape {tuple(y.shape)}, not x's {tuple(x.shape)}")
+    if dy is None:
+        g = torch.Generator().manual_seed(0)
+        dy = torch.randn(x.shape, generator=g, dtype=torch.float64).to(y.dtype).to(y.device)
+    grads = torch.autograd.grad(y, [xg] if wg is None else [xg, wg], dy, allow_unused=True)
+    dx = grads[0]
+    if dx is None:
+        raise AssertionError("fn(x) does not depend on x: no input gradient")
+    tiny = torch.finfo(torch.float64).tiny
+    for name, residual, size in _identities(kind, x, dy, weight, dx, eps):
+        _fail(name, residual.abs() / (size + tiny), atol)
+    if wg is not None:
+        dweight = grads[1]
+        if dweight is None:
+            raise AssertionError("fn(x, weight) does not depend on weight: no weight gradient")
+        assert weight is not None
+        xd, dyd, wd = x.double(), dy.double(), weight.double()
+        if kind == "layer":
+            _, mean, rstd = reference.layer_norm_forward(xd, None, None, eps)
+            xhat = (xd - mean[..., None]) * rstd[..., None]
+        else:
+            xhat = _rms_stats(xd, eps)[0]
+        terms = (dyd * xhat).reshape(-1, D)                              # (N, D)
+        got = (wd * dweight.double()).sum()
+        want = (terms * wd).sum()                                        # sum_n D c2_n
+        size = (terms.abs() * wd.abs()).sum() + tiny
+        _fail("weight identity sum(weight * dweight) = D sum_n c2",
+              ((got - want).abs() / size).reshape(1), atol)
+    return True

@@ -1,0 +1,193 @@
+"""``normbook.swap_norms``: put normbook's modules into an existing model, in place.
+
+Every ``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm`` of a model, and every Hugging Face norm
+class in :data:`normbook.swap.HF_NORMS`, becomes a :class:`normbook.LayerNorm` or
+:class:`normbook.RMSNorm` that holds the same ``Parameter`` objects under the same names: the
+``state_dict`` keys, the device, the dtype and an optimizer built before the swap all stay
+valid.
+
+How each maps (equations (ln-y) and (rms-y) of the chapter "One token's vector"):
+
+- ``torch.nn.LayerNorm``: (ln-y), y = (x - mean) * rstd * weight + bias; the module keeps its
+  identity and only its class changes (``normbook.LayerNorm`` subclasses it and adds no state).
+- ``torch.nn.RMSNorm``: (rms-y), y = x * rstd * weight, rstd = 1 / sqrt(mean(x^2) + eps); as above.
+- Llama-style ``*RMSNorm`` (Llama, Mistral, Qwen2, ...):
+  ``weight * (h * rsqrt(mean(h^2) + variance_epsilon)).to(input_dtype)`` with
+  ``h = x.to(float32)``. That is (rms-y) with gamma = ``weight`` and eps = ``variance_epsilon``,
+  op for op where the weight is float32. In bfloat16 or float16 Hugging Face rounds xhat to the
+  input dtype *before* the weight multiplies; normbook multiplies in float32 and rounds y once,
+  so the two differ by rounding there, and float64 Hugging Face computes in float32. Those
+  norms are swapped only with ``strict=False``.
+- Gemma-style ``*RMSNorm``: y = xhat * (1 + weight). normbook's gamma would be 1 + weight, not a
+  parameter of the model, so these are never swapped.
+
+A norm that is left alone (not reproducible, or not exact in its dtype under ``strict``) gives
+one ``UserWarning`` per class that names it. Classes are matched by module path and name,
+so ``transformers`` is never imported here: without it, only torch's classes can be present.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from normbook.modules import LayerNorm, RMSNorm
+
+__all__ = ["HFNorm", "HF_NORMS", "swap_norms"]
+
+
+@dataclass(frozen=True)
+class HFNorm:
+    """How one Hugging Face norm class maps onto normbook's modules.
+
+    Attributes:
+        module: the module that defines the class, ``transformers.models.<m>.modeling_<m>``.
+        name: the class name.
+        weight: the attribute holding gamma, kept as the replacement's ``weight``.
+        eps: the attribute holding eps, the replacement's ``eps``.
+        exact: the weight dtypes in which normbook's forward is the class's, op for op; an
+            empty tuple: never swapped (``note`` says why).
+        note: the class's forward as an equation, and how it maps.
+    """
+
+    module: str
+    name: str
+    weight: str = "weight"
+    eps: str = "variance_epsilon"
+    exact: tuple[torch.dtype, ...] = (torch.float32,)
+    note: str = ""
+
+
+_LLAMA = ("weight * (h * rsqrt(mean(h^2) + variance_epsilon)).to(input_dtype), h = x.to(float32): "
+          "(rms-y) with gamma = weight; in bf16/fp16 it rounds xhat before the weight multiplies")
+_GEMMA = ("(h * rsqrt(mean(h^2) + eps)) * (1 + weight), h = x.float(): gamma would be 1 + weight, "
+          "not a parameter of the model")
+
+
+def _hf(package: str, name: str, note: str = _LLAMA, **kw) -> HFNorm:
+    return HFNorm(f"transformers.models.{package}.modeling_{package}", name, note=note, **kw)
+
+
+#: The Hugging Face norm classes that :func:`normbook.swap_norms` knows, one
+#: :class:`normbook.swap.HFNorm` each: the Llama-style RMSNorms (Llama, Mistral, Mixtral,
+#: Ministral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Phi-3, Granite, DeepSeek-V3, GLM-4, SmolLM3),
+#: OLMo-2's and T5's, swapped; Gemma, Gemma 2, Gemma 3 and Qwen3-Next (y = xhat * (1 + weight)),
+#: left alone. Checked against transformers 5.24: tests/test_swap.py resolves every entry and
+#: compares each class with its replacement. Models built on ``torch.nn.LayerNorm`` (GPT-2)
+#: need no entry.
+HF_NORMS: tuple[HFNorm, ...] = (
+    *(_hf(p, n) for p, n in [
+        ("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"), ("mixtral", "MixtralRMSNorm"),
+        ("ministral", "MinistralRMSNorm"), ("qwen2", "Qwen2RMSNorm"),
+        ("qwen2_moe", "Qwen2MoeRMSNorm"), ("qwen3", "Qwen3RMSNorm"),
+        ("qwen3_moe", "Qwen3MoeRMSNorm"), ("phi3", "Phi3RMSNorm"), ("granite", "GraniteRMSNorm"),
+        ("deepseek_v3", "DeepseekV3RMSNorm"), ("glm4", "Glm4RMSNorm"),
+        ("smollm3", "SmolLM3RMSNorm")]),
+    # (weight * xhat).to(input_dtype): one rounding of an fp32 product, as normbook rounds y
+    _hf("olmo2", "Olmo2RMSNorm", exact=(torch.float32, torch.bfloat16, torch.float16),
+        note="(weight * h * rsqrt(mean(h^2) + variance_epsilon)).to(input_dtype), h = x.to(float32)"
+             ": (rms-y) with gamma = weight"),
+    _hf("t5", "T5LayerNorm",
+        note="weight * (x * rsqrt(mean(x^2) + variance_epsilon)), xhat rounded to a bf16/fp16 "
+             "weight's dtype first: (rms-y) with gamma = weight (T5's LayerNorm has no mean)"),
+    *(_hf(p, n, eps="eps", exact=(), note=_GEMMA) for p, n in [
+        ("gemma", "GemmaRMSNorm"), ("gemma2", "Gemma2RMSNorm"), ("gemma3", "Gemma3RMSNorm"),
+        ("qwen3_next", "Qwen3NextRMSNorm")]),
+)
+
+_BY_CLASS = {(e.module, e.name): e for e in HF_NORMS}
+
+
+def _entry(cls: type) -> HFNorm | None:
+    return _BY_CLASS.get((cls.__module__, cls.__qualname__))
+
+
+def _replacement(old: torch.nn.Module, entry: HFNorm) -> RMSNorm:
+    """A normbook.RMSNorm holding ``old``'s weight Parameter itself, its training flag and its
+    hooks (the same dicts, so handles registered on ``old`` still remove them)."""
+    weight = getattr(old, entry.weight)
+    new = RMSNorm(tuple(weight.shape), eps=float(getattr(old, entry.eps)), device="meta")
+    new.weight = weight                          # the Parameter itself: device, dtype, optimizer
+    new.training = old.training
+    for key, value in vars(old).items():
+        if (key.startswith("_") and "hooks" in key) or key == "_is_full_backward_hook":
+            new.__dict__[key] = value
+    return new
+
+
+def _looks_like_a_norm(cls: type) -> bool:
+    return cls.__name__.endswith(("RMSNorm", "LayerNorm"))
+
+
+def swap_norms(model: torch.nn.Module, *, strict: bool = True) -> int:
+    """Replace the norms of ``model`` in place by normbook's modules; return how many.
+
+    ``torch.nn.LayerNorm`` computes (ln-y) and becomes :class:`normbook.LayerNorm`;
+    ``torch.nn.RMSNorm`` computes (rms-y) and becomes :class:`normbook.RMSNorm` (the object
+    stays, its class changes). A Hugging Face norm in :data:`normbook.swap.HF_NORMS` that
+    computes (rms-y), ``weight * x * rsqrt(mean(x^2) + variance_epsilon)``, becomes a
+    :class:`normbook.RMSNorm` with gamma = its ``weight`` (the same Parameter) and eps = its
+    ``variance_epsilon``, in every place the model holds it. Norms already normbook's are not
+    counted, so a second call returns 0.
+
+    Left alone, with one ``UserWarning`` per class naming it: classes that normbook cannot
+    reproduce (Gemma's y = xhat * (1 + weight)); with ``strict`` (the default) registry classes
+    whose weight dtype is not in their entry's ``exact`` (a bf16 Llama rounds xhat to bf16
+    before the weight multiplies; normbook rounds y once); subclasses of torch's norms that are
+    not normbook's (their forward may differ); other classes named ``*LayerNorm`` or
+    ``*RMSNorm`` that the registry does not know.
+
+    "Exact" means the same operations in the same precision, for inputs in the weight's dtype
+    (the one dtype known when swapping). The forward of a swapped fp32 Llama-style norm gives
+    the same bits; the backward is normbook's (rms-dx), not autograd's
+    chain through the forward's ops, so gradients agree to rounding, as do torch's LayerNorm
+    and normbook's (a different order of the same sums).
+
+    Args:
+        model: the model; changed in place. Its root must not itself be a Hugging Face norm
+            (there is no parent to put the replacement in).
+        strict: swap a registry class only in the dtypes where it is exact (see above).
+
+    Returns:
+        The number of norm modules replaced.
+    """
+    done: dict[int, torch.nn.Module] = {}        # id(old) -> its replacement (a shared norm once)
+    left: dict[str, str] = {}                     # class name -> why it was left alone
+    for module in list(model.modules()):
+        cls = type(module)
+        where = f"{cls.__module__}.{cls.__qualname__}"
+        if cls in (LayerNorm, RMSNorm):
+            continue
+        if cls is torch.nn.LayerNorm:
+            module.__class__ = LayerNorm
+            done[id(module)] = module
+        elif cls is torch.nn.RMSNorm:
+            module.__class__ = RMSNorm
+            done[id(module)] = module
+        elif isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
+            left[where] = "a subclass of torch's norm whose forward may differ"
+        elif (entry := _entry(cls)) is not None:
+            dtype = getattr(module, entry.weight).dtype
+            if not entry.exact:
+                left[where] = entry.note
+            elif strict and dtype not in entry.exact:
+                left[where] = (f"in {dtype} normbook rounds differently "
+                                          f"({entry.note}); swap_norms(..., strict=False) swaps it")
+            elif module is model:
+                raise TypeError(f"swap_norms: the model is itself a {cls.__qualname__}; "
+                                "pass a module that contains it")
+            else:
+                done[id(module)] = _replacement(module, entry)
+        elif _looks_like_a_norm(cls):
+            left[where] = "not in normbook.swap.HF_NORMS"
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            new = done.get(id(child))
+            if new is not None and new is not child:
+                setattr(parent, name, new)
+    for name, why in left.items():
+        warnings.warn(f"normbook.swap_norms left {name} as it is: {why}", UserWarning,
+                      stacklevel=2)
+    return len(done)

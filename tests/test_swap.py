@@ -1,0 +1,254 @@
+"""normbook.swap_norms: torch's and Hugging Face's norms replaced in place, the model unchanged.
+
+The Hugging Face tests build tiny random models from configs (nothing is downloaded) and compare
+a swapped copy with the original in fp32. Forward: a Llama-style RMSNorm swapped is the same
+operations in the same order, so Llama's logits are bitwise equal; torch's LayerNorm and
+normbook's order the same sums differently (torch's fused kernel against the formulas that a
+recorded graph takes), so GPT-2's logits agree to rounding. Backward: the swapped model runs
+normbook's (rms-dx) / (ln-dx) where the original runs autograd's chain through the forward's
+ops: the same terms in another order, a few units of rounding apart in each norm's dx, and that
+difference travels through the layers around it. The tolerance, 16 units of fp32 rounding of the
+largest entry of each tensor, is about ten times the difference measured on these models.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import warnings
+
+import pytest
+import torch
+
+import normbook
+from normbook import swap
+
+ULPS = 16
+
+
+def assert_rounding_close(got, want, what=""):
+    """got == want within ULPS units of fp32 rounding of want's largest entry (see the module
+    docstring for why this many)."""
+    atol = ULPS * torch.finfo(torch.float32).eps * want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=0, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def norm_modules(model, cls):
+    return [m for m in model.modules() if type(m) is cls]
+
+
+# ------------------------------------------------------------------------------ torch's norms
+
+def test_torch_norms_in_a_sequential_become_normbooks_and_keep_everything():
+    torch.manual_seed(0)
+    shared = torch.nn.LayerNorm(16)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), shared, torch.nn.Linear(16, 16), torch.nn.RMSNorm(16, eps=1e-6),
+        torch.nn.LayerNorm(16, elementwise_affine=False), shared)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.eval()
+    params = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    calls = []
+    shared.register_forward_hook(lambda *args: calls.append(1))
+    x = torch.randn(4, 8)
+    want = model(x)
+    assert len(calls) == 2
+
+    assert normbook.swap_norms(model) == 3          # the shared norm is one module
+    assert type(model[1]) is normbook.LayerNorm and model[5] is model[1] is shared
+    assert type(model[3]) is normbook.RMSNorm and type(model[4]) is normbook.LayerNorm
+    assert model[3].eps == 1e-6 and not model.training
+    assert list(model.state_dict()) == keys
+    assert all(p is params[n] for n, p in model.named_parameters())
+    got = model(x)
+    assert len(calls) == 4                            # the hook stayed with the module
+    assert_rounding_close(got, want, "output")
+    assert normbook.swap_norms(model) == 0            # idempotent
+
+
+def test_a_subclass_of_a_torch_norm_is_left_alone_with_a_warning():
+    class MyLayerNorm(torch.nn.LayerNorm):
+        def forward(self, x):
+            return super().forward(x.float()).type_as(x)
+
+    model = torch.nn.Sequential(MyLayerNorm(8), MyLayerNorm(8), torch.nn.LayerNorm(8))
+    with pytest.warns(UserWarning, match="MyLayerNorm as it is") as record:
+        assert normbook.swap_norms(model) == 1
+    assert len([w for w in record if "MyLayerNorm" in str(w.message)]) == 1
+    assert type(model[0]) is MyLayerNorm
+
+
+def test_meta_device_model():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8),
+                                    torch.nn.RMSNorm(8))
+    assert normbook.swap_norms(model) == 2
+    assert all(p.is_meta for p in model.parameters())
+    assert model(torch.empty(2, 8, device="meta")).shape == (2, 8)
+
+
+# ------------------------------------------------------------------------------ Hugging Face
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers (the dev extra) is not installed: no Hugging Face models")
+
+
+def tiny(kind):
+    """A tiny random model of the family ``kind``, built from a config (no download)."""
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "gpt2":
+        cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100,
+                                      n_positions=16, bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                       vocab_size=100)
+        model = transformers.GemmaForCausalLM(cfg)
+    with torch.no_grad():                        # norms initialised to 1 (or 0) test too little
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()                          # GPT-2's dropout off; gradients still flow
+
+
+def logits_and_grads(model, ids):
+    model.zero_grad()
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind, norm_class, expected", [
+    ("llama", "transformers.models.llama.modeling_llama.LlamaRMSNorm", 5),   # 2 a layer, 1 final
+    ("gpt2", "torch.nn.LayerNorm", 5),                                       # ln_1, ln_2; ln_f
+])
+def test_swapped_model_gives_the_originals_logits_and_gradients(kind, norm_class, expected):
+    module, name = norm_class.rsplit(".", 1)
+    norm_class = getattr(importlib.import_module(module), name)
+    original = tiny(kind)
+    model = copy.deepcopy(original)
+    assert len(norm_modules(model, norm_class)) == expected
+    params = dict(model.named_parameters())
+    keys = list(model.state_dict())
+
+    assert normbook.swap_norms(model) == expected
+    assert not norm_modules(model, norm_class)
+    swapped = norm_modules(model, normbook.RMSNorm) + norm_modules(model, normbook.LayerNorm)
+    assert len(swapped) == expected
+    assert list(model.state_dict()) == keys
+    assert all(p is params[n] for n, p in model.named_parameters())    # the Parameters themselves
+    assert all(not m.training for m in swapped)
+    assert normbook.swap_norms(model) == 0
+
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(1))
+    want, want_grads = logits_and_grads(original, ids)
+    got, got_grads = logits_and_grads(model, ids)
+    if kind == "llama":
+        assert torch.equal(got, want)            # the same operations in the same order
+    else:
+        assert_rounding_close(got, want, "logits")
+    for name, g in want_grads.items():
+        assert_rounding_close(got_grads[name], g, name)
+
+
+def test_llama_norm_maps_weight_and_eps_and_keeps_hooks():
+    model = tiny("llama")
+    old = model.model.norm
+    calls = []
+    handle = old.register_forward_hook(lambda *args: calls.append(1))
+    model.train()
+    normbook.swap_norms(model)
+    new = model.model.norm
+    assert type(new) is normbook.RMSNorm and new.weight is old.weight
+    assert new.eps == old.variance_epsilon and new.normalized_shape == (32,) and new.training
+    model(torch.zeros(1, 3, dtype=torch.long))
+    assert calls == [1]
+    handle.remove()                              # the handle still reaches the hook
+    model(torch.zeros(1, 3, dtype=torch.long))
+    assert calls == [1]
+
+
+def test_an_optimizer_built_before_the_swap_still_trains_the_norms():
+    model = tiny("llama")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    normbook.swap_norms(model)
+    before = model.model.norm.weight.detach().clone()
+    ids = torch.randint(0, 100, (2, 5))
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    assert not torch.equal(model.model.norm.weight, before)
+
+
+def test_gemma_is_left_alone_with_one_warning_naming_the_class():
+    model = tiny("gemma")
+    before = [type(m) for m in model.modules()]
+    assert sum(t.__name__ == "GemmaRMSNorm" for t in before) == 5
+    with pytest.warns(UserWarning) as record:
+        assert normbook.swap_norms(model) == 0
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 1 and "GemmaRMSNorm" in messages[0] and "1 + weight" in messages[0]
+    assert [type(m) for m in model.modules()] == before
+
+
+def test_bf16_llama_is_swapped_only_when_not_strict():
+    model = tiny("llama").to(torch.bfloat16)
+    with pytest.warns(UserWarning, match=r"LlamaRMSNorm as it is: in torch.bfloat16"):
+        assert normbook.swap_norms(model) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert normbook.swap_norms(model, strict=False) == 5
+    assert all(m.weight.dtype == torch.bfloat16 for m in norm_modules(model, normbook.RMSNorm))
+
+
+def test_meta_device_llama():
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=100))
+    assert normbook.swap_norms(model) == 5
+    assert all(m.weight.is_meta for m in norm_modules(model, normbook.RMSNorm))
+
+
+def test_the_root_cannot_be_a_hugging_face_norm():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    with pytest.raises(TypeError, match="itself a LlamaRMSNorm"):
+        normbook.swap_norms(LlamaRMSNorm(8))
+
+
+@pytest.mark.parametrize("entry", swap.HF_NORMS, ids=lambda e: e.name)
+def test_every_registry_entry_is_a_real_class_that_the_swap_reproduces(entry):
+    """Each entry names a class of the installed transformers; where it is swapped, the
+    replacement's forward is bitwise the class's in its exact dtypes, its gradients agree to
+    rounding; where it is not, the swap leaves it and says why."""
+    cls = getattr(importlib.import_module(entry.module), entry.name)
+    torch.manual_seed(0)
+    D = 48
+    for dtype in entry.exact or (torch.float32,):
+        norm = torch.nn.Sequential(cls(D, eps=1e-5)).to(dtype)
+        with torch.no_grad():
+            getattr(norm[0], entry.weight).normal_()
+        x = (3 * torch.randn(4, 5, D) + 1).to(dtype).requires_grad_()
+        dy = torch.randn(4, 5, D).to(dtype)
+        want = norm(x)
+        want_dx, want_dw = torch.autograd.grad(want, (x, norm[0].weight), dy)
+        if not entry.exact:
+            with pytest.warns(UserWarning, match=f"left {entry.module}.{entry.name} as it is"):
+                assert normbook.swap_norms(norm) == 0
+            return
+        assert normbook.swap_norms(norm) == 1
+        assert type(norm[0]) is normbook.RMSNorm and norm[0].eps == 1e-5
+        got = norm(x)
+        assert got.dtype == want.dtype and torch.equal(got, want), (entry.name, dtype)
+        got_dx, got_dw = torch.autograd.grad(got, (x, norm[0].weight), dy)
+        if dtype == torch.float32:
+            assert_rounding_close(got_dx, want_dx, "dx")
+            assert_rounding_close(got_dw, want_dw, "dweight")
