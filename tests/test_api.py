@@ -246,3 +246,34 @@ def test_add_norm_refuses_a_mismatched_residual():
         normbook.add_rms_norm(x, x.double())
     with pytest.raises(TypeError, match="residual: expected a torch.Tensor, got None"):
         normbook.add_rms_norm(x, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_half_rows_on_the_torch_backend_are_as_accurate_as_torch(norm, dtype):
+    """bf16/fp16 rows on the CPU: the forward reads them as they are (torch's fused kernel for
+    LayerNorm) and the backward a block of rows at a time in fp32 (several blocks here), without
+    an fp32 copy of the whole rows; both within torch's own error against float64."""
+    from helpers import assert_within_torch
+
+    g = torch.Generator().manual_seed(1)
+    M, D = 600, 1024                      # 600 rows of 1024: three blocks of the backward
+    x = (torch.randn(M, D, generator=g) * 2 + 0.5).to(dtype)
+    w = (1 + 0.5 * torch.randn(D, generator=g)).to(dtype)
+    b = (0.5 * torch.randn(D, generator=g)).to(dtype)
+    dy = torch.randn(M, D, generator=g).to(dtype)
+    if norm == "layer":
+        ours = lambda x, w, b: normbook.layer_norm(x, (D,), w, b)      # noqa: E731
+        theirs = lambda x, w, b: F.layer_norm(x, (D,), w, b)           # noqa: E731
+    else:
+        ours = lambda x, w, b: normbook.rms_norm(x, (D,), w)           # noqa: E731
+        theirs = lambda x, w, b: F.rms_norm(x, (D,), w)                # noqa: E731
+    inputs = (x, w, b) if norm == "layer" else (x, w)
+    with normbook.backend("torch"):
+        y, got = grads(lambda *t: ours(*t, *([None] if norm == "rms" else [])), dy, *inputs)
+    y_t, base = grads(lambda *t: theirs(*t, *([None] if norm == "rms" else [])), dy, *inputs)
+    y_r, ref = grads(lambda *t: theirs(*t, *([None] if norm == "rms" else [])), dy.double(),
+                     *(t.double() for t in inputs))
+    assert_within_torch(y, y_t, y_r, name="y")
+    for name, a, t, r in zip(("dx", "dweight", "dbias"), got, base, ref):
+        assert_within_torch(a, t, r, name=name, sum_rows=M if name != "dx" else 1)

@@ -40,9 +40,24 @@ def _rsqrt_ms(xc: torch.Tensor, eps) -> torch.Tensor:
 def _has_values(t: torch.Tensor) -> bool:
     """Whether Python may branch on ``t``'s values: a plain eager tensor that holds data. Not
     under torch.compile or torch.export (a branch would guard on data or break the graph), nor
-    torch.func transforms, nor for meta or fake tensors (no values), nor a subclass."""
+    torch.func transforms, nor for meta or fake tensors (no values), nor a subclass, nor a
+    tensor batched by the legacy vmap that autograd's batched gradients use."""
     return not (type(t) is not torch.Tensor or t.is_meta or torch.compiler.is_compiling()
-                or torch._C._are_functorch_transforms_active() or torch.jit.is_tracing())
+                or torch._C._are_functorch_transforms_active() or torch.jit.is_tracing()
+                or _is_legacy_batched(t))
+
+
+_is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda t: False)
+
+
+def _eager(*ts) -> bool:
+    """Whether a call may take torch's fused kernels and work in place on its own temporaries:
+    every tensor given has values at hand (:func:`_has_values`) and autograd records no graph
+    of the call (double backward does, through these formulas). Traced, transformed and
+    recorded calls keep the plain formulas."""
+    ts = [t for t in ts if t is not None]
+    return (all(_has_values(t) for t in ts)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts)))
 
 
 def stats(x: torch.Tensor, eps, is_rms: bool):
@@ -60,13 +75,29 @@ def xhat(x, mean, rstd):
 
 
 def forward(x, weight, bias, eps, is_rms: bool):
-    """y, mean, rstd: (ln-y) or (rms-y)."""
+    """y, mean, rstd: (ln-y) or (rms-y).
+
+    An fp32 LayerNorm that no graph records (see :func:`_eager`) takes torch's fused kernel,
+    ``torch.native_layer_norm``: the same (ln-mean), (ln-var) (biased, eps inside the root),
+    (ln-rstd) and (ln-y), in one pass over memory instead of several. A call with a row it
+    cannot finish (the variance overflows, rstd 0 or NaN; or var + eps < 0) is computed again
+    by the formulas below, which rescue the overflowing rows. float64 keeps the formulas: it
+    is the precision other code compares against, and its extra passes cost little there."""
+    if (not is_rms and x.dtype == torch.float32 and x.shape[-1] and isinstance(eps, float)
+            and _eager(x, weight, bias)
+            and all(p is None or (p.dim() == 1 and p.dtype == x.dtype) for p in (weight, bias))):
+        y, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
+        if (rstd > 0).all():                             # False for NaN: those rows fall back
+            return y, mean, rstd
     mean, rstd = stats(x, eps, is_rms)
-    y = xhat(x, mean, rstd)
+    y = xhat(x, mean, rstd)                              # (..., D), fresh
+    in_place = (_eager(x, weight, bias)                  # only where no graph records
+                and all(p is None or p.dtype == y.dtype for p in (weight, bias)))
+    mul, add = (torch.Tensor.mul_, torch.Tensor.add_) if in_place else (torch.mul, torch.add)
     if weight is not None:
-        y = y * weight
+        y = mul(y, weight)
     if bias is not None:
-        y = y + bias
+        y = add(y, bias)
     return y, mean, rstd
 
 
@@ -74,8 +105,12 @@ def backward(dy, x, weight, mean, rstd, has_bias: bool):
     """dx, dweight, dbias: (ln-ghat), (ln-c), (ln-dx), (ln-dparams); RMSNorm when mean is None.
 
     dweight and dbias sum over every leading dim; dbias is None without a bias, dweight None
-    without a weight.
+    without a weight. Where no graph records (the usual backward, see :func:`_eager`) the same
+    terms are taken in fewer passes by :func:`_backward_eager`.
     """
+    if (weight is not None and dy.dtype == x.dtype == weight.dtype
+            and _eager(dy, x, weight, mean, rstd)):
+        return _backward_eager(dy, x, weight, mean, rstd, has_bias)
     xh = xhat(x, mean, rstd)                                   # (..., D)
     ghat = dy if weight is None else dy * weight               # (ln-ghat)
     c2 = (ghat * xh).mean(-1, keepdim=True)                    # component along xhat
@@ -87,6 +122,62 @@ def backward(dy, x, weight, mean, rstd, has_bias: bool):
     dweight = None if weight is None else _sum_tokens(dy * xh)   # (ln-dparams)
     dbias = _sum_tokens(dy) if has_bias else None
     return dx, dweight, dbias
+
+
+# Rows per block of the eager backward: about 2^18 values (1 MiB in fp32), so that a block's
+# buffers stay in a core's L2 cache between the passes over them.
+_BLOCK = 1 << 18
+
+
+def _backward_eager(dy, x, weight, mean, rstd, has_bias: bool):
+    """:func:`backward` with a weight, when nothing records a graph: the same terms, taken a
+    block of rows at a time.
+
+    Each block's passes run over data still in cache, and the only (..., D) allocation is dx.
+    xhat is formed in dx's block; dy * xhat, formed once in a block-sized buffer, serves twice:
+    summed over tokens it is dweight, and against the weight it is the row sum of
+    ghat * xhat = dy * weight * xhat (a matrix-vector product) that gives c2; c1, the row mean
+    of ghat = dy * weight, is a matrix-vector product too. x and dy may be bf16 or fp16 with
+    the weight and the statistics in fp32: each block is then read into fp32 buffers and its
+    dx written back in x's dtype, so no fp32 copy of the whole rows is made.
+    """
+    D = x.shape[-1]
+    ct = weight.dtype                                                  # the compute dtype
+    X, G = x.reshape(-1, D), dy.reshape(-1, D)                         # (N, D)
+    R = rstd.reshape(-1, 1).to(ct)                                     # (N, 1)
+    Mu = None if mean is None else mean.reshape(-1, 1).to(ct)          # (N, 1)
+    w_d = weight / D                                                   # (D,)
+    low = X.dtype != ct                                                # bf16/fp16 rows
+    dx = torch.empty_like(X)                                           # (N, D), x's dtype
+    rows = max(1, _BLOCK // max(D, 1))
+    n0 = min(rows, X.shape[0])
+    p = X.new_empty(n0, D, dtype=ct)                                   # dy * xhat, one block
+    xbuf = X.new_empty(n0, D, dtype=ct) if low else None               # xhat, then dx
+    gbuf = X.new_empty(n0, D, dtype=ct) if low else None               # dy in fp32
+    dweight = X.new_zeros(D, dtype=ct)
+    dbias = X.new_zeros(D, dtype=ct) if has_bias else None
+    for s in range(0, X.shape[0], rows):
+        xb, gb, rb = X[s:s + rows], G[s:s + rows], R[s:s + rows]
+        n = xb.shape[0]
+        out = xbuf[:n] if low else dx[s:s + rows]
+        if low:
+            gb = gbuf[:n].copy_(gb)
+        if Mu is None:
+            xh = torch.mul(xb, rb, out=out)                            # (rms-xhat)
+        else:
+            xh = torch.sub(xb, Mu[s:s + rows], out=out).mul_(rb)       # (ln-xhat)
+        pb = torch.mul(gb, xh, out=p[:n])                              # dy * xhat
+        dweight += pb.sum(0)                                           # (ln-dparams)
+        if dbias is not None:
+            dbias += gb.sum(0)                                         # (ln-dparams)
+        c2 = (pb @ w_d).unsqueeze(-1)                                  # (rows, 1) c2 in (ln-c)
+        dxb = xh.mul_(c2.neg_())                                       # - c2 * xhat
+        if Mu is not None:
+            dxb.sub_((gb @ w_d).unsqueeze(-1))                         # - c1 in (ln-c)
+        dxb.addcmul_(gb, weight).mul_(rb)                              # + ghat, times rstd: (ln-dx)
+        if low:
+            dx[s:s + rows].copy_(dxb)
+    return dx.reshape(x.shape), dweight, dbias
 
 
 def _sum_tokens(t):

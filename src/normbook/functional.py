@@ -38,6 +38,7 @@ __all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "backend"
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_HALF = (torch.float16, torch.bfloat16)
 _BACKENDS = ("auto", "kernels", "torch")
 _backend = "auto"          # see backend()
 _FUSED_D = 8192            # rows up to this wide always fit the kernels (kernels._config.kernels_take)
@@ -126,6 +127,16 @@ def _torch_forward(x, residual, weight, bias, eps, is_rms):
     in the compute dtype; stats (k, ...)."""
     h = x if residual is None else x + residual
     ct = _compute_dtype(h.dtype)
+    if not is_rms and h.dtype in _HALF and h.shape[-1] and _math._eager(h, weight, bias):
+        # torch's fused kernel reads bf16/fp16 rows as they are and reduces in fp32, the
+        # statistics (ln-mean), (ln-rstd) in fp32 given fp32 parameters: no fp32 copy of the rows
+        D = h.shape[-1]
+        w = h.new_ones(D, dtype=ct) if weight is None else weight.to(ct)
+        b = h.new_zeros(D, dtype=ct) if bias is None else bias.to(ct)
+        y, mean, rstd = torch.native_layer_norm(h, (D,), w, b, eps)
+        if (rstd > 0).all():                    # False for NaN: those rows take the formulas
+            stats = torch.cat([mean, rstd], -1).movedim(-1, 0)
+            return (y, stats) if residual is None else (y, h, stats)
     y, mean, rstd = _math.forward(h.to(ct), None if weight is None else weight.to(ct),
                                   None if bias is None else bias.to(ct), eps, is_rms)
     stats = rstd.movedim(-1, 0) if is_rms else torch.cat([mean, rstd], -1).movedim(-1, 0)
@@ -148,8 +159,18 @@ def _torch_backward(dy, dh, x, weight, stats, eps, is_rms, bias_dtype, recompute
     the statistics are taken again from x, inside the graph autograd is building of this
     backward, so that a second derivative sees how they depend on x."""
     ct = _compute_dtype(x.dtype)
-    xc = x.to(ct)
     w = None if weight is None else weight.to(ct)
+    if (x.dtype in _HALF and dy.dtype == x.dtype and w is not None and not recompute
+            and _math._eager(dy, x, w, stats)):
+        # bf16/fp16 rows read a block at a time into fp32 (no fp32 copy of the whole rows)
+        dx, dweight, dbias = _math._backward_eager(
+            dy, x, w, None if is_rms else stats[0].unsqueeze(-1), stats[-1].unsqueeze(-1),
+            bias_dtype is not None)
+        if dh is not None:
+            dx = dx + dh                                    # fork rule
+        return (dx, dweight.to(weight.dtype),
+                None if bias_dtype is None else dbias.to(bias_dtype))
+    xc = x.to(ct)
     if recompute:
         mean, rstd = _math.stats(xc, eps, is_rms)
     else:
