@@ -75,7 +75,8 @@ notebooks: $(STAMP)
 	for f in $(CHAPTERS); do $(VENV)/bin/jupytext --quiet --to ipynb -o $(NOTEBOOK_DIR)/$$(basename $$f .md).ipynb $$f || exit 1; done
 	@echo "Chapters written as notebooks to $(NOTEBOOK_DIR)/"
 
-## Gate 2: nbval executes every chapter notebook; every claim is an assert inside a cell.
+## Every chapter notebook under nbval, cell by cell (every claim is an assert inside a cell). Not
+## part of make test: the book build executes every chapter once and fails on a raising cell.
 nbval: notebooks
 	$(PY) -m pytest --nbval-lax -p no:cacheprovider -q $(NOTEBOOK_DIR)
 
@@ -95,7 +96,6 @@ test:
 	$(MAKE) pytest
 	$(MAKE) triton36
 	$(MAKE) gpu-dry-run
-	$(MAKE) nbval
 	$(MAKE) book
 	$(MAKE) browser-check
 
