@@ -53,7 +53,7 @@ def _main(argv) -> tuple[int, str, str]:
 
 
 def _one_line_error(err: str, *words) -> None:
-    assert err.count("\n") == 1 and err.startswith("python -m normbook.bench: error: "), err
+    assert err.count("\n") == 1 and err.startswith("normbook-bench: error: "), err
     assert "Traceback" not in err
     for w in words:
         assert w in err, (w, err)
@@ -94,8 +94,8 @@ def test_summary_of_nan_rows_says_not_measured(tmp_path):
         if r["provider"] == "torch":
             r.update(ms=math.nan, gbps=math.nan, frac_copy=math.nan)
     (tmp_path / "results.json").write_text(json.dumps(res))     # NaN: Python's JSON allows it
-    rc, out, _ = _main(["--summary", tmp_path / "results.json"])
-    assert rc == 0
+    rc, out, _ = _main(["--summary", tmp_path / "results.json", "--goal"])
+    assert rc == 1                                              # --goal: the status says not met
     assert "torch not measured (recorded ms = nan, not a timing)" in out
     assert "goal: not met" in out and "all PASS" not in out
 
@@ -328,8 +328,8 @@ def test_merge_and_summary_of_a_partial_run(tmp_path):
     rc, out, err = _main(["--merge", tmp_path / "r0.json", tmp_path / "r1.json",
                           "--out", tmp_path / "merged.json"])
     assert rc == 0 and "merged 2 runs, 1 rows" in out, err
-    rc, out, err = _main(["--summary", tmp_path / "merged.json"])
-    assert rc == 0 and "liger not measured (cut short)" in out and "goal: not met" in out, err
+    rc, out, err = _main(["--summary", tmp_path / "merged.json", "--goal"])
+    assert rc == 1 and "liger not measured (cut short)" in out and "goal: not met" in out, err
 
 
 # ---- providers that cannot run are refused before anything is measured ---------------------
@@ -436,3 +436,132 @@ def test_cpu_benchmark_writes_every_ratio(tmp_path):
         assert data[f"{k}_normbook_ms"] > 0 and data[f"{k}_torch_ms"] > 0
         assert data[f"{k}_ratio"] == data[f"{k}_normbook_ms"] / data[f"{k}_torch_ms"]
     assert data["goal"] == cpu.GOAL
+
+
+# ---- the command line for users: console scripts, where a run writes, one-line refusals,
+# ---- goals judged only when asked for, help with examples ----------------------------------
+def test_console_scripts_are_installed():
+    """pyproject's [project.scripts], as the installed metadata lists them."""
+    from importlib.metadata import entry_points
+
+    scripts = {e.name: e for e in entry_points(group="console_scripts")}
+    assert scripts["normbook-bench"].value == "normbook.bench.cli:main"
+    assert scripts["normbook-report"].value == "normbook.kernels.report:main"
+    assert scripts["normbook-bench"].load() is cli.main
+
+
+def test_help_has_examples():
+    assert "examples:" in cli.build_parser().format_help()
+    for mode in ("host", "cpu"):
+        rc, out, _ = _main([mode, "--help"])
+        assert rc == 0 and "examples:" in out and f"normbook-bench {mode} --goal" in out, out
+    r = subprocess.run([sys.executable, "-m", "normbook.bench", "--help"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "normbook-bench --quick" in r.stdout, r.stderr
+
+
+def test_a_run_without_out_writes_nothing_in_the_working_folder(tmp_path, monkeypatch):
+    """No --out: a new folder under the temp folder, named on the first line, none in the cwd."""
+    import tempfile
+
+    cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir()
+    tmp.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    rc, out, err = _main([*TINY, "--providers", "torch"])
+    assert rc == 0, err
+    assert list(cwd.iterdir()) == []
+    first = out.splitlines()[0]
+    assert first.startswith("normbook.bench: writing results to "), out
+    folder = Path(first.rsplit(" ", 1)[1])
+    assert folder.is_absolute() and folder.parent == tmp and (folder / "results.json").is_file()
+    assert "goal (DESIGN.md" not in out and "NOT MEASURED" not in out   # not asked for
+
+
+# simulates a machine without Triton: `import triton` fails as where it is not installed
+NO_TRITON = '''
+import importlib.abc, sys
+class NoTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "triton":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoTriton())
+'''
+
+
+def test_host_without_triton_is_one_line(tmp_path):
+    """What a user without Triton sees from the console script: one line, exit 2, no JSON."""
+    import shutil
+
+    (tmp_path / "sitecustomize.py").write_text(NO_TRITON)   # runs before the script's code
+    script = shutil.which("normbook-bench", path=str(Path(sys.executable).parent))
+    cmd = [script] if script else [sys.executable, "-m", "normbook.bench"]
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(tmp_path) + ":" + env.get("PYTHONPATH", "")
+    r = subprocess.run([*cmd, "host", "--json", str(tmp_path / "host.json")], env=env,
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    _one_line_error(r.stderr, "host: ", "needs Triton", "normbook-bench cpu")
+    assert not (tmp_path / "host.json").exists()
+
+
+def test_cpu_refuses_a_json_it_could_not_write_before_measuring(tmp_path, monkeypatch):
+    from normbook.bench import cpu
+
+    monkeypatch.setattr(cpu, "measure", lambda *a: pytest.fail("measured before refusing"))
+    for bad, words in ((tmp_path / "no" / "cpu.json", "no folder"), (tmp_path, "is a folder")):
+        rc, out, err = _main(["cpu", "--json", bad])
+        assert rc == 2 and out == ""
+        _one_line_error(err, "cpu: --json: ", words)
+
+
+def _cpu_data(worst: float) -> dict:
+    data = {}
+    for i, key in enumerate(("layer_fp32_1024_fwd", "rms_bf16_4096_fwd_bwd")):
+        ratio = worst if i else 1.2
+        data.update({f"{key}_normbook_ms": ratio, f"{key}_torch_ms": 1.0, f"{key}_ratio": ratio})
+    return data
+
+
+def _host_us(fwd_ratio: float) -> dict:
+    us = {f"torch_{op}_{mode}_us": 10.0 for op in ("layer_norm", "rms_norm")
+          for mode in ("fwd", "fwd_bwd")}
+    us.update({k.replace("torch", "normbook"): 10.0 * (fwd_ratio if k.endswith("_fwd_us") else 1.1)
+               for k in us})
+    return us
+
+
+@pytest.mark.parametrize("mode", ["cpu", "host"])
+@pytest.mark.parametrize("met", [True, False])
+def test_goal_only_when_asked_for_and_then_the_exit_status(mode, met, tmp_path, monkeypatch):
+    """Without --goal: the ratios, no PASS/FAIL, exit 0 whatever they are. With --goal: PASS or
+    FAIL per ratio and exit 0 or 1. The JSON is the same either way."""
+    from normbook.bench import cpu
+
+    if mode == "cpu":
+        monkeypatch.setattr(cpu, "measure", lambda *a: _cpu_data(1.5 if met else 2.5))
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")            # no re-run in a fresh process
+        monkeypatch.setattr(host, "measure", lambda *a: _host_us(2.0 if met else 3.0))
+        monkeypatch.setattr(host.torch, "set_num_threads", lambda n: None)
+    for goal in (False, True):
+        path = tmp_path / f"{mode}-{goal}.json"
+        rc, out, err = _main([mode, "--json", path, *(["--goal"] if goal else [])])
+        assert rc == (1 if goal and not met else 0), (out, err)
+        judged = "PASS" in out or "FAIL" in out
+        assert judged == goal and ("FAIL" in out) == (goal and not met), out
+        assert ("not met" in out) == (goal and not met) and "x" in out
+        data = json.loads(path.read_text())
+        assert "ratios" in data if mode == "host" else any(k.endswith("_ratio") for k in data)
+        assert data["goal"] == (host.GOAL if mode == "host" else cpu.GOAL)
+
+
+def test_summary_judges_the_goal_only_with_goal(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps(_result()))
+    rc, out, err = _main(["--summary", tmp_path / "results.json"])
+    assert rc == 0 and "rms_norm fwd bf16" in out and "goal" not in out and "PASS" not in out, err
+    rc, out, err = _main(["--summary", tmp_path / "results.json", "--goal"])
+    assert rc == 1 and "goal: not met" in out, err          # the grid's other D: not measured
+    rc, _, err = _main(["--plot", tmp_path, "--out", tmp_path / "f", "--goal"])
+    assert rc == 2 and "--goal: judges a run or --summary" in err

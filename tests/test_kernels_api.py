@@ -92,7 +92,8 @@ def test_host_benchmark_writes_every_key(tmp_path):
     for key in ("normbook_layer_norm_fwd_us", "normbook_layer_norm_fwd_bwd_us", "normbook_rms_norm_fwd_us",
                 "normbook_rms_norm_fwd_bwd_us", "torch_layer_norm_fwd_us", "torch_layer_norm_fwd_bwd_us"):
         assert 0 < data[key] < 1e5, (key, data[key])
-    assert "goal" in out.stdout and set(data["ratios"]) == {
+    assert "x torch's" in out.stdout and "PASS" not in out.stdout    # judged only with --goal
+    assert set(data["ratios"]) == {
         "layer_norm_fwd", "layer_norm_fwd_bwd", "rms_norm_fwd", "rms_norm_fwd_bwd"}
 
 

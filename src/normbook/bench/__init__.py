@@ -11,9 +11,9 @@ bandwidth measured in the same run. Files, one topic each:
     runner      the sweep, provenance, the JSON
     schema      what a results file holds, checked before it is read (one-line errors)
     plot        figures and a caption line from recorded JSON
-    host        ``python -m normbook.bench host``: host time per call, launches stubbed
-    cpu         ``python -m normbook.bench cpu``: the CPU backend against torch on the CPU
-    cli         ``python -m normbook.bench``
+    host        ``normbook-bench host``: host time per call, launches stubbed
+    cpu         ``normbook-bench cpu``: the CPU backend against torch on the CPU
+    cli         ``normbook-bench`` (or ``python -m normbook.bench``): the command line
 
 Importing this package imports neither triton nor matplotlib; both load when used.
 """

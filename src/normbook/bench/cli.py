@@ -1,29 +1,48 @@
-"""``python -m normbook.bench``: the command line.
+"""``normbook-bench`` (also ``python -m normbook.bench``): the command line.
 
 With a CUDA device the default is the full sweep: four ops, three modes, bf16/fp16/fp32,
 M = 32768 rows and D = 512 .. 131072 in powers of two, plus the small-D, many-rows case
 (D = 128, M = 2**20). Without one it says so and runs the CPU mode: small shapes, fp32,
 a perf_counter timer, providers torch / naive / reference (and compile with --compile).
 
+Where a run writes. ``--out DIR`` names the folder. Without it the run writes into a new
+folder under the system's temp folder (``tempfile.mkdtemp``), and the first line it prints
+is ``normbook.bench: writing results to /abs/path``. Not a required flag, so that a first try
+(``normbook-bench --quick``) runs as typed; not a folder under the caller's working folder,
+which could be a repository or a home folder that a run would then litter unasked; a fresh
+folder each time, so that no run overwrites another. The temp folder does not last (a reboot
+may clear it): results to keep go to ``--out``.
+
+Goals. The performance goal of DESIGN.md (:mod:`normbook.bench.goal`), and the host and CPU
+goals of ``host`` and ``cpu``, are judged only when asked for, with ``--goal``; then the exit
+status says whether every goal was met (0) or not (1). Refusals are one line on stderr,
+``normbook-bench: error: ...``, exit status 2, no traceback.
+
 Examples:
-    python -m normbook.bench --quick
-    python -m normbook.bench --ops layer_norm,rms_norm --modes fwd --dtypes bf16 --D 1024..16384
-    python -m normbook.bench --plot benchmarks/results --out figures/
-    python -m normbook.bench host --json host.json     # host time per call, launches stubbed
-    python -m normbook.bench cpu --json cpu.json       # the CPU backend against torch
+    normbook-bench --quick                            # a short run; prints where it writes
+    normbook-bench --quick --out results/quick        # the same, into a folder you name
+    normbook-bench --ops layer_norm,rms_norm --modes fwd --dtypes bf16 --D 1024..16384 --out r/
+    normbook-bench --device cuda --goal --out r/      # the full sweep, judged against the goal
+    normbook-bench --summary r/ --goal                # recorded JSON: tables and the goal check
+    normbook-bench --plot r/ --out figures/
+    normbook-bench host --json host.json              # host time per call, launches stubbed
+    normbook-bench cpu --json cpu.json --goal         # the CPU backend against torch
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import sys
+from pathlib import Path
 
 import torch
 
 from normbook.bench import bytemodel, providers, runner
 
+PROG = "normbook-bench"
 GPU_PROVIDERS = ["normbook", "torch", "compile", "naive", "liger", "quack"]
 CPU_PROVIDERS = ["torch", "naive", "reference"]
 
@@ -84,9 +103,11 @@ def _positive_float(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m normbook.bench",
+        prog=PROG,
         description="Benchmark LayerNorm/RMSNorm (and the fused residual adds) in GB/s and as "
-                    "a fraction of the device's copy bandwidth; write JSON and plots.",
+                    "a fraction of the device's copy bandwidth; write JSON and plots. Two more "
+                    "commands: 'normbook-bench host' (host time per call) and 'normbook-bench "
+                    "cpu' (the CPU backend against torch); each has its --help.",
         epilog="examples:" + __doc__.split("Examples:", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if available")
@@ -114,7 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive_int,
                    help="CPU: torch.set_num_threads (default: torch's; 1 with --quick, the "
                    "steadiest on a busy machine)")
-    p.add_argument("--out", help="output folder (default benchmarks/results/<date>-<device>/)")
+    p.add_argument("--out", metavar="DIR",
+                   help="output folder of a run (default: a new folder under the system's temp "
+                   "folder, printed on the first line); the output file of --merge, --overview "
+                   "and --model-check, the folder of --plot")
+    p.add_argument("--goal", action="store_true",
+                   help="after a run or with --summary: judge the rows against the goal of "
+                   "DESIGN.md (bf16, M = 32768, fraction of copy bandwidth, faster than the "
+                   "rivals); exit status 1 when it is not met")
     p.add_argument("--no-plots", action="store_true", help="write only the JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--plot", nargs="+", metavar="SRC",
@@ -225,34 +253,71 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+def error(where: str, e: BaseException | str) -> int:
+    """A refusal as one line on stderr, ``normbook-bench: error: WHERE: ...``; exit status 2."""
+    text = e if isinstance(e, str) else _one_line(e)
+    print(f"{PROG}: error: {where + ': ' if where else ''}{text}", file=sys.stderr)
+    return 2
+
+
+def writable_file(flag: str, path: str | None) -> None:
+    """Refuse, before anything is measured, an output file that could not be written."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise BenchError(f"{flag}: {path} is a folder; give a file name")
+    folder = target.parent
+    if not folder.is_dir():
+        raise BenchError(f"{flag}: no folder {folder} to write {target.name} into")
+    if not os.access(folder, os.W_OK):
+        raise BenchError(f"{flag}: cannot write into {folder}")
+
+
+# expected failures of a command: one line, not a traceback (ResultsError is a ValueError)
+EXPECTED = (BenchError, ValueError, OSError, ImportError)
+
+
 def main(argv=None) -> int:
-    """The command line; returns the exit status: 0, or 2 for a refusal (one line on stderr)."""
+    """The command line; returns the exit status: 0; 1 for a goal not met (only with --goal);
+    2 for a refusal (one line on stderr); 130 when interrupted."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["host"]:
-        from normbook.bench import host
-
-        return host.main(argv[1:])
-    if argv[:1] == ["cpu"]:
-        from normbook.bench import cpu
-
-        return cpu.main(argv[1:])
+    if argv[:1] in (["host"], ["cpu"]):
+        mode = importlib.import_module(f"normbook.bench.{argv[0]}")
+        try:
+            return mode.main(argv[1:])
+        except (BenchError, ImportError, OSError) as e:
+            return error(argv[0], e)
+        except KeyboardInterrupt:
+            error(argv[0], "interrupted")
+            return 130
     parser = build_parser()
     args = parser.parse_args(argv)
     flag = next((f"--{k.replace('_', '-')}" for k in ("overview", "model_check", "merge", "plot",
                                                        "summary") if getattr(args, k)), None)
+    if args.goal and flag is not None and not args.summary:
+        parser.error("--goal: judges a run or --summary, not " + flag)
     try:
         if flag is not None:
             return _recorded(args, parser, flag)
         cfg = config_from_args(args, parser)
-    except (BenchError, ValueError, OSError, ImportError) as e:  # ResultsError is a ValueError
-        prefix = f"{flag}: " if flag and not isinstance(e, BenchError) else ""
-        print(f"{parser.prog}: error: {prefix}{_one_line(e)}", file=sys.stderr)
-        return 2
-    result = runner.run(cfg)
+    except EXPECTED as e:
+        return error(flag if flag and not isinstance(e, BenchError) else "", e)
+    try:   # a bad --out fails here, not after the sweep
+        out = Path(cfg.out) if cfg.out else runner.default_out_dir(cfg.device)
+        out.mkdir(parents=True, exist_ok=True)
+        cfg.out = str(out.resolve())
+    except OSError as e:
+        return error("--out", e)
+    try:
+        result = runner.run(cfg)
+    except KeyboardInterrupt:
+        error("", f"interrupted; the rows measured so far are in {cfg.out}/results.json")
+        return 130
+    except OSError as e:
+        return error("", e)
     print(runner.summary(result))
-    if cfg.device == "cuda":
-        _print_goal([result])
-    return 0
+    return _goal([result]) if args.goal else 0
 
 
 def _recorded(args, parser, flag) -> int:
@@ -285,18 +350,20 @@ def _recorded(args, parser, flag) -> int:
             results = load_results(args.summary)
             for res in results:
                 print(runner.summary(res))
-            _print_goal(results)
+            if args.goal:
+                return _goal(results)
     return 0
 
 
-def _print_goal(results) -> None:
+def _goal(results) -> int:
+    """Print the goal check of ``results``; the exit status of --goal: 0 met, 1 not met."""
     from normbook.bench.goal import check_goal
 
     lines, ok = check_goal(results)
-    if lines:
-        print("\ngoal (DESIGN.md, bf16, M = 32768): normbook vs copy bandwidth and rivals")
-        print("\n".join(lines))
-        print(f"goal: {'all PASS' if ok else 'not met'}")
+    print("\ngoal (DESIGN.md, bf16, M = 32768): normbook vs copy bandwidth and rivals")
+    print("\n".join(lines))
+    print(f"goal: {'all PASS' if ok else 'not met'}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

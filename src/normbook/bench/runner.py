@@ -28,6 +28,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -118,9 +119,11 @@ def provenance(device) -> dict:
 
 
 def default_out_dir(device) -> Path:
-    """benchmarks/results/<date>-<device>/, the device name made filename-safe."""
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name(device)).strip("-").lower()
-    return Path("benchmarks") / "results" / f"{_dt.date.today().isoformat()}-{slug}"
+    """A new folder ``normbook-bench-<date>-<device>-XXXX`` under the system's temp folder
+    (created, absolute): never a folder inside the caller's working folder, never a previous
+    run's (why: :mod:`normbook.bench.cli`). ``run`` prints it on its first line."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name(device)).strip("-").lower()[:40]
+    return Path(tempfile.mkdtemp(prefix=f"normbook-bench-{_dt.date.today().isoformat()}-{slug}-"))
 
 
 def _free(device: torch.device) -> None:
@@ -187,13 +190,15 @@ def _write(result: dict, out: Path) -> None:
 
 
 def run(cfg: Config) -> dict:
-    """Run the sweep of ``cfg``; write ``results.json`` (and plots) into ``cfg.out``; return it."""
+    """Run the sweep of ``cfg``; write ``results.json`` (and plots) into ``cfg.out`` (None: a
+    new temp folder, :func:`default_out_dir`); return it."""
     device = torch.device(cfg.device)
     out = Path(cfg.out) if cfg.out else default_out_dir(device)
     if cfg.threads and device.type == "cpu":
         torch.set_num_threads(cfg.threads)
     say = print
-    say(f"normbook.bench: device {device_name(device)} ({device.type}); writing to {out}")
+    say(f"normbook.bench: writing results to {out.resolve()}")   # first: where to look
+    say(f"normbook.bench: device {device_name(device)} ({device.type})")
     for note in cfg.notes:
         say(f"normbook.bench: {note}")
     # an idle GPU runs at a low clock: a second of copies first, so the baseline is not low
