@@ -36,6 +36,13 @@ def test_quick_report_compiles_without_spills(tmp_path):
     assert {r["norm"] for r in rows} == {"layer", "rms"} and any(r["residual"] for r in rows)
     assert "kernel" in out.stdout and "regs" in out.stdout      # the printed table
     assert all(r["triton"] and isinstance(r["pipelined"], bool) for r in rows)
+    # every kernel with a row step has its chain of waits counted in SASS (the finish has none)
+    for r in rows:
+        if r["kernel"] == "norm_bwd_finish_kernel":
+            assert "serial_s" not in r
+            continue
+        assert r["serial_s"] > 0 and set(r["serial"]) == {"exchange", "to_publish", "to_store"}, r
+        assert (r["serial"]["to_publish"] is not None) == r["serial"]["exchange"] == (r["slices"] > 1)
     paths = json.loads(path.read_text())["paths"]
     # one forward and one backward per (D, norm, residual) compiled: 2 D x 2 norms, + residual at 3000
     assert len(paths) == 2 * (2 * 2 + 2)
@@ -95,12 +102,26 @@ def test_model_by_hand():
     k2 = dict(k, pipelined=True, registers=128, bytes_per_row=8192)   # 2 programs, 2 tiles ahead
     p2 = model.predict([k2], 4096)
     assert p2["inflight_bytes_per_sm"] == 2 * 16384 * 2 and p2["predicted_fraction"] == 0.5   # twice the bytes
-    # programs that wait 1 us for each other once per step: 2 programs x 24 KB a step take
-    # 1.5 us at an SM's 32.6 GB/s, longer than the wait (hidden); 2 x 8 KB take 0.5 us (half)
-    k3 = dict(k, pipelined=True, registers=128, num_stages=2, step_bytes=24 * 1024)
+    # a row step's chain of waits (serial_s): 2 programs x 24 KB a step take 1.5 us at an
+    # SM's 32.6 GB/s, longer than a 1 us chain (hidden by the other program); 2 x 8 KB take
+    # 0.5 us, half of it. Loads in flight are enough in both (the bounds are not multiplied)
+    k3 = dict(k, pipelined=True, registers=128, num_stages=2, step_bytes=24 * 1024, serial_s=1e-6)
     assert model.predict([k3], 4096)["predicted_fraction"] == 1.0
     k4 = dict(k3, step_bytes=8 * 1024)
-    assert abs(model.predict([k4], 4096)["predicted_fraction"] - 2 * 8192 / model.LITTLE_BYTES) < 1e-3
+    p4 = model.predict([k4], 4096)
+    assert abs(p4["predicted_fraction"] - 2 * 8192 / model.LITTLE_BYTES) < 1e-3
+    assert p4["chain_us"] == 1.0 and abs(p4["step_us"] - 0.5) < 0.01
+    # a loop that is not pipelined also waits for its own loads' bytes: one 32-warp program
+    # (64 registers) loading 64 KB and storing 64 KB a step, with a 3 us chain: the step at
+    # bandwidth is 4 us, the chain 3 us + 2 us of its loads: 0.8
+    k5 = dict(registers=64, num_warps=32, shared_bytes=0, grid=10_000, tile_bytes=65536,
+              pipelined=False, num_stages=1, bytes_per_row=131072, step_bytes=131072,
+              serial_s=3e-6)
+    share = model.H200["bandwidth"] / model.H200["sms"]
+    expect = (131072 / share) / (3e-6 + 65536 / share)
+    assert 0.79 < expect < 0.81
+    assert abs(model.predict([k5], 131072)["predicted_fraction"] - expect) < 1e-3
+    assert abs(model.predict([dict(k5, serial_s=1e-6)], 131072)["predicted_fraction"] - 1.0) < 1e-3
 
 
 def test_traffic_is_counted_from_the_plans():

@@ -141,15 +141,25 @@ def _reload(X, H, row, stride_x, D, c, mask, HAS_RESIDUAL: tl.constexpr):
 
 
 @triton.jit
-def _normalize_store(Y, W, B, row, D, c, mask, x, mean, rstd, IS_RMS: tl.constexpr,
+def _normalize_store(Y, w, b, row, D, c, mask, x, mean, rstd, IS_RMS: tl.constexpr,
                      HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """y = weight * xhat + bias (ln-xhat), (ln-y) for columns c of one row, stored."""
+    """y = weight * xhat + bias (ln-xhat), (ln-y) for columns c of one row, stored, from
+    the columns' x (any float dtype) and weight ``w`` and bias ``b`` as loaded."""
+    x = x.to(tl.float32)
     y = x * rstd if IS_RMS else (x - mean) * rstd
     if HAS_WEIGHT:
-        y = y * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+        y = y * w.to(tl.float32)
     if HAS_BIAS:
-        y = y + tl.load(B + c, mask=mask, other=0.0).to(tl.float32)
+        y = y + b.to(tl.float32)
     tl.store(Y + row * D + c, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_params(W, B, c, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Columns c of the weight and the bias, as stored (0.0 for an absent one)."""
+    w = tl.load(W + c, mask=mask, other=0.0) if HAS_WEIGHT else 0.0
+    b = tl.load(B + c, mask=mask, other=0.0) if HAS_BIAS else 0.0
+    return w, b
 
 
 @triton.jit
@@ -341,12 +351,13 @@ def _row_statistics(got, t, S, D, BLOCK_D: tl.constexpr, eps,
 
 
 @triton.jit
-def _slice_normalize(got, valid, t, S, D, BLOCK_D: tl.constexpr, eps, x, Y, W, B,
+def _slice_normalize(got, valid, t, S, D, BLOCK_D: tl.constexpr, eps, x, Y, w, b,
                      Stats, M, row, j, c, mask, IS_RMS: tl.constexpr,
                      HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """The row's mean and rstd from its S slots ``got`` (``valid``: t < S),
     merged in slice order (the same bits in every program; slice 0 stores
-    them), then y for this program's columns c."""
+    them), then y for this program's columns c (weight ``w`` and bias ``b``
+    as loaded)."""
     mean, rstd = _row_statistics(got, t, S, D, BLOCK_D, eps, IS_RMS)
     if j == 0:
         if IS_RMS:
@@ -354,7 +365,7 @@ def _slice_normalize(got, valid, t, S, D, BLOCK_D: tl.constexpr, eps, x, Y, W, B
         else:
             tl.store(Stats + row, mean)
             tl.store(Stats + M + row, rstd)
-    _normalize_store(Y, W, B, row, D, c, mask, x, mean, rstd, IS_RMS,
+    _normalize_store(Y, w, b, row, D, c, mask, x, mean, rstd, IS_RMS,
                      HAS_WEIGHT, HAS_BIAS)
 
 
@@ -412,27 +423,30 @@ def norm_fwd_coop_kernel(
     if HAS_RESIDUAL:
         r_next = tl.load(R + first * stride_r + c, mask=mask, other=0.0)
     for row in range(first, M, groups):
-        x = x_next.to(tl.float32)
+        # this row as loaded (16-bit: compact through the wait)
+        x = x_next
         if HAS_RESIDUAL:
             # h in the input dtype, stored; the norm sees that h
-            h = (x + r_next.to(tl.float32)).to(H.dtype.element_ty)
-            tl.store(H + row * D + c, h, mask=mask)
-            x = h.to(tl.float32)
+            x = (x.to(tl.float32) + r_next.to(tl.float32)).to(H.dtype.element_ty)
+            tl.store(H + row * D + c, x, mask=mask)
         # publish: the owner's moments, the bits a program computing them
         # for a late owner also writes (same code, see the end)
-        tl.atomic_xchg(Slots + row * S + j, _slice_moments(x, mask, n_j, IS_RMS),
+        tl.atomic_xchg(Slots + row * S + j,
+                       _slice_moments(x.to(tl.float32), mask, n_j, IS_RMS),
                        sem="relaxed")
-        # the next row, in flight while we wait (past the end: the last)
+        # the next row, in flight while we wait (past the end: the last);
+        # and the weight and bias, from L2, so that no load waits after it
         nxt = tl.minimum(row + groups, M - 1)
         x_next = tl.load(X + nxt * stride_x + c, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r_next = tl.load(R + nxt * stride_r + c, mask=mask, other=0.0)
+        w, b = _load_params(W, B, c, mask, HAS_WEIGHT, HAS_BIAS)
         # wait for the row's moments; a row whose wait runs out, and every
         # later one, are finished after the loop, where registers are free
         got, deferred = _exchange(Slots, row, S, t, valid, deferred, M,
                                   POLLS)
         if row < deferred:
-            _slice_normalize(got, valid, t, S, D, BLOCK_D, eps, x, Y, W, B,
+            _slice_normalize(got, valid, t, S, D, BLOCK_D, eps, x, Y, w, b,
                              Stats, M, row, j, c, mask, IS_RMS, HAS_WEIGHT,
                              HAS_BIAS)
     # The rows whose wait ran out (none under a cooperative launch): each
@@ -451,7 +465,8 @@ def norm_fwd_coop_kernel(
                                _slice_moments(xu, mu, _slice_count(D, u, BLOCK_D),
                                               IS_RMS)), got)
         x = _reload(X, H, row, stride_x, D, c, mask, HAS_RESIDUAL)
-        _slice_normalize(got, valid, t, S, D, BLOCK_D, eps, x, Y, W, B, Stats,
+        w, b = _load_params(W, B, c, mask, HAS_WEIGHT, HAS_BIAS)
+        _slice_normalize(got, valid, t, S, D, BLOCK_D, eps, x, Y, w, b, Stats,
                          M, row, j, c, mask, IS_RMS, HAS_WEIGHT, HAS_BIAS)
 
 

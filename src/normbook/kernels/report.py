@@ -5,7 +5,10 @@
 For each kernel, arch, dtype and row length D it compiles the kernel exactly as the launchers
 would configure it for a large batch (M = 32768), runs ptxas -v on the PTX and reports
 registers per thread, spill bytes, the widest global load (from the PTX: ld.global.v4.b32 is
-128 bits, eight bf16 or four fp32 values) and the shared memory Triton allocated.
+128 bits, eight bf16 or four fp32 values) and the shared memory Triton allocated; and from the
+SASS (:mod:`normbook.kernels.sass`) the chain of waits of a row step: dependent load rounds
+and block reductions from the step's first load to its publish and from the wait to the
+store, and their latency, which the performance model adds to each row step.
 
 Pointers, row strides and D carry a divisibility-by-16 hint, as Triton's JIT gives them at run
 time for 16-byte-aligned rows; that hint is what lets the loads be 128 bits wide.
@@ -18,6 +21,7 @@ bf16), or a kernel at D >= 256 has no 128-bit global load where D is a multiple 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import re
@@ -35,7 +39,7 @@ from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from normbook.bench import bytemodel, model  # noqa: E402
-from normbook.kernels import _backward, _forward  # noqa: E402
+from normbook.kernels import _backward, _forward, sass  # noqa: E402
 from normbook.kernels._config import (  # noqa: E402
     MAX_FUSED_D_FWD, MAX_WARPS, Device, Plan, backward_plan, forward_plan, narrow_loads)
 
@@ -79,16 +83,17 @@ def traffic(plan: Plan, D: int, dtype: str, M: int = M_REPORT) -> dict:
     row-sized tensors read and written, the fp32 statistics, 16 bytes per slot of a shared row:
     zeroed, then exchanged at L2 and written back at most once; the parameters and the fp32
     partials, once per launch), the bytes of loads one program has in flight per step of its
-    loop (its tile), its grid, and for programs that share rows the bytes of a step, which
-    must outlast their exchange."""
+    loop (its tile), its grid, and (but for the finish kernel, which has no rows) the bytes
+    one program's row step reads and writes, which must outlast its chain of waits."""
     e = bytemodel.itemsize(dtype)
     out = dict(bytes_per_row=D * e * (plan.reads + plan.writes) + 4 * plan.stats
                + (16 * plan.slices if plan.slices > 1 else 0)
                + D * (e * plan.params + 4 * plan.partials) / M,
                tile_bytes=plan.rows * min(D, plan.constexprs["BLOCK_D"]) * plan.elem_bytes * plan.ahead,
                grid=plan.grid[0])
-    if plan.slices > 1:
-        out["step_bytes"] = plan.constexprs["BLOCK_D"] * e * (plan.reads + plan.writes)
+    if plan.kernel != "norm_bwd_finish_kernel":
+        width = plan.rows * min(D, plan.constexprs["BLOCK_D"])
+        out["step_bytes"] = width * e * (plan.reads + plan.writes)
     return out
 
 
@@ -166,7 +171,18 @@ def ptxas_info(ptx: str, arch: int) -> tuple[int, int]:
     return registers, spills
 
 
-def compile_one(kernel, constexprs, options: dict, dtype, arch, D: int = 1024) -> dict:
+def compile_one(kernel, constexprs, options: dict, dtype, arch, D: int = 1024,
+                serial: bool = True) -> dict:
+    """Compile one kernel and read off what the report shows (see the module docstring);
+    ``serial``: also count its row step's chain of waits in the SASS (:func:`serial_counts`)."""
+    out, compiled = _compile(kernel, constexprs, options, dtype, arch, D)
+    if serial:
+        out.update(serial_counts(sass.serial_path_of(compiled)))
+    return out
+
+
+def _compile(kernel, constexprs, options: dict, dtype, arch, D: int):
+    """compile_one without the SASS: its row and the compiled kernel."""
     fn = _jit(kernel)
     sig, attrs = signature(fn, dtype, constexprs, D)
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
@@ -179,11 +195,27 @@ def compile_one(kernel, constexprs, options: dict, dtype, arch, D: int = 1024) -
     pipelined = "async_copy" in compiled.asm["ttgir"] or ahead > 0
     if options.get("launch_cooperative_grid"):   # the option reached the launcher's metadata
         assert compiled.metadata.launch_cooperative_grid, "launch_cooperative_grid was dropped"
-    return dict(registers=registers, spill_bytes=spills, load_bits=load_bits(ptx),
-                int32_offsets=len(int32_offsets(compiled.asm["ttir"])),
-                shared_bytes=compiled.metadata.shared, pipelined=pipelined,
-                num_stages=constexprs.get("NUM_STAGES", 2 if ahead else compiled.metadata.num_stages),
-                **({"prefetched_loads": ahead} if ahead else {}))
+    out = dict(registers=registers, spill_bytes=spills, load_bits=load_bits(ptx),
+               int32_offsets=len(int32_offsets(compiled.asm["ttir"])),
+               shared_bytes=compiled.metadata.shared, pipelined=pipelined,
+               num_stages=constexprs.get("NUM_STAGES", 2 if ahead else compiled.metadata.num_stages),
+               **({"prefetched_loads": ahead} if ahead else {}))
+    return out, compiled
+
+
+SEGMENT_COUNTS = ("hbm_loads", "l2_loads", "reductions", "shuffle_rounds")
+
+
+def serial_counts(path: dict) -> dict:
+    """A report row's share of :func:`normbook.kernels.sass.serial_path`: per segment
+    (``to_publish``: from the step's first load to its publish, None without an exchange;
+    ``to_store``: from the wait, or the step's head, to the row's store) the dependent HBM and
+    L2 load rounds, block reductions and shuffle levels; whether it exchanges; and the chain's
+    latency on the model's H200, ``serial_s``."""
+    counts = {seg: None if path[seg] is None else {k: path[seg][k] for k in SEGMENT_COUNTS}
+              for seg in ("to_publish", "to_store")}
+    return dict(serial=dict(exchange=path["exchange"], **counts),
+                serial_s=sass.serial_latency_s(path, model.H200))
 
 
 def int32_offsets(ttir: str) -> list[str]:
@@ -227,8 +259,11 @@ def prefetched_loads(ptx: str) -> int:
 def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None) -> list[dict]:
     """Compile every configuration; one row per (kernel, arch, dtype, D, norm, residual), with
     what the kernel moves (:func:`traffic`). ``residual_d``: only that D with the fused add
-    (None: every D with and without it)."""
-    rows = []
+    (None: every D with and without it). The SASS of each kernel is disassembled in a pool
+    of threads while the next ones compile (cuobjdump takes about half a second to start;
+    the counts are cached, :func:`normbook.kernels.sass.serial_path_of`)."""
+    rows, pending = [], []
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1))
     for arch in archs:
         for dtype in dtypes:
             for D in ds:
@@ -243,11 +278,21 @@ def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None) -> list[dict]:
                                        per_sm=plan.per_sm, triton=triton.__version__,
                                        **traffic(plan, D, dtype))
                             try:
-                                row.update(compile_one(kernel_of(plan), plan.constexprs,
-                                                       plan.options, dtype, arch, D))
+                                out, compiled = _compile(kernel_of(plan), plan.constexprs,
+                                                         plan.options, dtype, arch, D)
+                                row.update(out)
+                                if "step_bytes" in row:      # a row step: its chain of waits
+                                    pending.append((row, pool.submit(sass.serial_path_of,
+                                                                     compiled)))
                             except Exception as e:  # noqa: BLE001 - reported, and the exit code says so
                                 row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
                             rows.append(row)
+    for row, counted in pending:
+        try:
+            row.update(serial_counts(counted.result()))
+        except Exception as e:  # noqa: BLE001 - reported, and the exit code says so
+            row["error"] = f"serial path: {type(e).__name__}: {e}".splitlines()[0]
+    pool.shutdown()
     return rows
 
 
@@ -308,17 +353,19 @@ def _columns(head, lines, compact: bool) -> str:
 def path_table(predicted: list[dict], compact: bool = False) -> str:
     """The model's prediction per path, one line each (``compact``: without arch and dtype)."""
     head = ("arch", "dtype", "D", "norm", "res", "dir", "bytes", "min", "per SM", "KB",
-            "predicted", "goal")
+            "chain us", "steps us", "predicted", "goal")
     lines = []
     for p in predicted:
         need = goal_need(p)
         if "error" in p:
             lines.append((p["arch"], p["dtype"], str(p["D"]), p["norm"], "y" if p["residual"] else "",
-                          p["direction"], "-", "-", "-", "-", "-", p["error"]))
+                          p["direction"], "-", "-", "-", "-", "-", "-", "-", p["error"]))
             continue
         lines.append((p["arch"], p["dtype"], str(p["D"]), p["norm"], "y" if p["residual"] else "",
                        p["direction"], f"{p['hbm_bytes_per_row']:.0f}", f"{p['min_bytes_per_row']:.0f}",
                        str(p["programs_per_sm"]), f"{p['inflight_bytes_per_sm'] / 1024:.1f}",
+                       f"{p['chain_us']:.2f}" if "chain_us" in p else "-",
+                       f"{p['step_us']:.2f}" if "step_us" in p else "-",
                        f"{p['predicted_fraction']:.2f}",
                        "" if need is None else ("met" if p["predicted_fraction"] >= need else f"< {need:.2f}")))
     return _columns(head, lines, compact)
