@@ -14,8 +14,8 @@ HTML_DIR := build/_build/html
 PORT ?= 8000
 
 TRITON36 := build/triton36
-KERNEL_TESTS := tests/test_kernels_accuracy.py tests/test_kernels_api.py tests/test_kernels_residual.py \
-  tests/test_kernels_gpu.py tests/test_torch_parity.py tests/test_kernels_minimal.py
+KERNEL_TESTS := tests/test_kernels_launchers.py tests/test_kernels_ops.py tests/test_kernels_ops_residual.py \
+  tests/test_kernels_gpu.py tests/test_functional_parity.py tests/test_kernels_minimal.py
 
 .PHONY: book test quick pytest triton36 gpu-dry-run gpu-wheels nbval notebooks browser-check serve clean
 

@@ -5,7 +5,7 @@
   argument to the smallest normal float; the output stays finite (checked everywhere).
 - A GPU rounds fp32 -> bf16 stores to nearest even; the interpreter truncates. Checked on a GPU
   only (marked gpu): almost every bf16 output is the correctly rounded reference.
-- Strided rows: see test_kernels_accuracy.test_strided_rows_are_read_in_place (bitwise only in
+- Strided rows: see test_kernels_launchers.test_strided_rows_are_read_in_place (bitwise only in
   the interpreter and run to run).
 """
 
@@ -32,7 +32,6 @@ def test_subnormal_variance_stays_finite(norm):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_bf16_outputs_round_to_nearest(norm):
     """On a GPU, bf16 y is the fp32 result rounded to nearest: it equals the correctly rounded

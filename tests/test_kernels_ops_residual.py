@@ -1,7 +1,7 @@
 """The fused residual add, add_layer_norm and add_rms_norm: s = x + residual, y = norm(s).
 
 Forward: s is x + residual rounded to the dtype, exactly as torch computes it; y is the norm of
-that s, checked three ways as in test_kernels_accuracy. Backward, the (fork-rule): s feeds the
+that s, checked three ways as in test_kernels_launchers. Backward, the (fork-rule): s feeds the
 norm and, in a transformer, the next residual branch, so the gradient of s is the gradient
 through the norm plus the gradient arriving at s; x and the residual both receive that sum.
 """
@@ -65,7 +65,6 @@ def test_add_norm_forward_and_all_grads(norm, M, D, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("M,D", [(512, 40000), (64, 131072), (3, 70001)])
 @pytest.mark.parametrize("norm", ["layer", "rms"])

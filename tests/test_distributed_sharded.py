@@ -367,7 +367,7 @@ def test_parent_stopped_from_outside_leaves_nothing(tmp_path, sig):
     folder, pids = tmp_path / "tmp", tmp_path / "pids"
     folder.mkdir()
     pids.mkdir()
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_distributed_safety as t; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_distributed_sharded as t; "
             "t.nd.launch(t._sleeps, sys.argv[2], world=2, timeout_s=120)")
     # SIGINT at its default: a job started in the background by a shell (as CI may run make
     # test) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it

@@ -3,7 +3,7 @@ compilers and tracers, as a user's model meets them: torch.compile (aot_eager, f
 the default inductor backend), torch.export, meta tensors and fake tensors. Each gives eager's
 numbers, forward and backward, for both norms, modules and functions.
 
-(The kernel path under torch.compile is tested in test_kernels_api.py.)
+(The kernel path under torch.compile is tested in test_kernels_ops.py.)
 """
 
 import pytest
