@@ -105,11 +105,12 @@ def backward(dy, x, weight, mean, rstd, has_bias: bool):
     """dx, dweight, dbias: (ln-ghat), (ln-c), (ln-dx), (ln-dparams); RMSNorm when mean is None.
 
     dweight and dbias sum over every leading dim; dbias is None without a bias, dweight None
-    without a weight. Where no graph records (the usual backward, see :func:`_eager`) the same
-    terms are taken in fewer passes by :func:`_backward_eager`.
+    without a weight. Where no graph records (the usual backward, see :func:`_eager`), in fp32,
+    the same terms are taken in fewer passes by :func:`_backward_eager`; float64, the precision
+    other code compares against (the feature-sharded norms to 1e-12, say), keeps the formulas.
     """
-    if (weight is not None and dy.dtype == x.dtype == weight.dtype
-            and _eager(dy, x, weight, mean, rstd)):
+    if (weight is not None and dy.dtype == x.dtype == weight.dtype == torch.float32
+            and _eager(dy, x, weight, mean, rstd)):     # float64 keeps the formulas, as forward
         return _backward_eager(dy, x, weight, mean, rstd, has_bias)
     xh = xhat(x, mean, rstd)                                   # (..., D)
     ghat = dy if weight is None else dy * weight               # (ln-ghat)
