@@ -363,3 +363,150 @@ def test_other_launch_errors_are_not_swallowed(monkeypatch):
     with pytest.raises(RuntimeError, match="illegal memory access"):
         _config.launch_shared(Broken(), (8,), (), dict(launch_cooperative_grid=True))
     assert not _config._cooperation_refused
+
+
+class _OnGPU(torch.Tensor):
+    """A CPU tensor that says it lives on CUDA device 0, for the launchers' GPU path."""
+
+    def get_device(self):
+        return 0
+
+
+class _Compiling:
+    """Stands in for a Triton kernel: ``warmup`` returns a compiled kernel with the given
+    registers, shared memory and warps (n_regs filled in by ``_init_handles``, as Triton's);
+    launches are recorded, not run."""
+
+    def __init__(self, n_regs, shared=0):
+        self.n_regs, self.shared = n_regs, shared
+        self.warmups, self.launches = [], []
+
+    def warmup(self, *args, grid, **flags):
+        self.warmups.append((grid, dict(flags)))
+        compiled = type("Compiled", (), {})()
+        compiled.metadata = type("Metadata", (), dict(shared=self.shared,
+                                                      num_warps=flags["num_warps"]))()
+        compiled._init_handles = lambda: setattr(compiled, "n_regs", self.n_regs)
+        return compiled
+
+    def __getitem__(self, grid):
+        def launch(*args, **flags):
+            self.launches.append((grid, args))
+        return launch
+
+
+def _clear_plans():
+    for cached in (_config.arch, _config.device, _config.forward_plan, _config.backward_plan,
+                   _config._fits):
+        cached.cache_clear()
+
+
+@pytest.fixture
+def fake_h200(monkeypatch):
+    """CUDA device 0 is an H200 (sm_90, 132 SMs, 64K registers, 228 KB of shared memory and
+    2048 threads per SM) as far as the plans can tell; nothing measured yet."""
+    props = type("Props", (), dict(multi_processor_count=132, regs_per_multiprocessor=65536,
+                                   shared_memory_per_multiprocessor=228 * 1024,
+                                   max_threads_per_multi_processor=2048))()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_config, "measured_per_sm", {})
+    monkeypatch.setattr(_config, "_cooperation_refused", False)
+    monkeypatch.delenv("NORMBOOK_SHARED_ROWS", raising=False)
+    _clear_plans()
+    yield
+    _clear_plans()
+
+
+def _wide_forward(M=64, D=65536):
+    x = torch.randn(M, D).to(torch.bfloat16).as_subclass(_OnGPU)
+    return _forward.norm_forward(x, None, None, None, 1e-5, False)
+
+
+def test_the_grid_is_sized_by_the_compiled_kernels_registers(fake_h200, monkeypatch):
+    """bf16 rows of 65536: S = 8 slices of 8192, assumed two programs per SM (8 warps, at most
+    128 registers): 33 groups, 264 programs. The compiled kernel takes 168 registers, one
+    program per SM: the cooperative grid shrinks to 16 groups, 128 programs, all resident;
+    measured once, for the first launch, and the plan carries it from then on."""
+    kernel = _Compiling(n_regs=168)
+    monkeypatch.setattr(_forward, "norm_fwd_coop_kernel", kernel)
+    assumed = _config.forward_plan(64, 65536, 0, 2, False, False, False, False, 0, True)[0]
+    assert (assumed.per_sm, assumed.grid, assumed.slices, assumed.measured) == (2, (264,), 8, False)
+    _wide_forward()
+    assert [grid for grid, _ in kernel.launches] == [(128,)]
+    assert kernel.warmups == [((264,), assumed.flags)]
+    _wide_forward()
+    assert len(kernel.warmups) == 1 and [g for g, _ in kernel.launches] == [(128,), (128,)]
+    plan = _config.forward_plan(64, 65536, 0, 2, False, False, False, False, 0, True)[0]
+    assert (plan.per_sm, plan.groups, plan.grid, plan.measured) == (1, 16, (128,), True)
+
+
+def test_a_measurement_equal_to_the_assumption_keeps_the_grid(fake_h200, monkeypatch):
+    kernel = _Compiling(n_regs=128)          # 128 x 256 threads: two programs per SM
+    monkeypatch.setattr(_forward, "norm_fwd_coop_kernel", kernel)
+    _wide_forward()
+    _wide_forward()
+    assert len(kernel.warmups) == 1 and [g for g, _ in kernel.launches] == [(264,), (264,)]
+    plan = _config.forward_plan(64, 65536, 0, 2, False, False, False, False, 0, True)[0]
+    assert (plan.per_sm, plan.grid, plan.measured) == (2, (264,), True)
+
+
+def test_shared_memory_and_spare_registers_size_the_rows_grid(fake_h200, monkeypatch):
+    """Whole rows of 1024 bf16 values (4 warps, assumed two programs per SM: 264 programs).
+    40 registers and no shared memory: twelve programs per SM, up to the 1024 tiles; 40
+    registers and 100 KB of pipelined tiles: two."""
+    for shared, grid in ((0, 1024), (100 * 1024, 264)):
+        monkeypatch.setattr(_config, "measured_per_sm", {})
+        _clear_plans()
+        kernel = _Compiling(n_regs=40, shared=shared)
+        monkeypatch.setattr(_forward, "norm_fwd_rows_kernel", kernel)
+        x = torch.randn(4096, 1024).to(torch.bfloat16).as_subclass(_OnGPU)
+        _forward.norm_forward(x, None, None, None, 1e-5, True)
+        assert [g for g, _ in kernel.launches] == [(grid,)] and len(kernel.warmups) == 1
+
+
+def test_the_backward_measures_before_it_sizes_its_partials(fake_h200, monkeypatch):
+    """bf16 rows of 16384 backward: S = 4 slices of 4096, 64 rows, one group each assumed
+    (264 programs hold 66 groups); measured one program per SM, 33 groups of 4, and the
+    finish sums 33 partial rows."""
+    kernel, finish = _Compiling(n_regs=168), _Compiling(n_regs=32)
+    monkeypatch.setattr(_backward, "norm_bwd_coop_kernel", kernel)
+    monkeypatch.setattr(_backward, "norm_bwd_finish_kernel", finish)
+    M, D = 64, 16384
+    x = torch.randn(M, D).to(torch.bfloat16).as_subclass(_OnGPU)
+    dy, w = torch.randn_like(x), torch.ones(D, dtype=torch.bfloat16)
+    _backward.norm_backward(dy, None, x, w, torch.ones(2, M), torch.bfloat16, False)
+    assert [g for g, _ in kernel.launches] == [(132,)] and len(kernel.warmups) == 1
+    assert kernel.warmups[0][0] == (256,)
+    (_, args), = finish.launches
+    assert args[4] == 33 and args[0].shape == (33, D)     # groups, and the partials' rows
+    assert not finish.warmups
+
+
+def test_the_interpreter_never_measures(monkeypatch):
+    """Device -1 (the interpreter): plans are final, CPU_PROGRAMS programs, no warmup."""
+    kernel = _Compiling(n_regs=255)
+    monkeypatch.setattr(_forward, "norm_fwd_rows_kernel", kernel)
+    plan = _config.forward_plan(64, 256, -1, 4, False, False, False, False, 0, False)[0]
+    assert plan.measured and plan.grid == (_config.CPU_PROGRAMS,)
+    _forward.norm_forward(torch.randn(64, 256), None, None, None, 1e-5, False)
+    assert kernel.warmups == [] and [g for g, _ in kernel.launches] == [plan.grid]
+
+
+def test_a_measurement_that_fails_keeps_the_assumed_grid(monkeypatch):
+    """A warmup that raises (a Triton whose API differs) must not stop the launch it sizes:
+    the plan keeps its assumed programs per SM, marked measured, with one warning."""
+    plan = _config._plan("norm_fwd_rows_kernel", 264, {}, {}, slices=1, groups=264, rows=1,
+                         per_sm=2, ahead=1, elem_bytes=2, measured=False, reads=1, writes=1,
+                         stats=2, params=2, partials=0)
+
+    class Broken:
+        def warmup(self, *args, **kwargs):
+            raise TypeError("warmup() got an unexpected keyword argument 'grid'")
+
+    monkeypatch.setattr(_config, "measured_per_sm", {})
+    with pytest.warns(RuntimeWarning, match="could not read the compiled occupancy"):
+        changed = _config.measure(Broken(), plan, (), 0)
+    assert changed is False
+    assert _config.measured_per_sm[_config.measure_key(plan.kernel, plan.flags, 0)] == 2

@@ -169,6 +169,8 @@ class Plan(NamedTuple):
     partials: int        # (D,) fp32 rows of partials, in all: written (the finish: read)
     ahead: int           # row-sized tensors of a tile in flight ahead of the arithmetic
     elem_bytes: int      # bytes of one value of those tensors
+    measured: bool = True  # per_sm is the compiled kernel's (or nothing to measure: the
+                           # interpreter); False: the launcher measures it at its first launch
 
 
 def _config(M: int, D: int, max_fused: int, elems: int) -> Config:
@@ -245,18 +247,19 @@ def persistent_programs(tiles: int, sms: int, per_sm: int) -> int:
     return max(1, min(programs, tiles))
 
 
-def shared_capacity(cfg: Config, dev: Device) -> int:
+def shared_capacity(cfg: Config, dev: Device, per_sm: int = 0) -> int:
     """Programs that share rows and can all run at once: what a GPU holds of them (all of a
-    cooperative grid must be resident), or CPU_SLICES in the interpreter."""
-    return resident_per_sm(cfg) * dev.sms if dev.sms else CPU_SLICES
+    cooperative grid must be resident), or CPU_SLICES in the interpreter. ``per_sm``: the
+    compiled kernel's programs per SM when measured (:func:`measure`), else the assumption."""
+    return (per_sm or resident_per_sm(cfg)) * dev.sms if dev.sms else CPU_SLICES
 
 
-def shared_groups(M: int, D: int, cfg: Config, dev: Device) -> int:
+def shared_groups(M: int, D: int, cfg: Config, dev: Device, per_sm: int = 0) -> int:
     """Groups of S = cdiv(D, BLOCK_D) programs, all resident at once: as many as fit, at most
     one per row (CPU_PROGRAMS at most in the interpreter); 0 when S exceeds
     :func:`shared_capacity`: no plan shares such rows."""
     slices = -(-D // cfg.BLOCK_D)
-    capacity = shared_capacity(cfg, dev)
+    capacity = shared_capacity(cfg, dev, per_sm)
     if slices > capacity:
         return 0
     return max(1, min(M, CPU_PROGRAMS if not dev.sms else capacity // slices))
@@ -341,31 +344,110 @@ def _plan(kernel: str, grid: int, constexprs: dict, options: dict, **counts) -> 
     return Plan(kernel, (grid,), constexprs, options, dict(constexprs, **options), **counts)
 
 
+# programs per SM of compiled kernels, measured at their first launch on a GPU (:func:`measure`):
+# (kernel name, its launch keywords, device index) -> programs per SM
+measured_per_sm: dict = {}
+
+
+def measure_key(kernel: str, flags: dict, device_index) -> tuple:
+    return kernel, tuple(flags.items()), device_index
+
+
+def _resident(kernel: str, flags: dict, cfg: Config, dev: Device, device_index) -> tuple:
+    """(programs per SM, measured): the compiled kernel's on a GPU once :func:`measure` has
+    seen it, else :func:`resident_per_sm`'s assumption (always in the interpreter, which has
+    nothing to measure)."""
+    if not dev.sms:
+        return resident_per_sm(cfg), True
+    per_sm = measured_per_sm.get(measure_key(kernel, flags, device_index))
+    return (resident_per_sm(cfg), False) if per_sm is None else (per_sm, True)
+
+
 def _rows_plan(kernel: str, M: int, D: int, cfg: Config, dev: Device, itemsize: int, inputs: int,
-               flags: dict, **counts) -> Plan:
+               flags: dict, device_index=None, **counts) -> Plan:
     """S = 1: a persistent grid of what the GPU holds, each program ROWS whole rows a step,
     with its row loop's pipeline stages (``inputs``: row-sized tensors it loads)."""
-    per_sm = resident_per_sm(cfg)
-    groups = persistent_programs(-(-M // cfg.ROWS), dev.sms, per_sm)
     constexprs = dict(flags, ROWS=cfg.ROWS, BLOCK_D=cfg.BLOCK_D,
                       NUM_STAGES=num_stages(cfg, itemsize, inputs))
-    return _plan(kernel, groups, constexprs, cfg.launch(), slices=1, groups=groups,
-                 rows=cfg.ROWS, per_sm=per_sm, ahead=inputs, elem_bytes=itemsize, **counts)
+    options = cfg.launch()
+    per_sm, measured = _resident(kernel, dict(constexprs, **options), cfg, dev, device_index)
+    groups = persistent_programs(-(-M // cfg.ROWS), dev.sms, per_sm)
+    return _plan(kernel, groups, constexprs, options, slices=1, groups=groups, rows=cfg.ROWS,
+                 per_sm=per_sm, ahead=inputs, elem_bytes=itemsize, measured=measured, **counts)
 
 
 def _shared_plan(kernel: str, M: int, D: int, cfg: Config, dev: Device, itemsize: int,
-                 ahead: int, flags: dict, **counts) -> Optional[Plan]:
+                 ahead: int, flags: dict, device_index=None, **counts) -> Optional[Plan]:
     """S > 1: groups of S programs, one per slice of a row, exchanging sums; None when a row
     has more slices than can run at once (:func:`shared_groups`)."""
-    groups = shared_groups(M, D, cfg, dev)
-    if not groups:
-        return None
-    slices = -(-D // cfg.BLOCK_D)
     coop = coop_flags(dev)
     constexprs = dict(flags, BLOCK_D=cfg.BLOCK_D, SLICES=cfg.SLICES, POLLS=coop["POLLS"])
     options = dict(cfg.launch(), **{k: v for k, v in coop.items() if k != "POLLS"})
+    per_sm, measured = _resident(kernel, dict(constexprs, **options), cfg, dev, device_index)
+    groups = shared_groups(M, D, cfg, dev, per_sm)
+    if not groups:
+        return None
+    slices = -(-D // cfg.BLOCK_D)
     return _plan(kernel, groups * slices, constexprs, options, slices=slices, groups=groups,
-                 rows=1, per_sm=resident_per_sm(cfg), ahead=ahead, elem_bytes=itemsize, **counts)
+                 rows=1, per_sm=per_sm, ahead=ahead, elem_bytes=itemsize, measured=measured,
+                 **counts)
+
+
+def device_limits(device_index: int) -> dict:
+    """The model's hardware dict (:data:`normbook.bench.model.H200`) with what
+    torch.cuda.get_device_properties tells of device ``device_index``: its SMs, registers,
+    shared memory and threads per SM (the H200's values for what it does not tell)."""
+    from normbook.bench.model import H200
+    props = torch.cuda.get_device_properties(device_index)
+    hw = dict(H200, sms=props.multi_processor_count)
+    registers = getattr(props, "regs_per_multiprocessor", 0)
+    shared = (getattr(props, "shared_memory_per_multiprocessor", 0)
+              or getattr(props, "max_shared_memory_per_block_optin", 0)
+              or getattr(props, "shared_memory_per_block_optin", 0))
+    threads = getattr(props, "max_threads_per_multi_processor", 0)
+    if registers:
+        hw["registers"] = registers
+    if shared:
+        hw["shared"] = shared
+    if threads:
+        hw["warps"] = threads // 32
+    return hw
+
+
+def measure(kernel, plan: Plan, args: tuple, device_index: int) -> bool:
+    """Programs per SM of ``plan``'s kernel as compiled for ``args`` on CUDA device
+    ``device_index`` (the current one), from its registers, shared memory and warps
+    (:func:`normbook.bench.model.programs_per_sm` with :func:`device_limits`): compiled
+    without a launch (``kernel.warmup``, the binary loaded for its register count), recorded
+    in :data:`measured_per_sm` for the plan builders, whose caches are cleared so that they
+    rebuild their plans with it, marked measured. True when it differs from the plan's
+    ``per_sm``: the plan's grid is wrong, rebuild it (too many programs of a cooperative grid
+    and the driver refuses the launch; too few leave SMs idle)."""
+    try:
+        compiled = kernel.warmup(*args, grid=plan.grid, **plan.flags)
+        if compiled is None:            # a compile hook took it: keep the assumption
+            per_sm = plan.per_sm
+        else:
+            init = getattr(compiled, "_init_handles", None)
+            if init is not None:        # n_regs is known once the binary is loaded
+                init()
+            from normbook.bench.model import programs_per_sm
+            per_sm = max(1, programs_per_sm(compiled.n_regs, compiled.metadata.num_warps,
+                                            compiled.metadata.shared, device_limits(device_index)))
+    except Exception as e:  # noqa: BLE001 - a measurement must never stop the launch it sizes
+        # (a Triton whose warmup or metadata differs from 3.6 / 3.9's): keep the assumption,
+        # say so once; a compile error proper is raised again by the launch itself
+        per_sm = plan.per_sm
+        warnings.warn(f"normbook: could not read the compiled occupancy of {plan.kernel} "
+                      f"({type(e).__name__}: {e}); its grid keeps {per_sm} programs per SM",
+                      RuntimeWarning, stacklevel=3)
+    measured_per_sm[measure_key(plan.kernel, plan.flags, device_index)] = per_sm
+    forward_plan.cache_clear()
+    backward_plan.cache_clear()
+    if per_sm == plan.per_sm:
+        return False
+    _fits.cache_clear()             # which wide rows fit all their slices may change
+    return True
 
 
 @functools.lru_cache(maxsize=4096)
@@ -385,10 +467,11 @@ def forward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool,
                   params=int(has_weight) + int(has_bias), partials=0)
     if not cfg.SLICES:
         return (_rows_plan("norm_fwd_rows_kernel", M, D, cfg, dev, itemsize, inputs, flags,
-                           **counts),)
+                           device_index, **counts),)
     if not shared:
         return None
-    plan = _shared_plan("norm_fwd_coop_kernel", M, D, cfg, dev, itemsize, inputs, flags, **counts)
+    plan = _shared_plan("norm_fwd_coop_kernel", M, D, cfg, dev, itemsize, inputs, flags,
+                        device_index, **counts)
     return None if plan is None else (plan,)
 
 
@@ -407,12 +490,12 @@ def backward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool, has
     counts = dict(reads=2 + has_dh, writes=1, stats=1 if is_rms else 2, params=int(has_weight))
     if not cfg.SLICES:
         main = _rows_plan("norm_bwd_rows_kernel", M, D, cfg, dev, itemsize, 2 + has_dh, flags,
-                          partials=0, **counts)
+                          device_index, partials=0, **counts)
     elif not shared:
         return None
     else:   # the next row's x and dy are in flight while a program waits (dh comes after)
         main = _shared_plan("norm_bwd_coop_kernel", M, D, cfg, dev, itemsize, 2, flags,
-                            partials=0, **counts)
+                            device_index, partials=0, **counts)
         if main is None:
             return None
     if main.groups == 1 or not n_par:      # one group writes dweight and dbias itself

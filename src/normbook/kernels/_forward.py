@@ -508,7 +508,15 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
             bias if bias is not None else x, stats, stride_x, stride_r, M, D, eps)
     if plan.slices > 1:     # groups of S programs, one per slice of a row, exchanging sums
         slots = torch.zeros((M, plan.slices), dtype=torch.int64, device=x.device)
-        launch_shared(kernel, plan.grid, (*args[:7], slots, *args[7:]), plan.flags)
+        args = (*args[:7], slots, *args[7:])
+    if not plan.measured:   # a GPU, the kernel's first launch: size the grid by what it needs
+        from normbook.kernels._config import measure
+        if measure(kernel, plan, args, device) and forward_plan(
+                M, D, device, x.element_size(), is_rms, residual is not None, weight is not None,
+                bias is not None, (stride_x | stride_r) & 15, shared_rows(D)) is not None:
+            return norm_forward(x, residual, weight, bias, eps, is_rms)   # the measured plan
+    if plan.slices > 1:
+        launch_shared(kernel, plan.grid, args, plan.flags)
     else:
         kernel[plan.grid](*args, **plan.flags)
     return y, h, stats
