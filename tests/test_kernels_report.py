@@ -146,3 +146,27 @@ def test_traffic_is_counted_from_the_plans():
     t = report.traffic(fwd, D, "bf16")
     assert t["bytes_per_row"] == 2 * D * e + 8 + 16 * fwd.slices + 2 * D * e / M
     assert t["grid"] == fwd.groups * fwd.slices and t["step_bytes"] == 2 * fwd.constexprs["BLOCK_D"] * e
+
+
+def test_report_cli_names_itself_and_shows_examples(capsys):
+    """``normbook-report --help``: the console script's name in the usage line (not report.py),
+    examples, and the progress switch."""
+    from normbook.kernels import report
+
+    with pytest.raises(SystemExit) as stop:
+        report.main(["--help"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: normbook-report") and "examples:" in out and "--no-progress" in out
+
+
+def test_report_progress_counts_every_configuration(capsys):
+    """The progress of a long report: every configuration passes through, a bar (or a count)
+    goes to stderr when asked for, nothing when switched off."""
+    from normbook.kernels import report
+
+    items = list(range(25))
+    assert list(report._progress(items, False)) == items
+    assert list(report._progress(items, True)) == items
+    err = capsys.readouterr().err
+    assert "25/25" in err

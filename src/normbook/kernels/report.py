@@ -256,7 +256,26 @@ def prefetched_loads(ptx: str) -> int:
     return len(re.findall(r"ld\.global(?:\.[a-z]\w*)*\.v4\.b32", ptx[header:wait])) if header >= 0 else 0
 
 
-def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None) -> list[dict]:
+def _progress(items: list, progress):
+    """``items`` under a tqdm bar on stderr (``progress`` None: only on a terminal; False: never;
+    tqdm missing: a plain count every tenth of the way)."""
+    if progress is False:
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        def counted():
+            step = max(1, len(items) // 10)
+            for i, item in enumerate(items, 1):
+                yield item
+                if (progress or sys.stderr.isatty()) and (i % step == 0 or i == len(items)):
+                    print(f"normbook-report: {i}/{len(items)} configurations", file=sys.stderr)
+        return counted()
+    return tqdm(items, desc="normbook-report: compiling", unit="config", file=sys.stderr,
+                disable=None if progress is None else not progress)
+
+
+def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None, progress=False) -> list[dict]:
     """Compile every configuration; one row per (kernel, arch, dtype, D, norm, residual), with
     what the kernel moves (:func:`traffic`). ``residual_d``: only that D with the fused add
     (None: every D with and without it). The SASS of each kernel is disassembled in a pool
@@ -264,29 +283,28 @@ def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None) -> list[dict]:
     the counts are cached, :func:`normbook.kernels.sass.serial_path_of`)."""
     rows, pending = [], []
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1))
-    for arch in archs:
-        for dtype in dtypes:
-            for D in ds:
-                for is_rms in (False, True):
-                    for residual in (False, True) if residual_d in (None, D) else (False,):
-                        for plan in launches(D, is_rms, residual, dtype, arch):
-                            row = dict(kernel=plan.kernel, direction=direction(plan),
-                                       arch=f"sm_{arch}", dtype=dtype, D=D,
-                                       norm="rms" if is_rms else "layer", residual=residual,
-                                       num_warps=plan.options["num_warps"], ROWS=plan.rows,
-                                       BLOCK_D=plan.constexprs["BLOCK_D"], slices=plan.slices,
-                                       per_sm=plan.per_sm, triton=triton.__version__,
-                                       **traffic(plan, D, dtype))
-                            try:
-                                out, compiled = _compile(kernel_of(plan), plan.constexprs,
-                                                         plan.options, dtype, arch, D)
-                                row.update(out)
-                                if "step_bytes" in row:      # a row step: its chain of waits
-                                    pending.append((row, pool.submit(sass.serial_path_of,
-                                                                     compiled)))
-                            except Exception as e:  # noqa: BLE001 - reported, and the exit code says so
-                                row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
-                            rows.append(row)
+    configs = [(arch, dtype, D, is_rms, residual) for arch in archs for dtype in dtypes for D in ds
+               for is_rms in (False, True)
+               for residual in ((False, True) if residual_d in (None, D) else (False,))]
+    for arch, dtype, D, is_rms, residual in _progress(configs, progress):
+        for plan in launches(D, is_rms, residual, dtype, arch):
+            row = dict(kernel=plan.kernel, direction=direction(plan),
+                       arch=f"sm_{arch}", dtype=dtype, D=D,
+                       norm="rms" if is_rms else "layer", residual=residual,
+                       num_warps=plan.options["num_warps"], ROWS=plan.rows,
+                       BLOCK_D=plan.constexprs["BLOCK_D"], slices=plan.slices,
+                       per_sm=plan.per_sm, triton=triton.__version__,
+                       **traffic(plan, D, dtype))
+            try:
+                out, compiled = _compile(kernel_of(plan), plan.constexprs,
+                                         plan.options, dtype, arch, D)
+                row.update(out)
+                if "step_bytes" in row:      # a row step: its chain of waits
+                    pending.append((row, pool.submit(sass.serial_path_of,
+                                                     compiled)))
+            except Exception as e:  # noqa: BLE001 - reported, and the exit code says so
+                row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+            rows.append(row)
     for row, counted in pending:
         try:
             row.update(serial_counts(counted.result()))
@@ -387,10 +405,19 @@ def table(rows: list[dict], compact: bool = False) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="normbook-report", description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  normbook-report --quick                 # sm_90, bf16, two widths: a minute\n"
+               "  normbook-report --json report.json      # every configuration, sm_80 and sm_90\n"
+               "  python -m normbook.kernels.report --archs 90 --no-progress\n"
+               "exit status: 0 when every configuration compiles without a problem, 1 otherwise")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     parser.add_argument("--quick", action="store_true", help="sm_90, bf16, D in (3000, 65536) only, the fused add at 3000")
     parser.add_argument("--archs", help="comma list of compute capabilities (default 80,90)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (by default one on stderr when it is a terminal)")
     args = parser.parse_args(argv)
     opts = dict(QUICK) if args.quick else {}
     if args.archs:
@@ -399,7 +426,7 @@ def main(argv=None) -> int:
         except ValueError:
             parser.error(f"--archs: expected a comma list such as 80,90, got {args.archs!r}")
     start = time.perf_counter()
-    rows = run(**opts)
+    rows = run(**opts, progress=False if args.no_progress else None)
     seconds = time.perf_counter() - start
     print(table(rows))
     failed = [r for r in rows if problems(r)]
