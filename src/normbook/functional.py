@@ -197,7 +197,7 @@ class NormFunction(torch.autograd.Function):
     (``create_graph=True``), or a torch.func transform wraps the tensors, it is computed in
     torch ops with the statistics recomputed from x, so that second derivatives are right on
     either backend. This class has no jvp, so that torch.compile traces it (Dynamo refuses a
-    Function with a custom jvp); :class:`_NormFunctionAD` adds forward-mode AD and vmap.
+    Function with a custom jvp); ``_NormFunctionAD`` (a subclass) adds forward-mode AD and vmap.
     """
 
     @staticmethod
