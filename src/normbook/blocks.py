@@ -59,8 +59,10 @@ class MLP(nn.Module):
 class PreNormBlock(nn.Module):
     """Pre-norm residual block, equation (pre-norm): y = x + F(N(x))."""
 
-    def __init__(self, dim: int, hidden: int,
-                 norm: Callable[[int], torch.nn.Module] = LayerNorm) -> None:
+    def __init__(
+            self, dim: int, hidden: int,
+            norm: Callable[[int], torch.nn.Module] = LayerNorm,
+    ) -> None:
         super().__init__()
         self.norm = norm(dim)
         self.mlp = MLP(dim, hidden)
@@ -73,8 +75,10 @@ class PreNormBlock(nn.Module):
 class PostNormBlock(nn.Module):
     """Post-norm residual block, equation (post-norm): y = N(x + F(x))."""
 
-    def __init__(self, dim: int, hidden: int,
-                 norm: Callable[[int], torch.nn.Module] = LayerNorm) -> None:
+    def __init__(
+            self, dim: int, hidden: int,
+            norm: Callable[[int], torch.nn.Module] = LayerNorm,
+    ) -> None:
         super().__init__()
         self.norm = norm(dim)
         self.mlp = MLP(dim, hidden)
@@ -193,8 +197,9 @@ def layer_grad_norms(model: ResidualStack, x: torch.Tensor,
     return torch.tensor(norms, dtype=torch.float64)
 
 
-def train(model: ResidualStack, teacher: nn.Module, *, steps: int, lr: float,
-          warmup: int = 0, batch: int = 64, seed: int = 0) -> torch.Tensor:
+def train(model: ResidualStack, teacher: nn.Module, *,
+          steps: int, lr: float, warmup: int = 0, batch: int = 64,
+          seed: int = 0) -> torch.Tensor:
     """Train ``model`` on fresh teacher batches with Adam.
 
     Return the loss at every step. The learning rate rises linearly from

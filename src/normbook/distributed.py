@@ -1,3 +1,4 @@
+# mypy: disable-error-code="union-attr,attr-defined"
 """Norms across devices, chapter "Norms across devices".
 
 Two ways a norm's input can be split over ranks, and what each needs:
@@ -641,12 +642,12 @@ def dtensor_experiment(rank: int, world: int, n: int = 2, s: int = 8,
         y.backward(distribute_tensor(dy, mesh, y.placements))
         out[dim] = {
             "x": str(xd.placements[0]), "y": str(y.placements[0]),
-            "dweight": str(wd.grad.placements[0]),  # type: ignore[union-attr]
+            "dweight": str(wd.grad.placements[0]),
             "comms": {str(k): v for k, v in
                       comm.get_comm_counts().items()},
             "err": max(_max(y.full_tensor(), F.layer_norm(
                 x, (d,), w, b)),
-                *(_max(v.grad.full_tensor(), l.grad)  # type: ignore[union-attr]
+                *(_max(v.grad.full_tensor(), l.grad)
                   for v, l in zip((xd, wd, bd), leaves)))}
     return out
 
@@ -675,14 +676,14 @@ def fsdp_experiment(rank: int, world: int, n: int = 8,
     fs = LayerNorm(d)
     fs.load_state_dict(one.state_dict())
     fully_shard(fs, mesh=init_device_mesh("cpu", (world,)))
-    at_rest = tuple(fs.weight.to_local().shape)  # type: ignore[attr-defined]  # (D / world,)
+    at_rest = tuple(fs.weight.to_local().shape)  # (D / world,)
     mine = _rows(n, rank, world)
     y = fs(x[mine])                          # whole weight inside
     y.backward(dy[mine])
     # FSDP2 averages the ranks' gradients: the sum over ranks / world
-    grads = [p.grad.full_tensor() for p in fs.parameters()]  # type: ignore[union-attr]
+    grads = [p.grad.full_tensor() for p in fs.parameters()]
     return {"at_rest": at_rest, "placement": str(
-                fs.weight.placements[0]),  # type: ignore[attr-defined]
+                fs.weight.placements[0]),
             "y_err": _max(y, one(x)[mine]),
             "grad_err": max(_max(gr * world, p.grad) for gr, p in
                             zip(grads, one.parameters()))}

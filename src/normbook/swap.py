@@ -71,7 +71,7 @@ def _hf(package: str, name: str, note: str = _LLAMA, **kw) -> HFNorm:
 
 
 #: The Hugging Face norm classes that :func:`normbook.swap_norms` knows, one
-#: :class:`normbook.swap.HFNorm` each: the Llama-style RMSNorms (Llama, Mistral, Mixtral,
+#: ``normbook.swap.HFNorm`` each: the Llama-style RMSNorms (Llama, Mistral, Mixtral,
 #: Ministral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Phi-3, Granite, DeepSeek-V3, GLM-4, SmolLM3),
 #: OLMo-2's and T5's, swapped; Gemma, Gemma 2, Gemma 3 and Qwen3-Next (y = xhat * (1 + weight)),
 #: left alone. Checked against transformers 5.24: tests/test_swap.py resolves every entry and

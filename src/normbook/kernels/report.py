@@ -363,9 +363,16 @@ def goal_need(p: dict) -> float | None:
 def _columns(head, lines, compact: bool) -> str:
     """Aligned text; ``compact`` drops the arch and dtype columns (the caller names them once)."""
     keep = [i for i, h in enumerate(head) if not (compact and h in ("arch", "dtype"))]
+    if compact:                      # narrow enough for a book's column: short names, one space
+        head = tuple(_SHORT.get(h, h) for h in head)
     lines = [head] + lines
     widths = {i: max(len(line[i]) for line in lines) for i in keep}
-    return "\n".join("  ".join(line[i].ljust(widths[i]) for i in keep).rstrip() for line in lines)
+    sep = " " if compact else "  "
+    return "\n".join(sep.join(line[i].ljust(widths[i]) for i in keep).rstrip() for line in lines)
+
+
+_SHORT = {"chain us": "chain", "steps us": "step", "predicted": "pred", "per SM": "/SM",
+          "warps": "w", "spill": "spill", "smem": "smem"}
 
 
 def path_table(predicted: list[dict], compact: bool = False) -> str:
