@@ -500,8 +500,13 @@ def rms_norm(input: Tensor, normalized_shape: int | Sequence[int],
     return _norm(input, normalized_shape, weight, _NO_BIAS, _rms_eps(input, eps), True)[0]
 
 
-def _last_dim(x) -> int:
-    return x.shape[-1] if isinstance(x, Tensor) and x.dim() > 0 else 0
+def _add_norm(x, residual, weight, bias, eps, is_rms, kernels=None):
+    """The fused add's door: (y, h) = (norm(x + residual), x + residual) over the last dim,
+    for :func:`add_layer_norm`, :func:`add_rms_norm` and their kernel aliases."""
+    if residual is None:
+        raise TypeError("residual: expected a torch.Tensor, got None")
+    D = x.shape[-1] if isinstance(x, Tensor) and x.dim() > 0 else 0
+    return _norm(x, D, weight, bias, eps, is_rms, residual, "x", kernels)
 
 
 def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None,
@@ -522,9 +527,7 @@ def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None,
     Returns:
         (y, h), both of x's shape and dtype.
     """
-    if residual is None:
-        raise TypeError("residual: expected a torch.Tensor, got None")
-    return _norm(x, _last_dim(x), weight, bias, _ln_eps(eps), False, residual, "x")
+    return _add_norm(x, residual, weight, bias, _ln_eps(eps), False)
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None,
@@ -543,6 +546,4 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None,
     Returns:
         (y, h), both of x's shape and dtype.
     """
-    if residual is None:
-        raise TypeError("residual: expected a torch.Tensor, got None")
-    return _norm(x, _last_dim(x), weight, _NO_BIAS, _rms_eps(x, eps), True, residual, "x")
+    return _add_norm(x, residual, weight, _NO_BIAS, _rms_eps(x, eps), True)

@@ -143,10 +143,7 @@ def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5):
     Returns:
         (y, h), both of x's shape and dtype.
     """
-    if residual is None:
-        raise TypeError("residual: expected a torch.Tensor, got None")
-    return _F._norm(x, _F._last_dim(x), weight, bias, _F._ln_eps(eps), False, residual, "x",
-                    kernels=True)
+    return _F._add_norm(x, residual, weight, bias, _F._ln_eps(eps), False, kernels=True)
 
 
 def add_rms_norm(x, residual, weight=None, eps=None):
@@ -161,10 +158,8 @@ def add_rms_norm(x, residual, weight=None, eps=None):
     Returns:
         (y, h), both of x's shape and dtype.
     """
-    if residual is None:
-        raise TypeError("residual: expected a torch.Tensor, got None")
-    return _F._norm(x, _F._last_dim(x), weight, _F._NO_BIAS, _F._rms_eps(x, eps), True, residual,
-                    "x", kernels=True)
+    return _F._add_norm(x, residual, weight, _F._NO_BIAS, _F._rms_eps(x, eps), True,
+                        kernels=True)
 
 
 if _F._DTensor is not None:
