@@ -258,7 +258,10 @@ def test_wheel_builds_clean_and_imports_without_triton(tmp_path):
     assert install.returncode == 0, install.stdout + install.stderr
     farm = tmp_path / "deps"
     farm.mkdir()
-    _site_of(_runtime_closure(PROJECT["dependencies"], leave_out={"triton"}), farm)
+    # transformers too, when the dev extra is here: the user's first call is a model's swap
+    hf = importlib.util.find_spec("transformers") is not None
+    _site_of(_runtime_closure(PROJECT["dependencies"] + ["transformers"] * hf,
+                              leave_out={"triton"}), farm)
     assert not any(p.name.lower().startswith("triton") for p in farm.iterdir())
 
     code = f"""
@@ -275,9 +278,26 @@ normbook.RMSNorm(8)(x)
 assert normbook.swap_norms(torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.RMSNorm(8))) == 2
 assert "triton" not in sys.modules and "transformers" not in sys.modules
 print("imported", normbook.__version__)
+# an RMSNorm's backward, checked by the identities alone
+assert checks.check_norm_backward(normbook.RMSNorm(8), torch.randn(4, 8), kind="rms", eps=None)
+if {hf!r}:
+    # a tiny random Llama: its RMSNorm modules swapped, the logits unchanged
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 100, (2, 7))
+    before = model(ids).logits
+    assert swap.swap_norms(model) == 5
+    assert all(type(m).__module__.startswith("normbook") for n, m in model.named_modules()
+               if n.endswith("norm"))
+    assert torch.equal(model(ids).logits, before)
+    print("swapped a Llama")
 """
     env = {"PYTHONPATH": str(farm), "PATH": os.defpath, "HOME": str(tmp_path)}
     run = subprocess.run([python, "-c", code], env=env, cwd=tmp_path, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert f"imported {PROJECT['version']}" in run.stdout
+    assert ("swapped a Llama" in run.stdout) == hf
