@@ -22,3 +22,38 @@ def test_minus_sign_and_zero():
 
 def test_anything_else_is_formatted_as_given():
     assert prose("shift, scale") == "shift, scale" and prose(True) == "True" and prose(7) == "7"
+
+
+def _ln_grad(kind):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(16, dtype=torch.float64, generator=g)
+    dy = torch.randn(4, 16, dtype=torch.float64, generator=g)
+    f = torch.nn.functional
+    y = f.layer_norm(x, (16,), w, None, 1e-5) if kind == "layer" else f.rms_norm(x, (16,), w, 1e-5)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    return x.detach(), dy, w, dx
+
+
+def test_check_says_exact_close_or_wrong_and_names_the_failing_identity(capsys):
+    import pytest
+
+    from normbook.booktools import check
+
+    x, dy, w, dx = _ln_grad("layer")
+    assert check("dx", dx, dx, x=x, dy=dy, weight=w)
+    assert capsys.readouterr().out == "dx: exact, max difference 0; identities hold\n"
+    assert check("dx", dx * (1 + 1e-12), dx)                   # no identities without x
+    assert "dx: close, max difference" in capsys.readouterr().out
+    assert not check("dx", dx * 1.01, dx, x=x, dy=dy, weight=w)   # a wrong factor
+    out = capsys.readouterr().out
+    assert "WRONG" in out and "scale identity" in out
+    assert not check("dx", dx + 0.1, dx, x=x, dy=dy, weight=w)    # a constant left in
+    assert "shift identity" in capsys.readouterr().out
+    x, dy, w, dx = _ln_grad("rms")
+    assert check("rms dx", dx, dx.clone(), x=x, dy=dy, weight=w, kind="rms")
+    assert "identities hold" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="expected the reference's shape"):
+        check("dx", dx[:2], dx)

@@ -64,3 +64,52 @@ def triton_available() -> bool:
     import torch
 
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check(name: str, yours, reference, *, x=None, dy=None, weight=None, eps: float = 1e-5,
+          kind: str = "layer") -> bool:
+    """Compare a gradient you derived with a reference, as a reader checks an exercise.
+
+    Prints one line: ``name: exact`` (bitwise equal), ``close`` (``torch.allclose`` at the
+    dtype's default tolerances) or ``WRONG``, with the largest absolute difference. Given the
+    forward's ``x`` and ``dy`` (and ``weight``), ``yours`` is also put to the identities that
+    need no reference (:func:`normbook.checks.assert_layer_norm_identities`, or
+    :func:`~normbook.checks.assert_rms_norm_identities` for ``kind="rms"``), and the line ends
+    with ``identities hold`` or the one that fails.
+
+    Args:
+        name: what is compared, printed first.
+        yours, reference: tensors of one shape (``yours`` is the input gradient dx when x is
+            given).
+        x, dy: (..., D) the forward's input and the gradient at y, or None for no identities.
+        weight: (D,) or None; eps: the forward's eps; kind: ``"layer"`` or ``"rms"``.
+
+    Returns:
+        True when ``yours`` is exact or close and (with x) the identities hold.
+    """
+    import torch
+
+    from normbook import checks
+
+    if tuple(yours.shape) != tuple(reference.shape):
+        raise ValueError(f"{name}: expected the reference's shape {tuple(reference.shape)}, "
+                         f"got {tuple(yours.shape)}")
+    exact = bool(torch.equal(yours, reference))
+    close = exact or bool(torch.allclose(yours, reference.to(yours.dtype)))
+    diff = (yours.double() - reference.double()).abs().max().item() if yours.numel() else 0.0
+    verdict = "exact" if exact else ("close" if close else "WRONG")
+    line = f"{name}: {verdict}, max difference {prose(diff, '.1e')}"
+    ok = close
+    if x is not None:
+        if dy is None:
+            raise ValueError(f"{name}: the identities need dy as well as x")
+        assert_identities = (checks.assert_rms_norm_identities if kind == "rms"
+                             else checks.assert_layer_norm_identities)
+        try:
+            assert_identities(x, dy, weight, yours, eps)
+            line += "; identities hold"
+        except AssertionError as failure:
+            line += f"; {str(failure).split(':')[0]}"
+            ok = False
+    print(line)
+    return ok
