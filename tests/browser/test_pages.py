@@ -17,8 +17,10 @@ book fetched from a CDN would fail here as it fails for a reader offline. A page
 - an internal link points to a missing file, or to a ``#fragment`` with no such id in the target;
 - it is a chapter (a MyST notebook) without its ``.ipynb`` download.
 
-Also: at a phone's width (390 px) no displayed equation is cut off (a wide one scrolls
-sideways inside its block), the search page finds a word, exercises are numbered and their solutions folded, and
+Also: at a phone's width (390 px) no page is wider than the screen, no displayed equation is
+cut off (a wide one scrolls sideways inside its block) and at most one per page is wider than its
+column; at least half of each chapter's visible code cells show an output and its figures are
+SVG; the search page finds a word, exercises are numbered and their solutions folded, and
 screenshots of a few pages go to build/screenshots/ for a person to look at.
 
 Where Chromium is missing the tests skip with the reason, except in CI (``CI=true``), where
@@ -322,30 +324,86 @@ const done = arguments[arguments.length - 1];
     if (clipped || (!scrolls && r.right > document.documentElement.clientWidth + 1))
       cut.push(m.textContent.slice(0, 60));
   }
-  done({cut, pageWidth: document.documentElement.scrollWidth,
-        view: document.documentElement.clientWidth});
+  // displayed equations wider than their column (whole only by scrolling sideways)
+  const wide = [...document.querySelectorAll("mjx-container[display='true']")]
+    .filter(m => m.scrollWidth > m.clientWidth + 1
+                 || (m.parentElement && m.parentElement.scrollWidth > m.parentElement.clientWidth + 1))
+    .map(m => m.textContent.slice(0, 60));
+  // what widens the page past the screen (the widest few elements, for the message)
+  const view = document.documentElement.clientWidth;
+  const scrolled = el => {
+    for (let e = el.parentElement; e; e = e.parentElement)
+      if (["auto", "scroll", "hidden", "clip"].includes(getComputedStyle(e).overflowX)) return true;
+    return false;
+  };
+  const over = [...document.querySelectorAll("article *")]
+    .filter(el => el.getBoundingClientRect().right > view + 1 && !scrolled(el))
+    .slice(0, 3).map(el => el.tagName.toLowerCase() + "." + [...el.classList].join("."));
+  done({cut, wide, over, pageWidth: document.documentElement.scrollWidth, view});
 })().catch(e => done({error: String(e)}));
 """
 
 
-def test_equations_scroll_at_phone_width(browser, base_url):
-    """At 390 px, every displayed equation is whole or scrolls inside its block: none is cut off.
-    (A long inline formula can still widen a page a little: MathJax does not break lines.)"""
-    chapters = [p for p in PAGES if re.match(r"book/\d\d-.*\.html$", p)]
-    if not chapters:
-        pytest.skip("no chapter built yet")
+# pages a reader reads on a phone: everything but whole source files and generated indexes
+PHONE_PAGES = [p for p in PAGES if p.startswith("book/")]
+# displayed equations per chapter that may be wider than a phone's column (they scroll)
+WIDE_EQUATIONS_PER_PAGE = 1
+
+
+def test_pages_fit_a_phone(browser, base_url):
+    """At 390 px: no page is wider than the screen; every displayed equation is whole or scrolls
+    inside its block (none is cut off); at most one per page is wider than its column."""
+    if not PHONE_PAGES:
+        pytest.skip("no page built yet")
     size = browser.get_window_size()
     browser.set_window_size(390, 844)
     problems = []
     try:
-        for page in chapters:
+        for page in PHONE_PAGES:
             browser.get(base_url + page)
             info = browser.execute_async_script(_PHONE)
             assert "error" not in info, f"{page}: {info}"
             problems += [f"{page}: equation cut off at 390 px: {t!r}" for t in info["cut"]]
+            if info["pageWidth"] > info["view"] + 1:
+                problems.append(f"{page}: {info['pageWidth']} px wide on a {info['view']} px "
+                                f"screen (widest: {info['over']})")
+            if len(info["wide"]) > WIDE_EQUATIONS_PER_PAGE:
+                problems.append(f"{page}: {len(info['wide'])} displayed equations wider than "
+                                f"the column at 390 px (at most {WIDE_EQUATIONS_PER_PAGE}): "
+                                f"{info['wide']}")
     finally:
         browser.set_window_size(size["width"], size["height"])
     assert not problems, "\n".join(problems)
+
+
+_CELLS = r"""
+const cells = [...document.querySelectorAll("div.cell")].filter(c => c.querySelector(".cell_input"));
+const shown = cells.filter(c => {
+  const out = c.querySelector(".cell_output");
+  return out && out.textContent.trim().length + out.querySelectorAll("img, svg").length > 0;
+});
+const figures = [...document.querySelectorAll(".cell_output img, figure img")]
+  .map(i => i.getAttribute("src") || "");
+return {cells: cells.length, shown: shown.length, figures};
+"""
+
+# the reading pages whose code cells must show what they compute (issue 23)
+CHAPTERS = [p for p in PAGES if re.match(r"book/(\d\d-|appendix-).*\.html$", p)]
+
+
+@pytest.mark.parametrize("page", CHAPTERS or ["(no chapter built)"])
+def test_results_are_shown_where_they_are_computed(page, browser, base_url):
+    """At least half of a chapter's visible code cells (folded ones included) end with an
+    output (a value, a table, a figure); every figure a cell draws is vector (SVG)."""
+    if page not in PAGES:
+        pytest.skip("no chapter built yet")
+    browser.get(base_url + page)
+    info = browser.execute_script(_CELLS)
+    assert 2 * info["shown"] >= info["cells"], (
+        f"{page}: {info['shown']} of {info['cells']} visible code cells show an output; "
+        "at least half must")
+    raster = [src for src in info["figures"] if src.startswith("data:image/png") or src.endswith(".png")]
+    assert not raster, f"{page}: figures drawn as PNG, not SVG: {[s[:60] for s in raster]}"
 
 
 def test_search_finds_a_word(browser, base_url):
