@@ -26,8 +26,8 @@ on 16-byte-aligned pointers and strides: that is what lets the loads be 128 bits
   (:func:`shared_rows`), have no plan: :func:`kernels_take` says so, and the front door sends
   them to the torch-ops backend (see there why not a launch without the cooperative
   attribute).
-- The backward's cap is a quarter of the forward's because it keeps four row-sized fp32 tensors live
-  (x, dy and the dweight, dbias partials): at D = 16384 that is about 160 registers per thread
+- The backward's cap is a quarter of the forward's because it keeps five row-sized fp32 tensors live
+  (x, dy, the weight and the dweight, dbias partials): at D = 16384 that is about 160 registers per thread
   at 16 warps, over the 128 available, and ptxas spills (see ``python -m normbook.kernels.report``).
 - Backward: a persistent grid of a fixed number of programs (groups of S programs), each
   looping over its rows with fp32 partial sums of dweight and dbias, so the final reduction
