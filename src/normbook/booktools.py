@@ -75,7 +75,8 @@ def check(name: str, yours, reference, *, x=None, dy=None, weight=None, eps: flo
     forward's ``x`` and ``dy`` (and ``weight``), ``yours`` is also put to the identities that
     need no reference (:func:`normbook.checks.assert_layer_norm_identities`, or
     :func:`~normbook.checks.assert_rms_norm_identities` for ``kind="rms"``), and the line ends
-    with ``identities hold`` or the one that fails.
+    with ``identities hold`` or the one that fails (``shift identity fails``, ``scale identity
+    fails``).
 
     Args:
         name: what is compared, printed first.
@@ -108,8 +109,8 @@ def check(name: str, yours, reference, *, x=None, dy=None, weight=None, eps: flo
         try:
             assert_identities(x, dy, weight, yours, eps)
             line += "; identities hold"
-        except AssertionError as failure:
-            line += f"; {str(failure).split(':')[0]}"
+        except AssertionError as failure:              # "scale identity sum(...) fails: ..."
+            line += f"; {' '.join(str(failure).split()[:2])} fails"
             ok = False
     print(line)
     return ok

@@ -326,8 +326,7 @@ const done = arguments[arguments.length - 1];
   }
   // displayed equations wider than their column (whole only by scrolling sideways)
   const wide = [...document.querySelectorAll("mjx-container[display='true']")]
-    .filter(m => m.scrollWidth > m.clientWidth + 1
-                 || (m.parentElement && m.parentElement.scrollWidth > m.parentElement.clientWidth + 1))
+    .filter(m => m.scrollWidth > (m.parentElement || m).clientWidth + 1)
     .map(m => m.textContent.slice(0, 60));
   // what widens the page past the screen (the widest few elements, for the message)
   const view = document.documentElement.clientWidth;
