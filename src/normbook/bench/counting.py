@@ -22,8 +22,9 @@ class CountPasses(TorchDispatchMode):
     A pass is an (M, D) tensor an operation reads or writes.
 
     Args:
-        numel: M * D, the size of a full activation tensor; smaller tensors
-            (weights, the per-row statistics) are not counted as passes.
+        numel: M * D, the size of a full activation tensor; smaller
+            tensors (weights, the per-row statistics) are not counted as
+            passes.
 
     After the ``with`` block: ``ops`` launches, ``reads`` and ``writes``
     passes over memory.

@@ -90,15 +90,15 @@ def norm_bwd_rows_kernel(
     dw = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
     # partial sum_n dy
     db = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
-    # a software-pipelined loop: the loads of the next NUM_STAGES - 1 tiles
-    # are issued (as async copies into shared memory) while this one is
-    # reduced, so HBM always has work in flight
+    # a software-pipelined loop: the loads of the next NUM_STAGES - 1
+    # tiles are issued (as async copies into shared memory) while this
+    # one is reduced, so HBM always has work in flight
     for first in tl.range(
         pid * ROWS, M, programs * ROWS, num_stages=NUM_STAGES
     ):
         rows = first + tl.arange(0, ROWS)                 # (ROWS,)
         row_mask = rows < M
-        mask = row_mask[:, None] & col_mask[None, :]      # (ROWS, BLOCK_D)
+        mask = row_mask[:, None] & col_mask[None, :]    # (ROWS, BLOCK_D)
         rows64 = rows.to(tl.int64)[:, None]
         x = tl.load(
             X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0
@@ -109,13 +109,13 @@ def norm_bwd_rows_kernel(
         rstd = tl.load(
             Stats + (0 if IS_RMS else M) + rows, mask=row_mask, other=0.0
         )[:, None]
-        # xhat recomputed from two saved scalars per row (ln-xhat); padding
-        # stays zero
+        # xhat recomputed from two saved scalars per row (ln-xhat);
+        # padding stays zero
         if IS_RMS:
             xhat = x * rstd
         else:
-            mean = tl.load(Stats + rows, mask=row_mask, other=0.0)[:, None]
-            xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+            mean = tl.load(Stats + rows, mask=row_mask, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd, 0.0)
         ghat = dy * w if HAS_WEIGHT else dy               # (ln-ghat)
         # c1: component of ghat along 1; c2: along xhat (ln-c). dx removes
         # both (ln-dx).
@@ -270,8 +270,8 @@ def norm_bwd_coop_kernel(
     dw = tl.zeros((BLOCK_D,), dtype=tl.float32)   # partial sum_n dy*xhat
     db = tl.zeros((BLOCK_D,), dtype=tl.float32)   # partial sum_n dy
     first = (pid // S).to(tl.int64)               # < M: groups <= M
-    # clamped all the same: without it Triton 3.6 spills 16 bytes (LayerNorm
-    # with dh, sm_90), although the clamp changes no value
+    # clamped all the same: without it Triton 3.6 spills 16 bytes
+    # (LayerNorm with dh, sm_90), although the clamp changes no value
     start = tl.minimum(first, M - 1)
     deferred = first * 0 + M       # first row left for the end (M: none)
     x_next = tl.load(X + start * stride_x + c, mask=mask, other=0.0)
@@ -314,9 +314,9 @@ def norm_bwd_coop_kernel(
         tl.store(DW + part + c, dw.to(DW.dtype.element_ty), mask=mask)
     if HAS_BIAS:
         tl.store(DB + part + c, db.to(DB.dtype.element_ty), mask=mask)
-    # The rows whose wait ran out (none under a cooperative launch): each
-    # slot still empty is computed from x and dy by the code its owner runs
-    # and published, first writer wins; then dx as in the loop
+    # The rows whose wait ran out (none under a cooperative launch):
+    # each slot still empty is computed from x and dy by the code its
+    # owner runs and published, first writer wins; then dx as in the loop
     for row in range(deferred, M, groups):
         rstd = tl.load(Stats + (0 if IS_RMS else M) + row)
         mean = 0.0
@@ -329,41 +329,44 @@ def norm_bwd_coop_kernel(
                 cu = c + (u - j) * BLOCK_D     # slice u's columns
                 mu = cu < D
                 xu = tl.load(X + row * stride_x + cu, mask=mu, other=0.0)
-                dyu = tl.load(DY + row * stride_dy + cu, mask=mu, other=0.0)
+                dyu = tl.load(DY + row * stride_dy + cu, mask=mu,
+                              other=0.0)
                 xhat_u, ghat_u = _slice_terms(xu, dyu, W, cu, mu, mean,
                                               rstd, IS_RMS, HAS_WEIGHT)
-                got = tl.where(t == u, _claim(Slots + row * S + u,
-                               _slice_sums(xhat_u, ghat_u)), got)
+                mine = _claim(Slots + row * S + u,
+                              _slice_sums(xhat_u, ghat_u))
+                got = tl.where(t == u, mine, got)
         x = tl.load(X + row * stride_x + c, mask=mask, other=0.0)
         dy = tl.load(DY + row * stride_dy + c, mask=mask, other=0.0)
         if HAS_DH:
             dh = tl.load(DH + row * stride_dh + c, mask=mask, other=0.0)
-        _slice_dx(got, valid, D, x, dy, dh, W, DX, row, c, mask, mean, rstd,
-                  IS_RMS, HAS_WEIGHT, HAS_DH)
+        _slice_dx(got, valid, D, x, dy, dh, W, DX, row, c, mask, mean,
+                  rstd, IS_RMS, HAS_WEIGHT, HAS_DH)
 
 
 @triton.jit
 def norm_bwd_finish_kernel(
-    PW,                      # (programs, D) fp32 partial dweight, one row per program
+    PW,                      # (programs, D) fp32 partial dweight
     PB,                      # (programs, D) fp32 partial dbias
-    DW,                      # (D,) output dweight, in the weight's dtype (if HAS_WEIGHT)
-    DB,                      # (D,) output dbias, in the bias's dtype (if HAS_BIAS)
+    DW,                      # (D,) dweight, weight's dtype (HAS_WEIGHT)
+    DB,                      # (D,) dbias, bias's dtype (HAS_BIAS)
     programs,                # rows of PW and PB
     D,                       # row length
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_P: tl.constexpr,   # partials summed per step
     BLOCK_D: tl.constexpr,   # columns per program
-    VEC: tl.constexpr,       # D is a multiple of VEC (see _config.vec; the partials are fp32)
+    VEC: tl.constexpr,       # D is a multiple of VEC (see _config.vec)
 ):
-    """(ln-dparams), the last step: sum the per-program partials in a fixed order, cast once."""
+    """(ln-dparams), the last step: sum the per-program fp32 partials in
+    a fixed order, cast once."""
     D = multiple(D, VEC)
-    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)    # (BLOCK_D,)
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < D
     dw = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
     db = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
     for first in range(0, programs, BLOCK_P):
-        p = first + tl.arange(0, BLOCK_P)                         # (BLOCK_P,)
+        p = first + tl.arange(0, BLOCK_P)                # (BLOCK_P,)
         mask = (p < programs)[:, None] & col_mask[None, :]
         offs = p.to(tl.int64)[:, None] * D + cols[None, :]
         if HAS_WEIGHT:
@@ -371,9 +374,11 @@ def norm_bwd_finish_kernel(
         if HAS_BIAS:
             db += tl.load(PB + offs, mask=mask, other=0.0)
     if HAS_WEIGHT:
-        tl.store(DW + cols, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+        dweight = tl.sum(dw, axis=0).to(DW.dtype.element_ty)
+        tl.store(DW + cols, dweight, mask=col_mask)
     if HAS_BIAS:
-        tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=col_mask)
+        dbias = tl.sum(db, axis=0).to(DB.dtype.element_ty)
+        tl.store(DB + cols, dbias, mask=col_mask)
 
 
 def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):

@@ -48,9 +48,9 @@ def multiple(n, VEC: tl.constexpr):
 
 @triton.jit
 def _pack(a, b):
-    """Two fp32 values as one int64 (a in the low word), never 0: 0 marks
-    an empty slot, so a pair of +0.0 is stored as (+0.0, -0.0), equal in
-    every sum."""
+    """Two fp32 values as one int64 (a in the low word), never 0:
+    0 marks an empty slot, so a pair of +0.0 is stored as
+    (+0.0, -0.0), equal in every sum."""
     ai = a.to(tl.int32, bitcast=True)
     bi = b.to(tl.int32, bitcast=True)
     bi = tl.where((ai | bi) == 0, -2147483648, bi)
@@ -227,9 +227,8 @@ def norm_fwd_rows_kernel(
             X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0
         ).to(tl.float32)
         if HAS_RESIDUAL:
-            r = tl.load(
-                R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0
-            )
+            r = tl.load(R + rows64 * stride_r + cols[None, :], mask=mask,
+                        other=0.0)
             # h in the input dtype ...
             h = (x + r.to(tl.float32)).to(H.dtype.element_ty)
             tl.store(H + rows64 * D + cols[None, :], h, mask=mask)
@@ -247,10 +246,10 @@ def norm_fwd_rows_kernel(
             # padding must not count
             xc = tl.where(mask, x - mean[:, None], 0.0)
         var = tl.sum(xc * xc, axis=1) / D               # (ROWS,)
-        # (ln-rstd). On a GPU rsqrt flushes a subnormal argument (eps = 0,
-        # a near-constant row) to zero and returns inf; the smallest normal
-        # float keeps rstd finite. (A negative var + eps, possible with a
-        # negative eps, stays negative: NaN, as in torch.)
+        # (ln-rstd). On a GPU rsqrt flushes a subnormal argument (eps =
+        # 0, a near-constant row) to zero and returns inf; the smallest
+        # normal float keeps rstd finite. (A negative var + eps, possible
+        # with a negative eps, stays negative: NaN, as in torch.)
         rstd = tl.math.rsqrt(_clamp_tiny(var + eps))
         # fp32 values past about 1e19 square to inf: var = inf, rstd = 0
         # and an output of zeros. Such rows take the sum again on
@@ -287,7 +286,7 @@ def norm_fwd_rows_kernel(
             Y + rows64 * D + cols[None, :], y.to(Y.dtype.element_ty),
             mask=mask,
         )
-        # two fp32 scalars per row for backward instead of D values of xhat
+        # two fp32 scalars per row for backward, not D values of xhat
         if IS_RMS:
             tl.store(Stats + rows, rstd, mask=row_mask)
         else:
@@ -427,13 +426,13 @@ def norm_fwd_coop_kernel(
         x = x_next
         if HAS_RESIDUAL:
             # h in the input dtype, stored; the norm sees that h
-            x = (x.to(tl.float32) + r_next.to(tl.float32)).to(H.dtype.element_ty)
+            x = x.to(tl.float32) + r_next.to(tl.float32)
+            x = x.to(H.dtype.element_ty)
             tl.store(H + row * D + c, x, mask=mask)
         # publish: the owner's moments, the bits a program computing them
         # for a late owner also writes (same code, see the end)
-        tl.atomic_xchg(Slots + row * S + j,
-                       _slice_moments(x.to(tl.float32), mask, n_j, IS_RMS),
-                       sem="relaxed")
+        moments = _slice_moments(x.to(tl.float32), mask, n_j, IS_RMS)
+        tl.atomic_xchg(Slots + row * S + j, moments, sem="relaxed")
         # the next row, in flight while we wait (past the end: the last);
         # and the weight and bias, from L2, so that no load waits after it
         nxt = tl.minimum(row + groups, M - 1)
@@ -446,28 +445,32 @@ def norm_fwd_coop_kernel(
         got, deferred = _exchange(Slots, row, S, t, valid, deferred, M,
                                   POLLS)
         if row < deferred:
-            _slice_normalize(got, valid, t, S, D, BLOCK_D, eps, x, Y, w, b,
-                             Stats, M, row, j, c, mask, IS_RMS, HAS_WEIGHT,
-                             HAS_BIAS)
-    # The rows whose wait ran out (none under a cooperative launch): each
-    # slot still empty is computed from x (and the residual) by the code its
-    # owner runs and published, first writer wins; then as in the loop
+            _slice_normalize(got, valid, t, S, D, BLOCK_D, eps, x, Y, w,
+                             b, Stats, M, row, j, c, mask, IS_RMS,
+                             HAS_WEIGHT, HAS_BIAS)
+    # The rows whose wait ran out (none under a cooperative launch):
+    # each slot still empty is computed from x (and the residual) by the
+    # code its owner runs and published, first writer wins; then as in
+    # the loop
     for row in range(deferred, M, groups):
-        got = tl.load(Slots + row * S + t, mask=valid, other=1, volatile=True)
+        got = tl.load(Slots + row * S + t, mask=valid, other=1,
+                      volatile=True)
         for u in range(0, S):
             if _slot_empty(got, t, u):
                 cu = c + (u - j) * BLOCK_D     # slice u's columns
                 mu = cu < D
                 # (h stored again: the bits its owner stores)
-                xu = _load_add(X, R, H, row, stride_x, stride_r, D, cu, mu,
-                               HAS_RESIDUAL)
-                got = tl.where(t == u, _claim(Slots + row * S + u,
-                               _slice_moments(xu, mu, _slice_count(D, u, BLOCK_D),
-                                              IS_RMS)), got)
+                xu = _load_add(X, R, H, row, stride_x, stride_r, D, cu,
+                               mu, HAS_RESIDUAL)
+                n_u = _slice_count(D, u, BLOCK_D)
+                mine = _claim(Slots + row * S + u,
+                              _slice_moments(xu, mu, n_u, IS_RMS))
+                got = tl.where(t == u, mine, got)
         x = _reload(X, H, row, stride_x, D, c, mask, HAS_RESIDUAL)
         w, b = _load_params(W, B, c, mask, HAS_WEIGHT, HAS_BIAS)
-        _slice_normalize(got, valid, t, S, D, BLOCK_D, eps, x, Y, w, b, Stats,
-                         M, row, j, c, mask, IS_RMS, HAS_WEIGHT, HAS_BIAS)
+        _slice_normalize(got, valid, t, S, D, BLOCK_D, eps, x, Y, w, b,
+                         Stats, M, row, j, c, mask, IS_RMS, HAS_WEIGHT,
+                         HAS_BIAS)
 
 
 def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
