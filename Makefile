@@ -69,15 +69,24 @@ gpu-wheels:
 	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl liger-kernel==0.8.5
 
-## Each chapter as a notebook, into build/notebooks (outside book/: a .ipynb beside its .md breaks -W).
-notebooks: $(STAMP)
-	@mkdir -p $(NOTEBOOK_DIR)
-	for f in $(CHAPTERS); do $(VENV)/bin/jupytext --quiet --to ipynb -o $(NOTEBOOK_DIR)/$$(basename $$f .md).ipynb $$f || exit 1; done
+## Each chapter as a notebook that reads outside the book (no MyST markup, glued values written
+## in, an install cell first: book/_ext/notebooks.py), into build/notebooks (outside book/: a
+## .ipynb beside its .md breaks -W). Its own small venv: jupytext, nbformat and the package with
+## the extras the chapters import, at requirements.txt's pins, not the book's whole toolchain.
+## The glued values are computed by running each chapter once.
+NB_VENV := build/notebooks-venv
+$(NB_VENV)/.installed: requirements.txt pyproject.toml
+	test -d $(NB_VENV) || $(PYTHON) -m venv $(NB_VENV)
+	$(NB_VENV)/bin/python -m pip install --quiet -c requirements.txt jupytext nbformat -e ".[book,kernels]"
+	touch $@
+
+notebooks: $(NB_VENV)/.installed
+	$(NB_VENV)/bin/python book/_ext/notebooks.py $(NOTEBOOK_DIR) $(CHAPTERS)
 	@echo "Chapters written as notebooks to $(NOTEBOOK_DIR)/"
 
 ## Every chapter notebook under nbval, cell by cell (every claim is an assert inside a cell). Not
 ## part of make test: the book build executes every chapter once and fails on a raising cell.
-nbval: notebooks
+nbval: notebooks $(STAMP)
 	$(PY) -m pytest --nbval-lax -p no:cacheprovider -q $(NOTEBOOK_DIR)
 
 ## After the build: every page of $(HTML_DIR) in headless Chromium (math typeset, images loaded,

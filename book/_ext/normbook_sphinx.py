@@ -6,7 +6,9 @@ wrong for this book:
 
 - ``.ipynb`` download: sphinx-book-theme only copies a MyST notebook's executed ``.ipynb`` into
   ``_sources/`` (and offers it in the download menu) when a Binder/Colab launch button is
-  configured. The book has no launch service, so this does the copy itself.
+  configured. The book has no launch service, so this writes it itself, converted by
+  ``notebooks.py`` so that it reads outside the book (no MyST markup, glued values written in,
+  an install cell first).
 - Duplicate ``<script>`` tags: sphinx-thebe adds its configuration script twice under Sphinx 7.4,
   and the second ``const THEBE_JS_URL`` is a JavaScript SyntaxError on every page.
 - Triton missing: ``normbook.kernels`` imports triton. Where triton cannot be installed (macOS),
@@ -22,10 +24,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import shutil
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import notebooks   # book/_ext/notebooks.py: the chapters as plain notebooks
 import sphinxcontrib.bibtex.plugin
 from pybtex.plugin import register_plugin
 from pybtex.style.formatting.plain import Style as PlainStyle
@@ -115,8 +118,47 @@ def _offer_ipynb(app, pagename, templatename, context, doctree):
         return
     target = Path(app.outdir) / "_sources" / f"{pagename}.ipynb"
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(executed, target)
+    # the executed notebook, converted to read without the book (see notebooks.py)
+    import nbformat
+
+    glue = notebooks.glue_from_build(Path(pagename).name, executed.parent) or {}
+    nb = nbformat.read(executed, as_version=4)
+    nb = notebooks.convert_notebook(nb, Path(pagename).name, glue, _book_index(app),
+                                    Path(app.srcdir) / Path(pagename).parent)
+    nbformat.write(nb, target)
     context["ipynb_source"] = f"{pagename}.ipynb"
+
+
+# The branch the book workflow (.github/workflows/book.yml) fills with the chapters as plain
+# notebooks (the same files as the download menu's .ipynb), where Colab and Binder open them.
+NOTEBOOK_BRANCH = "notebooks"
+
+
+def _converted_notebook_and_launch_links(app, pagename, templatename, context, doctree):
+    """After sphinx-book-theme's launch buttons (priority 501): the notebook it copied into
+    _sources/ is the raw executed one, so write the converted one over it; and point the Colab
+    and Binder buttons at that notebook on the notebooks branch, not at the chapter's .md."""
+    if "kernelspec" not in app.env.metadata.get(pagename, {}):
+        return
+    _offer_ipynb(app, pagename, templatename, context, doctree)
+    source = f"{pagename}.md"
+    notebook = f"{pagename}.ipynb"
+    for group in context.get("header_buttons", []):
+        if group.get("label") != "launch-buttons":
+            continue
+        for button in group.get("buttons", []):
+            url = button.get("url", "")
+            if button.get("text") in ("Colab", "Binder") and source in url:
+                url = url.replace(source, notebook)
+                url = re.sub(r"/(blob/)?main(/|\?)", rf"/\g<1>{NOTEBOOK_BRANCH}\2", url,
+                             count=1)
+                button["url"] = url
+
+
+def _book_index(app):
+    if not hasattr(app, "_normbook_index"):
+        app._normbook_index = notebooks.build_index(Path(app.srcdir))
+    return app._normbook_index
 
 
 def _dedupe_scripts(app, pagename, templatename, context, doctree):
@@ -137,5 +179,6 @@ def setup(app):
     app.connect("config-inited", _set_version)
     # before sphinx-book-theme builds its header buttons (priority 501)
     app.connect("html-page-context", _offer_ipynb, priority=400)
+    app.connect("html-page-context", _converted_notebook_and_launch_links, priority=600)
     app.connect("html-page-context", _dedupe_scripts, priority=999)  # after every other handler
     return {"version": normbook_version(), "parallel_read_safe": True, "parallel_write_safe": True}

@@ -474,3 +474,30 @@ def test_screenshots(browser, base_url):
         browser.execute_script("localStorage.setItem('mode', 'auto');")
         assert theme == "dark", theme
     assert (SCREENSHOTS / "intro.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("page", CHAPTERS or ["(no chapter built)"])
+def test_chapters_launch_and_download_plain_notebooks(page):
+    """Every chapter offers Colab and Binder, both opening its notebook on the notebooks branch,
+    and its download is that notebook: no MyST markup, the install cell first."""
+    if page not in PAGES:
+        pytest.skip("no chapter built yet")
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    import notebooks
+
+    stem = Path(page).stem
+    html = (HTML / page).read_text()
+    colab = re.findall(r'href="(https://colab\.research\.google\.com/[^"]+)"', html)
+    binder = re.findall(r'href="(https://mybinder\.org/[^"]+)"', html)
+    assert colab == [f"https://colab.research.google.com/github/normbook/normbook/blob/"
+                     f"notebooks/book/{stem}.ipynb"], colab
+    assert len(binder) == 1 and binder[0].endswith(f"/notebooks?urlpath=lab/tree/book/{stem}.ipynb")
+    nb = json.loads((HTML / "_sources" / "book" / f"{stem}.ipynb").read_text())
+    first = "".join(nb["cells"][0]["source"])
+    assert nb["cells"][0]["cell_type"] == "code" and "pip" in first, first[:80]
+    markdown = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    leftover = notebooks.MYST_MARKERS.search(markdown)
+    assert not leftover, markdown[leftover.start():leftover.start() + 80]

@@ -1,0 +1,430 @@
+"""The chapters as notebooks that read outside the book: ``make notebooks``.
+
+A chapter is a MyST notebook: its prose holds roles (``{glue}``, ``{eq}``, ``{cite}``, ``{ref}``,
+``{numref}``), directives (``literalinclude``, ``exercise``, ``solution``, ``dropdown``,
+``admonition``) and labelled equations that only the book's Sphinx build resolves. Opened in
+Jupyter, Colab or Binder those would show as raw markup. This module writes each chapter as a
+plain notebook instead:
+
+- glued values written in as text (from the book build's ``<stem>.glue.json`` when given,
+  otherwise by running the chapter's code here, where ``normbook.booktools.claim`` records them);
+- an equation reference as its number, ``(3.4)``, and each labelled equation with its number
+  (``\\tag``); the book's MathJax macros (``\\xhat``...) spelled out;
+- citations as "(Ba et al., 2016)", cross-references as the section's title, "Figure 3.1" or
+  "Exercise 3.2";
+- package code a chapter includes (``literalinclude`` with ``:pyobject:``) inlined as a code block;
+- exercises, solutions, admonitions and dropdowns as plain Markdown (solutions and dropdowns in
+  ``<details>``, which Jupyter and Colab fold);
+- a first cell that installs normbook with the ``book`` extra when it is missing.
+
+Needs jupytext and nbformat, plus (to compute glued values without a built book) what the
+chapters import: the package with its ``book`` extra. Numbers follow the book's: chapters are
+numbered in ``_toc.yml``'s order, equations, figures and exercises within each chapter.
+
+Usage: ``python book/_ext/notebooks.py OUT_DIR [--glue DIR] [CHAPTER.md ...]``; with ``--run``,
+``python book/_ext/notebooks.py --run CLAIMS.json CHAPTER.md ...`` only executes the chapters
+(no jupytext needed: ``benchmarks/gpu_check.sh`` runs chapter 9 so on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+REPOSITORY = "https://github.com/normbook/normbook"
+
+INSTALL_CELL = f"""\
+# Runs this chapter anywhere: installs normbook and what the chapters import (its "book"
+# extra) when normbook is missing, as in a fresh Colab or Binder session; does nothing when
+# it is present.
+import importlib.util, subprocess, sys
+if importlib.util.find_spec("normbook") is None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet",
+                    "normbook[book] @ git+{REPOSITORY}"], check=True)"""
+
+# -------------------------------------------------------------------------- the book's index
+
+
+@dataclass
+class Page:
+    stem: str
+    number: int | None                    # chapter number, None outside the numbered part
+    title: str = ""
+
+
+@dataclass
+class Index:
+    """What the book's references resolve to: numbers and titles, from the sources."""
+
+    pages: dict[str, Page] = field(default_factory=dict)
+    equations: dict[str, str] = field(default_factory=dict)    # label -> "3.4"
+    figures: dict[str, str] = field(default_factory=dict)      # name -> "3.1"
+    exercises: dict[str, str] = field(default_factory=dict)    # label -> "3.2"
+    sections: dict[str, str] = field(default_factory=dict)     # label -> title
+    citations: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (authors, year)
+    macros: dict[str, str] = field(default_factory=dict)       # "xhat" -> "\\hat{x}"
+
+
+def toc_pages(root: Path = ROOT) -> list[Page]:
+    """The pages of ``_toc.yml`` in order; the first part ("numbered: true") numbered 1, 2, ..."""
+    pages, number, numbered = [], 0, False
+    for line in (root / "_toc.yml").read_text().splitlines():
+        if re.match(r"\s*- caption:", line):
+            numbered = False
+        elif re.match(r"\s*numbered:\s*true", line):
+            numbered = True
+        elif m := re.match(r"\s*- file:\s*(\S+)", line):
+            if numbered:
+                number += 1
+            pages.append(Page(Path(m.group(1)).name, number if numbered else None))
+    return pages
+
+
+def _prefix(page: Page, k: int) -> str:
+    return f"{page.number}.{k}" if page.number is not None else str(k)
+
+
+_LABEL_LINE = re.compile(r"^\(([\w-]+)\)=\s*$")
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*$")
+
+
+def build_index(root: Path = ROOT) -> Index:
+    index = Index()
+    for page in toc_pages(root):
+        source = root / "book" / f"{page.stem}.md"
+        if not source.is_file():
+            continue
+        text = source.read_text()
+        index.pages[page.stem] = page
+        lines = text.splitlines()
+        for i, line in enumerate(lines):                 # (label)= then a heading: its title
+            m = _LABEL_LINE.match(line)
+            if m:
+                for nxt in lines[i + 1:i + 4]:
+                    h = _HEADING.match(nxt)
+                    if h:
+                        index.sections[m.group(1)] = _plain_title(h.group(2))
+                        break
+        h = next((_HEADING.match(l) for l in lines if _HEADING.match(l) and
+                  _HEADING.match(l).group(1) == "#"), None)
+        page.title = _plain_title(h.group(2)) if h else page.stem
+        for k, label in enumerate(re.findall(r"\$\$[ \t]*\(([\w-]+)\)", text), 1):
+            index.equations[label] = _prefix(page, k)
+        figures = re.findall(r"^\s*name:\s*([\w-]+)\s*$", text, re.M)   # mystnb figure names
+        for k, name in enumerate(figures, 1):
+            index.figures[name] = _prefix(page, k)
+        exercises = re.findall(r"^[`:]{3,}\{exercise\}.*\n(?:\s*:[\w-]+:.*\n)*?\s*:label:\s*([\w-]+)",
+                               text, re.M)
+        for k, label in enumerate(exercises, 1):
+            index.exercises[label] = _prefix(page, k)
+    index.citations = _bibliography((root / "book" / "references.bib").read_text())
+    index.macros = dict(re.findall(r"^\s+(\w+):\s*'([^']*)'\s*$", _macros_block(root), re.M))
+    return index
+
+
+def _macros_block(root: Path) -> str:
+    config = (root / "_config.yml").read_text()
+    m = re.search(r"^\s+macros:\s*\n((?:\s{8,}.*\n)+)", config, re.M)
+    return m.group(1) if m else ""
+
+
+def _plain_title(title: str) -> str:
+    return re.sub(r"\{[\w:-]+\}`([^`]*)`", r"\1", title)
+
+
+def _bibliography(bib: str) -> dict[str, tuple[str, str]]:
+    """key -> (authors as cited, year): "Ba et al.", "Zhang and Sennrich", "NVIDIA"."""
+    out = {}
+    for m in re.finditer(r"@\w+\{([\w:-]+),(.*?)\n\}", bib, re.S):
+        key, body = m.group(1), m.group(2)
+        author = re.search(r"author\s*=\s*\{(.*?)\}\s*,?\s*$", body, re.M)
+        year = re.search(r"year\s*=\s*\{?(\d{4})", body)
+        names = [a.strip() for a in (author.group(1) if author else key).split(" and ")]
+        last = [n.strip("{}").split(",")[0].strip() if "," in n else n.strip("{}").split()[-1]
+                for n in names if n != "others"]
+        if len(last) == 1 and "others" not in names:
+            cited = last[0]
+        elif len(last) == 2 and "others" not in names:
+            cited = f"{last[0]} and {last[1]}"
+        else:
+            cited = f"{last[0]} et al."
+        out[key] = (cited, year.group(1) if year else "n.d.")
+    return out
+
+
+# -------------------------------------------------------------------------- glued values
+
+
+def glue_from_build(stem: str, directory: Path) -> dict[str, str] | None:
+    """The values the book build glued (myst-nb's ``<stem>.glue.json``), or None."""
+    path = directory / f"{stem}.glue.json"
+    if not path.is_file():
+        return None
+    return {name: "".join(out["data"]["text/plain"])
+            for name, out in json.loads(path.read_text()).items()}
+
+
+def glue_by_running(cells: list) -> dict[str, str]:
+    """Run a chapter's code cells here (magics dropped) and return what ``claim`` recorded."""
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    from normbook import booktools
+
+    booktools.CLAIMED.clear()
+    namespace: dict = {"__name__": "__chapter__"}
+    here = os.getcwd()
+    os.chdir(ROOT / "book")                    # where the book build runs a chapter
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            for cell in cells:
+                if cell.cell_type != "code":
+                    continue
+                source = "\n".join(l for l in cell.source.splitlines()
+                                   if not l.lstrip().startswith(("%", "!")))
+                exec(compile(source, "<chapter cell>", "exec"), namespace)
+    finally:
+        os.chdir(here)
+        import matplotlib.pyplot as plt
+        plt.close("all")
+    return dict(booktools.CLAIMED)
+
+
+# -------------------------------------------------------------------------- Markdown
+
+
+def _literalinclude(path: str, options: dict[str, str], base: Path) -> str:
+    source = (base / path).resolve().read_text()
+    name = options.get("pyobject")
+    if name:
+        lines = source.splitlines()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) \
+                    and node.name == name.split(".")[-1]:
+                start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+                source = "\n".join(lines[start - 1:node.end_lineno])
+                break
+        else:
+            raise ValueError(f"literalinclude: no {name} in {path}")
+    language = options.get("language", "")
+    return f"```{language}\n{source.rstrip()}\n```"
+
+
+_DIRECTIVE = re.compile(
+    r"^(?P<fence>`{3,}|:{3,})\{(?P<name>[\w:-]+)\}[ \t]*(?P<arg>[^\n]*)\n"
+    r"(?P<opts>(?:[ \t]*:[\w-]+:[^\n]*\n)*)"
+    r"(?P<body>.*?)^(?P=fence)[ \t]*$", re.S | re.M)
+
+
+def _options(block: str) -> dict[str, str]:
+    return dict(re.findall(r"^[ \t]*:([\w-]+):[ \t]*(.*?)[ \t]*$", block, re.M))
+
+
+def convert_markdown(text: str, index: Index, glue: dict[str, str], page: Page,
+                     base: Path) -> str:
+    """A markdown cell of a chapter as plain Markdown (see the module's docstring)."""
+    def directive(m: re.Match) -> str:
+        name, arg, body = m.group("name"), m.group("arg").strip(), m.group("body")
+        opts = _options(m.group("opts"))
+        body = _DIRECTIVE.sub(directive, body).strip("\n")
+        if name == "literalinclude":
+            return _literalinclude(arg, opts, base)
+        if name == "exercise":
+            number = index.exercises.get(opts.get("label", ""), "")
+            head = f"**Exercise {number}**" + (f" ({arg})" if arg else "")
+            return f"{head}\n\n{body}"
+        if name == "solution":
+            number = index.exercises.get(arg, "")
+            return (f"<details><summary>Solution to Exercise {number}</summary>\n\n{body}\n\n"
+                    "</details>")
+        if name == "solution-start":
+            return f"**Solution to Exercise {index.exercises.get(arg, '')}.**"
+        if name == "solution-end":
+            return "*End of the solution.*"
+        if name == "dropdown" or opts.get("class", "") == "dropdown":
+            title = arg or name.capitalize()
+            return f"<details><summary>{title}</summary>\n\n{body}\n\n</details>"
+        if name in ("admonition", "note", "tip", "warning", "important", "hint", "seealso"):
+            title = arg or name.capitalize()
+            quoted = "\n".join(f"> {l}" if l else ">" for l in body.splitlines())
+            return f"> **{title}.**\n>\n{quoted}"
+        if name == "math":
+            return f"$$\n{body}\n$$"
+        return body                                   # anything else: its content
+
+    text = _DIRECTIVE.sub(directive, text)
+    text = re.sub(r"^\(([\w-]+)\)=[ \t]*$", r'<a id="\1"></a>', text, flags=re.M)
+
+    def equation(m: re.Match) -> str:
+        number = index.equations.get(m.group(2), "")
+        return f"$${m.group(1).rstrip()}\n\\tag{{{number}}}\n$$"
+    text = re.sub(r"\$\$(.*?)\$\$[ \t]*\(([\w-]+)\)", equation, text, flags=re.S)
+
+    def role(m: re.Match) -> str:
+        name, content = m.group(1), m.group(2)
+        shown, _, target = _split_target(content)
+        if name == "glue":
+            if content not in glue:
+                raise KeyError(f"{page.stem}: no glued value {content!r}")
+            return glue[content]
+        if name == "eq":
+            return f"({index.equations.get(target, target)})"
+        if name == "numref":
+            return f"Figure {index.figures.get(target, target)}"
+        if name in ("cite", "cite:p", "cite:t"):
+            refs = [index.citations.get(k.strip(), (k.strip(), "")) for k in content.split(",")]
+            if name == "cite:t":
+                return "; ".join(f"{a} ({y})" for a, y in refs)
+            return "(" + "; ".join(f"{a}, {y}" for a, y in refs) + ")"
+        if name == "ref":
+            if shown:
+                return shown
+            if target in index.exercises:
+                return f"Exercise {index.exercises[target]}"
+            if target in index.figures:
+                return f"Figure {index.figures[target]}"
+            return f"“{index.sections.get(target, target)}”"
+        if name == "doc":
+            return shown or index.pages.get(Path(target).name, Page(target, None)).title or target
+        if name == "math":
+            return f"${content}$"
+        return f"`{shown or content}`"                 # {py:mod}, {py:func}, ...
+    text = re.sub(r"\{([\w:-]+)\}`([^`]*)`", role, text)
+
+    for macro, expansion in index.macros.items():    # the book's MathJax macros, spelled out
+        text = re.sub(rf"\\{macro}(?![A-Za-z])", lambda _m, e=expansion: e, text)
+    return text
+
+
+def _split_target(content: str) -> tuple[str, str, str]:
+    """``text <target>`` -> (text, "", target); ``target`` -> ("", "", target)."""
+    m = re.fullmatch(r"\s*(.*?)\s*<([^>]+)>\s*", content, re.S)
+    return (m.group(1), "", m.group(2)) if m else ("", "", content.strip())
+
+
+# Markup that only the book's build understands; none of it may survive the conversion.
+MYST_MARKERS = re.compile(
+    r"\{[\w:-]+\}`|^[`:]{3,}\{[\w:-]+\}|^\([\w-]+\)=\s*$|\$\$[ \t]*\([\w-]+\)", re.M)
+
+
+# -------------------------------------------------------------------------- notebooks
+
+
+def convert_notebook(nb, stem: str, glue: dict[str, str], index: Index | None = None,
+                     base: Path = ROOT / "book"):
+    """A chapter's notebook (from jupytext, or executed by the book build, outputs kept) with
+    its markdown converted, its removed and folded cells folded, figure captions added and
+    the install cell first. Raises ValueError where MyST markup would survive."""
+    import nbformat
+
+    index = index or build_index()
+    page = index.pages.get(stem, Page(stem, None))
+    cells = [nbformat.v4.new_code_cell(INSTALL_CELL)]
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = convert_markdown(cell.source, index, glue, page, base)
+            leftover = MYST_MARKERS.search(cell.source)
+            if leftover:
+                raise ValueError(f"{stem}: MyST markup left after conversion: "
+                                 f"{cell.source[leftover.start():leftover.start() + 60]!r}")
+            cells.append(cell)
+            continue
+        meta = cell.metadata
+        tags = set(meta.get("tags", []))
+        if tags & {"remove-cell", "remove-input", "hide-input", "hide-cell"}:
+            meta.setdefault("jupyter", {})["source_hidden"] = True   # folded in Jupyter, Colab
+        figure = (meta.get("mystnb") or {}).get("figure") or {}
+        cells.append(cell)
+        if figure.get("caption"):
+            number = index.figures.get(figure.get("name", ""), "")
+            caption = convert_markdown(figure["caption"], index, glue, page, base)
+            cells.append(nbformat.v4.new_markdown_cell(f"*Figure {number}.* {caption.strip()}"))
+    nb.cells = cells
+    nb.metadata.pop("jupytext", None)
+    nb.metadata.setdefault("kernelspec", {"display_name": "Python 3", "language": "python",
+                                          "name": "python3"})
+    return nb
+
+
+def convert(source: Path, index: Index | None = None, glue_dir: Path | None = None):
+    """One chapter (a MyST .md) as an nbformat notebook that reads without the book: glued
+    values from ``glue_dir`` (a built book's) when it has them, else by running the chapter."""
+    import jupytext
+
+    nb = jupytext.read(source)
+    glue = glue_from_build(source.stem, glue_dir) if glue_dir else None
+    if glue is None:
+        glue = glue_by_running(nb.cells)
+    return convert_notebook(nb, source.stem, glue, index, source.parent)
+
+
+def code_cells(source: Path) -> list:
+    """A chapter's code cells in order, read without jupytext (the GPU machine has none): each
+    ``{code-cell}`` fence's body, its metadata lines (``:tags:``, a ``---`` block) left out."""
+    from types import SimpleNamespace
+
+    cells = []
+    for m in re.finditer(r"^```\{code-cell\}[^\n]*\n(.*?)^```[ \t]*$", source.read_text(),
+                         re.S | re.M):
+        body = m.group(1)
+        if body.startswith("---\n"):
+            body = body[4:].split("\n---\n", 1)[1]
+        lines = body.splitlines()
+        while lines and re.match(r":[\w-]+:", lines[0]):
+            lines.pop(0)
+        cells.append(SimpleNamespace(cell_type="code", source="\n".join(lines)))
+    return cells
+
+
+def run_chapter(source: Path) -> dict[str, str]:
+    """Execute a chapter's code here, top to bottom (as ``gpu_check.sh`` does on a GPU); return
+    its claims. Raises whatever a cell raises, an AssertionError for a claim that fails."""
+    return glue_by_running(code_cells(source))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python book/_ext/notebooks.py",
+        description="Write the book's chapters as plain notebooks (no MyST markup).")
+    parser.add_argument("out", type=Path, help="folder for the .ipynb files")
+    parser.add_argument("chapters", nargs="*", type=Path,
+                        help="chapter sources (default: the chapters and appendix of _toc.yml)")
+    parser.add_argument("--run", action="store_true",
+                        help="only execute the chapters here (jupytext not needed) and print "
+                             "their claims as JSON; OUT is then where the JSON goes")
+    parser.add_argument("--glue", type=Path, default=None,
+                        help="a built book's jupyter_execute/book folder: take glued values "
+                             "from its <stem>.glue.json instead of running the chapters")
+    args = parser.parse_args(argv)
+
+    if args.run:
+        claims = {}
+        for source in args.chapters:
+            claims[source.stem] = run_chapter(source.resolve())
+            print(f"{source.stem}: ran, {len(claims[source.stem])} claims hold", file=sys.stderr)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(claims, indent=1, ensure_ascii=False))
+        return 0
+    index = build_index()
+    chapters = args.chapters or [ROOT / "book" / f"{p.stem}.md" for p in toc_pages()
+                                 if re.match(r"\d\d-|appendix-", p.stem)]
+    import nbformat
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    for source in chapters:
+        nb = convert(source.resolve(), index, args.glue)
+        target = args.out / f"{source.stem}.ipynb"
+        nbformat.write(nb, target)
+        print(f"{source.stem}.ipynb: {len(nb.cells)} cells", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

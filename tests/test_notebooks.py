@@ -1,0 +1,112 @@
+"""The chapters as notebooks that read outside the book (book/_ext/notebooks.py, make notebooks):
+no MyST markup left, glued values, equation numbers and included code written in, an install
+cell first that does nothing where normbook is installed."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytest.importorskip("jupytext")
+sys.path.insert(0, str(ROOT / "book" / "_ext"))
+notebooks = importlib.import_module("notebooks")
+
+
+@pytest.fixture(scope="module")
+def index():
+    return notebooks.build_index()
+
+
+def test_the_index_numbers_as_the_book_does(index):
+    assert index.pages["01-one-token"].number == 1
+    assert index.pages["appendix-kernels"].number is None
+    assert index.equations["ln-mean"] == "1.1" and index.equations["ln-dx"].startswith("3.")
+    assert index.exercises["ex-derive-ln-backward"] == "3.1"
+    assert index.sections["ch-backward"] == "The backward pass"
+    assert index.citations["ba2016layer"] == ("Ba et al.", "2016")
+    assert index.citations["zhang2019root"] == ("Zhang and Sennrich", "2019")
+    assert index.citations["nvidia2018apex"] == ("NVIDIA", "2018")
+    assert index.macros["xhat"] == r"\hat{x}"
+
+
+def test_markdown_loses_every_myst_marker(index):
+    page = index.pages["03-backward"]
+    text = "\n".join([
+        "(sec-x)=",
+        "## A section",
+        "By {eq}`ln-dx`, with {glue}`value` and {cite}`ba2016layer`; {cite:t}`zhang2019root`.",
+        "See {ref}`ch-backward`, {ref}`the exercise <ex-derive-ln-backward>`, {numref}`fig-x`,",
+        "{ref}`ex-derive-ln-backward` and {math}`\\xhat_d`.",
+        "",
+        "$$",
+        "\\ghat = g \\odot \\gamma",
+        "$$ (ln-ghat)",
+        "",
+        "```{exercise} Try it",
+        ":label: ex-derive-ln-backward",
+        "",
+        "Write it.",
+        "```",
+        "",
+        ":::{dropdown} More",
+        "```{literalinclude} ../src/normbook/reference.py",
+        ":language: python",
+        ":pyobject: layer_norm_token_backward",
+        "```",
+        ":::",
+    ])
+    out = notebooks.convert_markdown(text, index, {"value": "0.25"}, page, ROOT / "book")
+    assert not notebooks.MYST_MARKERS.search(out), out
+    assert f"By ({index.equations['ln-dx']}), with 0.25 and (Ba et al., 2016);" in out
+    assert "Zhang and Sennrich (2019)" in out
+    assert "“The backward pass”" in out and "the exercise" in out and "Exercise 3.1 and" in out
+    assert '<a id="sec-x"></a>' in out and "$\\hat{x}_d$" in out
+    assert f"\\tag{{{index.equations['ln-ghat']}}}" in out and "\\hat{g} = g" in out
+    assert "**Exercise 3.1** (Try it)" in out
+    assert "<details><summary>More</summary>" in out
+    assert "def layer_norm_token_backward(" in out and "```python" in out
+
+
+def test_a_missing_glued_value_is_an_error(index):
+    with pytest.raises(KeyError, match="no glued value"):
+        notebooks.convert_markdown("{glue}`nope`", index, {}, index.pages["01-one-token"],
+                                   ROOT / "book")
+
+
+@pytest.mark.slow
+def test_a_chapter_converts_whole(index, tmp_path):
+    """Chapter 3 through the command make notebooks runs, its glued values computed by running
+    it (in its own process): an install cell first, no marker in any markdown cell, the folded
+    cells folded, the listing inlined."""
+    import os
+
+    import nbformat
+
+    out = tmp_path / "notebooks"
+    run = subprocess.run([sys.executable, str(ROOT / "book/_ext/notebooks.py"), str(out),
+                          str(ROOT / "book/03-backward.md")], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "MPLBACKEND": "Agg"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    nb = nbformat.read(out / "03-backward.ipynb", as_version=4)
+    first = nb.cells[0]
+    assert first.cell_type == "code" and "pip" in first.source and "normbook[book]" in first.source
+    markdown = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    assert not notebooks.MYST_MARKERS.search(markdown)
+    assert "def layer_norm_rows_backward(" in markdown
+    assert "**Exercise 3.1**" in markdown and "\\tag{3.4}" in markdown
+    hidden = [c for c in nb.cells if c.cell_type == "code"
+              and "remove-cell" in c.metadata.get("tags", [])]
+    assert hidden and all(c.metadata["jupyter"]["source_hidden"] for c in hidden)
+
+
+def test_the_install_cell_does_nothing_where_normbook_is_installed(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("pip was called although normbook is installed")
+
+    monkeypatch.setattr(subprocess, "run", refuse)
+    exec(notebooks.INSTALL_CELL, {})
