@@ -11,6 +11,8 @@
 #   gpu_tests  pytest -m gpu over the kernel tests                           90 / 60
 #   report     the static compile report, compiled here (Triton of this machine)   120 / 60
 #   host       normbook-bench host --goal: host time per call, launches stubbed    45 / 45
+#   chapter    chapter 9 executed here, its tensors on this GPU (book/_ext/notebooks.py --run;
+#              the dry run: in the interpreter)                                     60 / 90
 #   bench_*    bf16: 4 ops x fwd/bwd, normbook, torch, liger; fp32 layer_norm with compile;
 #              bf16 torch.compile in the time left                    150, 60, rest / 90, 40, 60
 #   merge, summary, plots, overview, model (the report's predictions against the measurement)
@@ -64,7 +66,7 @@ BUDGET_S=${BUDGET_S:-480}; whole BUDGET_S "$BUDGET_S"
 RESERVE_S=${RESERVE_S:-20}; whole RESERVE_S "$RESERVE_S"
 KILL_AFTER_S=${KILL_AFTER_S:-5}; whole KILL_AFTER_S "$KILL_AFTER_S"
 MIN_STEP_S=3       # a limit shorter than this is no chance to run: the step is not run
-ALL_STEPS=" env wheels gpu_tests report host bench_bf16 bench_fp32 bench_compile"
+ALL_STEPS=" env wheels gpu_tests report host chapter bench_bf16 bench_fp32 bench_compile"
 ALL_STEPS+=" merge summary plots overview model "
 ONLY=${ONLY:-}
 IFS=, read -ra only_steps <<< "$ONLY"
@@ -256,7 +258,7 @@ if [ "$DRY" = 1 ]; then
   BENCH=("$PY" -m normbook.bench --dry-run --no-plots --no-progress)
   BF16=(--dtypes bf16 --D 256,1024)
   FP32=(--dtypes fp32 --D 1024)
-  CAP_TESTS=60; CAP_REPORT=60; CAP_BF16=90; CAP_FP32=40; CAP_COMPILE=60; POST_S=30
+  CAP_TESTS=60; CAP_CHAPTER=90; CAP_REPORT=60; CAP_BF16=90; CAP_FP32=40; CAP_COMPILE=60; POST_S=30
   REPORT=(--quick)                  # make triton36 runs the full report in make test
 else
   # D in an order that spreads coverage if a time budget cuts a run short
@@ -264,7 +266,7 @@ else
          --warmup-ms 10 --rep-ms 50 --no-plots --no-progress)
   BF16=(--dtypes bf16 --D 1024,32768,131072,4096,16384,65536,2048,8192)
   FP32=(--dtypes fp32 --D 1024,32768,4096,16384,65536,2048,8192,131072)
-  CAP_TESTS=90; CAP_REPORT=120; CAP_BF16=150; CAP_FP32=60; CAP_COMPILE=$BUDGET_S; POST_S=60
+  CAP_TESTS=90; CAP_CHAPTER=60; CAP_REPORT=120; CAP_BF16=150; CAP_FP32=60; CAP_COMPILE=$BUDGET_S; POST_S=60
   REPORT=()                         # 608 compiles, single-threaded: about a minute
 fi
 OPS=(--ops layer_norm,rms_norm,add_layer_norm,add_rms_norm)
@@ -302,6 +304,11 @@ JUDGED='"$@" --goal; rc=$?; [ "$rc" = 1 ] && exit 0; exit "$rc"'
 
 step report "$CAP_REPORT" "$PY" -m normbook.kernels.report "${REPORT[@]}" --json "$WORK/report.json"
 step host 45 bash -c "$JUDGED" judged "$PY" -m normbook.bench host --json "$WORK/host.json"
+# chapter 9 as a reader with this GPU runs it: every cell, its claims asserted, the kernel cells'
+# tensors on the GPU (booktools.kernel_device), its "measure it on your GPU" cell included.
+# The dry run has no GPU: the same cells in Triton's interpreter.
+if [ "$DRY" = 1 ]; then CHAPTER_ENV=(env TRITON_INTERPRET=1 MPLBACKEND=Agg); else CHAPTER_ENV=(env MPLBACKEND=Agg); fi
+step chapter "$CAP_CHAPTER" "${CHAPTER_ENV[@]}" "$PY" book/_ext/notebooks.py --run "$WORK/chapter-claims.json" book/09-kernels.md
 
 # bench STEP CAP ARGS...: a benchmark step. Its limit keeps POST_S for the steps after the
 # benchmarks; the benchmark's own --time-budget ends it BENCH_SLACK before that limit, with

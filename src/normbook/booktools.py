@@ -41,18 +41,40 @@ def prose(value, fmt: str = "") -> str:
     return "\u2212" + text[1:] if text.startswith("-") else text
 
 
+# Every claim made in this process, name -> text: how ``make notebooks`` writes the glued
+# values into a notebook's prose without the book's build (book/_ext/notebooks.py).
+CLAIMED: dict[str, str] = {}
+
+
 def claim(name: str, value, fmt: str = ""):
     """Glue ``prose(value, fmt)`` under ``name`` for ``{glue}`name``` in the prose; return ``value``.
 
-    Outside a notebook kernel (plain python, pytest) it only returns the value.
+    Outside a notebook kernel (plain python, pytest) it only records the text in ``CLAIMED``
+    and returns the value.
     """
     text = _Text(prose(value, fmt))
+    CLAIMED[name] = str(text)
     try:
         from myst_nb import glue
     except ImportError:  # pragma: no cover - myst-nb is a book dependency only
         return value
     glue(name, text, display=False)
     return value
+
+
+def kernel_device() -> str:
+    """Where a chapter's kernel cells put their tensors: ``"cuda"`` where a CUDA GPU and Triton
+    are both present and Triton's interpreter is off (the kernels compile for that GPU), else
+    ``"cpu"`` (with ``TRITON_INTERPRET=1`` set before Triton is imported the interpreter runs
+    them there; without Triton the cells skip, see :func:`triton_available`)."""
+    import importlib.util
+
+    import torch
+
+    if (importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
+            and os.environ.get("TRITON_INTERPRET") != "1"):
+        return "cuda"
+    return "cpu"
 
 
 def triton_available() -> bool:

@@ -1,0 +1,100 @@
+"""Chapters that follow the reader's device (issue 24): the kernel cells of chapter 9 and the
+appendix put their tensors where ``booktools.kernel_device`` says (the GPU when there is one),
+and ``benchmarks/gpu_check.sh`` can run chapter 9 there without jupytext.
+
+CI has no GPU, so the device path is exercised as far as a CPU allows: the choice itself (with
+CUDA and Triton stood in), every tensor a kernel cell creates (read from the source), and the
+chapter run top to bottom by the same reader gpu_check.sh uses (in the interpreter)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from normbook import booktools
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_PAGES = ["09-kernels", "appendix-kernels"]
+FACTORIES = {"randn", "rand", "zeros", "ones", "empty", "full", "arange", "tensor", "randint",
+             "linspace", "eye"}
+
+
+def test_kernel_device_follows_the_gpu(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "triton" else real_find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert booktools.kernel_device() == "cuda"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")          # the interpreter takes CPU tensors
+    assert booktools.kernel_device() == "cpu"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert booktools.kernel_device() == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real_find_spec(name, *a))
+    assert booktools.kernel_device() == "cpu"            # no Triton: the cells skip
+
+
+def _notebooks():
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    return importlib.import_module("notebooks")
+
+
+def _kernel_blocks(tree: ast.AST):
+    """The bodies of ``if HAS_TRITON:`` and ``if DEVICE == "cuda":`` blocks."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "HAS_TRITON" in ast.unparse(node.test) \
+                or isinstance(node, ast.If) and "DEVICE" in ast.unparse(node.test):
+            yield from node.body
+
+
+@pytest.mark.parametrize("stem", KERNEL_PAGES)
+def test_kernel_cells_create_their_tensors_on_the_chosen_device(stem):
+    cells = _notebooks().code_cells(ROOT / "book" / f"{stem}.md")
+    found, offending = 0, []
+    for cell in cells:
+        source = "\n".join(l for l in cell.source.splitlines() if not l.lstrip().startswith("%"))
+        for stmt in _kernel_blocks(ast.parse(source)):
+            for call in ast.walk(stmt):
+                if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                        and isinstance(call.func.value, ast.Name) and call.func.value.id == "torch"
+                        and call.func.attr in FACTORIES):
+                    found += 1
+                    if not any(k.arg == "device" for k in call.keywords):
+                        offending.append(ast.unparse(call))
+    assert found, f"{stem}: no tensor created in a kernel cell: the test reads nothing"
+    assert not offending, f"{stem}: kernel-cell tensors not on DEVICE: {offending}"
+
+
+def test_the_reader_without_jupytext_sees_the_cells_jupytext_does():
+    jupytext = pytest.importorskip("jupytext")
+    source = ROOT / "book" / "09-kernels.md"
+    ours = [c.source for c in _notebooks().code_cells(source)]
+    theirs = [c.source for c in jupytext.read(source).cells if c.cell_type == "code"]
+    assert ours == theirs
+
+
+@pytest.mark.slow
+def test_chapter_9_runs_through_the_gpu_checks_reader(tmp_path):
+    """What gpu_check.sh's chapter step runs, here in the interpreter (or skipping without
+    Triton): every cell, every claim's assert, in its own process (the chapter sets torch's
+    threads and seeds)."""
+    import json
+    import subprocess
+
+    out = tmp_path / "claims.json"
+    run = subprocess.run([sys.executable, str(ROOT / "book/_ext/notebooks.py"), "--run", str(out),
+                          str(ROOT / "book/09-kernels.md")], capture_output=True, text=True,
+                         timeout=600, env={**__import__("os").environ, "MPLBACKEND": "Agg"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    claims = json.loads(out.read_text())["09-kernels"]
+    assert claims["kern_min_max_d"] and len(claims) > 20
