@@ -17,7 +17,7 @@ TRITON36 := build/triton36
 KERNEL_TESTS := tests/test_kernels_launchers.py tests/test_kernels_ops.py tests/test_kernels_ops_residual.py \
   tests/test_kernels_gpu.py tests/test_functional_parity.py tests/test_kernels_minimal.py
 
-.PHONY: book test quick pytest triton36 gpu-dry-run gpu-wheels nbval notebooks browser-check serve clean
+.PHONY: book test quick pytest triton36 gpu-dry-run gpu-wheels nbval notebooks pdf browser-check serve clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -88,6 +88,14 @@ notebooks: $(NB_VENV)/.installed
 ## part of make test: the book build executes every chapter once and fails on a raising cell.
 nbval: notebooks $(STAMP)
 	$(PY) -m pytest --nbval-lax -p no:cacheprovider -q $(NOTEBOOK_DIR)
+
+## The whole book as one PDF, build/normbook.pdf: a single-page HTML build (every chapter
+## executed again, into build/pdf) printed by headless Chromium once MathJax has typeset it
+## (book/_ext/pdf.py; needs chromium and chromium-driver, as the browser check does).
+PDF := build/normbook.pdf
+pdf: $(STAMP)
+	$(VENV)/bin/jupyter-book build . --builder singlehtml --path-output build/pdf
+	$(PY) book/_ext/pdf.py build/pdf/_build/singlehtml/index.html $(PDF)
 
 ## After the build: every page of $(HTML_DIR) in headless Chromium (math typeset, images loaded,
 ## internal links and anchors resolve, no JavaScript errors); screenshots in build/screenshots/.

@@ -174,7 +174,18 @@ def _dedupe_scripts(app, pagename, templatename, context, doctree):
         context["script_files"][:] = unique
 
 
+def _single_page_as_html(app):
+    """Extensions (sphinx-design's cards, myst-nb's folded cells) register how their nodes
+    render for the "html" builder only, so the single-page build (make pdf) fails on them:
+    give the singlehtml builder the same renderers."""
+    if app.builder.name != "singlehtml":
+        return
+    handlers = app.registry.translation_handlers
+    handlers["singlehtml"] = {**handlers.get("html", {}), **handlers.get("singlehtml", {})}
+
+
 def setup(app):
+    app.connect("builder-inited", _single_page_as_html)
     app.connect("config-inited", _mock_triton_if_missing)
     app.connect("config-inited", _set_version)
     # before sphinx-book-theme builds its header buttons (priority 501)
