@@ -49,8 +49,7 @@ def test_check_says_exact_close_or_wrong_and_names_the_failing_identity(capsys):
     assert "dx: close, max difference" in capsys.readouterr().out
     assert not check("dx", dx * 1.01, dx, x=x, dy=dy, weight=w)   # a wrong factor
     out = capsys.readouterr().out
-    assert out == "dx: WRONG, max difference 4.4 \u00d7 10\u207b\u00b2; scale identity fails\n" or (
-        "WRONG" in out and out.rstrip().endswith("; scale identity fails")), out
+    assert out.startswith("dx: WRONG, max difference ") and out.endswith("; scale identity fails\n"), out
     assert not check("dx", dx + 0.1, dx, x=x, dy=dy, weight=w)    # a constant left in
     assert "shift identity" in capsys.readouterr().out
     x, dy, w, dx = _ln_grad("rms")

@@ -27,6 +27,9 @@ def test_the_index_numbers_as_the_book_does(index):
     assert index.pages["appendix-kernels"].number is None
     assert index.equations["ln-mean"] == "1.1" and index.equations["ln-dx"].startswith("3.")
     assert index.exercises["ex-derive-ln-backward"] == "3.1"
+    # figures as the book numbers them (the front matter's kernelspec name is no figure)
+    assert index.figures["fig-why-normalize"] == "1.1"
+    assert index.figures["fig-backward-projection"] == "3.1"
     assert index.sections["ch-backward"] == "The backward pass"
     assert index.citations["ba2016layer"] == ("Ba et al.", "2016")
     assert index.citations["zhang2019root"] == ("Zhang and Sennrich", "2019")

@@ -109,24 +109,19 @@ def _mock_triton_if_missing(app, config):
         config.autodoc_mock_imports = [*config.autodoc_mock_imports, "triton"]
 
 
-def _offer_ipynb(app, pagename, templatename, context, doctree):
-    """Put the executed notebook of a MyST-notebook page in _sources/ and into the download menu."""
+def _executed_notebook(app, pagename):
+    """The executed .ipynb of a MyST-notebook page, or None for any other page."""
     if "kernelspec" not in app.env.metadata.get(pagename, {}):
-        return
+        return None
     executed = Path(app.outdir).parent / "jupyter_execute" / f"{pagename}.ipynb"
-    if not executed.is_file():
-        return
-    target = Path(app.outdir) / "_sources" / f"{pagename}.ipynb"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # the executed notebook, converted to read without the book (see notebooks.py)
-    import nbformat
+    return executed if executed.is_file() else None
 
-    glue = notebooks.glue_from_build(Path(pagename).name, executed.parent) or {}
-    nb = nbformat.read(executed, as_version=4)
-    nb = notebooks.convert_notebook(nb, Path(pagename).name, glue, _book_index(app),
-                                    Path(app.srcdir) / Path(pagename).parent)
-    nbformat.write(nb, target)
-    context["ipynb_source"] = f"{pagename}.ipynb"
+
+def _offer_ipynb(app, pagename, templatename, context, doctree):
+    """Put a MyST-notebook page's .ipynb into the download menu (before the theme builds it);
+    the file itself is written after the theme, see below."""
+    if _executed_notebook(app, pagename):
+        context["ipynb_source"] = f"{pagename}.ipynb"
 
 
 # The branch the book workflow (.github/workflows/book.yml) fills with the chapters as plain
@@ -135,12 +130,21 @@ NOTEBOOK_BRANCH = "notebooks"
 
 
 def _converted_notebook_and_launch_links(app, pagename, templatename, context, doctree):
-    """After sphinx-book-theme's launch buttons (priority 501): the notebook it copied into
-    _sources/ is the raw executed one, so write the converted one over it; and point the Colab
-    and Binder buttons at that notebook on the notebooks branch, not at the chapter's .md."""
-    if "kernelspec" not in app.env.metadata.get(pagename, {}):
+    """After sphinx-book-theme's launch buttons (priority 501), which copy the raw executed
+    notebook into _sources/: write the converted one there (notebooks.py: it reads without the
+    book), and point the Colab and Binder buttons at it on the notebooks branch, not at the
+    chapter's .md."""
+    executed = _executed_notebook(app, pagename)
+    if executed is None:
         return
-    _offer_ipynb(app, pagename, templatename, context, doctree)
+    import nbformat
+
+    target = Path(app.outdir) / "_sources" / f"{pagename}.ipynb"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    glue = notebooks.glue_from_build(Path(pagename).name, executed.parent) or {}
+    nb = notebooks.convert_notebook(nbformat.read(executed, as_version=4), Path(pagename).name,
+                                    glue, _book_index(app), Path(app.srcdir) / Path(pagename).parent)
+    nbformat.write(nb, target)
     source = f"{pagename}.md"
     notebook = f"{pagename}.ipynb"
     for group in context.get("header_buttons", []):

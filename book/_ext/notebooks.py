@@ -119,7 +119,8 @@ def build_index(root: Path = ROOT) -> Index:
         page.title = _plain_title(h.group(2)) if h else page.stem
         for k, label in enumerate(re.findall(r"\$\$[ \t]*\(([\w-]+)\)", text), 1):
             index.equations[label] = _prefix(page, k)
-        figures = re.findall(r"^\s*name:\s*([\w-]+)\s*$", text, re.M)   # mystnb figure names
+        body = re.sub(r"\A---\n.*?\n---\n", "", text, flags=re.S)  # not the kernelspec's name
+        figures = re.findall(r"^\s*name:\s*([\w-]+)\s*$", body, re.M)   # mystnb figure names
         for k, name in enumerate(figures, 1):
             index.figures[name] = _prefix(page, k)
         exercises = re.findall(r"^[`:]{3,}\{exercise\}.*\n(?:\s*:[\w-]+:.*\n)*?\s*:label:\s*([\w-]+)",
@@ -269,7 +270,7 @@ def convert_markdown(text: str, index: Index, glue: dict[str, str], page: Page,
 
     def role(m: re.Match) -> str:
         name, content = m.group(1), m.group(2)
-        shown, _, target = _split_target(content)
+        shown, target = _split_target(content)
         if name == "glue":
             if content not in glue:
                 raise KeyError(f"{page.stem}: no glued value {content!r}")
@@ -303,10 +304,10 @@ def convert_markdown(text: str, index: Index, glue: dict[str, str], page: Page,
     return text
 
 
-def _split_target(content: str) -> tuple[str, str, str]:
-    """``text <target>`` -> (text, "", target); ``target`` -> ("", "", target)."""
+def _split_target(content: str) -> tuple[str, str]:
+    """``text <target>`` -> (text, target); ``target`` -> ("", target)."""
     m = re.fullmatch(r"\s*(.*?)\s*<([^>]+)>\s*", content, re.S)
-    return (m.group(1), "", m.group(2)) if m else ("", "", content.strip())
+    return (m.group(1), m.group(2)) if m else ("", content.strip())
 
 
 # Markup that only the book's build understands; none of it may survive the conversion.
