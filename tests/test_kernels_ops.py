@@ -90,8 +90,11 @@ def test_host_benchmark_writes_every_key(tmp_path):
     assert out.returncode == 0, out.stderr
     data = __import__("json").loads(path.read_text())
     for key in ("normbook_layer_norm_fwd_us", "normbook_layer_norm_fwd_bwd_us", "normbook_rms_norm_fwd_us",
-                "normbook_rms_norm_fwd_bwd_us", "torch_layer_norm_fwd_us", "torch_layer_norm_fwd_bwd_us"):
+                "normbook_rms_norm_fwd_bwd_us", "torch_layer_norm_fwd_us", "torch_layer_norm_fwd_bwd_us",
+                "floor_layer_norm_fwd_bwd_us", "floor_rms_norm_fwd_us"):
         assert 0 < data[key] < 1e5, (key, data[key])
+    assert set(data["floor_ratios"]) == set(data["ratios"])
+    assert "the floor" in out.stdout
     assert "x torch's" in out.stdout and "PASS" not in out.stdout    # judged only with --goal
     assert set(data["ratios"]) == {
         "layer_norm_fwd", "layer_norm_fwd_bwd", "rms_norm_fwd", "rms_norm_fwd_bwd"}
