@@ -56,13 +56,14 @@ def test_quick_report_compiles_without_spills(tmp_path):
     wide = next(p for p in paths if p["D"] == 65536 and p["direction"] == "bwd" and p["norm"] == "rms")
     assert 1.0 < wide["hbm_bytes_per_row"] / wide["min_bytes_per_row"] < 1.01
     # ... and its loop issues the next row's x and dy (two 128-bit loads each per thread, 16
-    # bf16 values; the weight its sums need is loaded there too) before it polls the other
-    # programs' sums: counted as one tile ahead; the forward's, the next row's x (four loads,
-    # 32 values; its weight comes after the wait)
+    # bf16 values; the weight its sums need too, unless it is loaded once before the loop:
+    # WEIGHT_LOADS 0) before it polls the other programs' sums: counted as one tile ahead;
+    # the forward's, the next row's x (four loads, 32 values; its weight comes after the wait)
     for r in rows:
         if r["kernel"] in ("norm_fwd_coop_kernel", "norm_bwd_coop_kernel"):
             per_thread = r["BLOCK_D"] // (32 * r["num_warps"])
-            tensors = 1 if r["kernel"] == "norm_fwd_coop_kernel" else 3     # bwd: x, dy, w
+            tensors = (1 if r["kernel"] == "norm_fwd_coop_kernel"
+                       else 2 if r["WEIGHT_LOADS"] == 0 else 3)       # bwd: x, dy (and w)
             assert r["pipelined"] and r["prefetched_loads"] >= tensors * per_thread // 8, r
             assert r["registers"] <= 128, r                 # two programs per SM, all resident
     # so does the wide forward: x once, y once, and the slots

@@ -27,6 +27,8 @@ once have no plan (``_config.kernels_take``).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -159,9 +161,10 @@ def norm_bwd_rows_kernel(
 
 
 @triton.jit
-def _slice_terms(x, dy, W, c, mask, mean, rstd,
+def _slice_terms(x, dy, w, mask, mean, rstd,
                  IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """xhat (ln-xhat) and ghat (ln-ghat) of one row's columns c, fp32."""
+    """xhat (ln-xhat) and ghat (ln-ghat) of one row's columns, fp32, from
+    the columns' x, dy and weight ``w`` as loaded."""
     x = x.to(tl.float32)
     dy = dy.to(tl.float32)
     if IS_RMS:
@@ -169,33 +172,57 @@ def _slice_terms(x, dy, W, c, mask, mean, rstd,
     else:
         xhat = tl.where(mask, (x - mean) * rstd, 0.0)
     if HAS_WEIGHT:
-        w = tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
-        dy = dy * w
+        dy = dy * w.to(tl.float32)
     return xhat, dy
+
+
+# Triton's interpreter runs a reduction with a combine function element by element in Python
+# (tl.reduce over 4096 values is about 3x slower than two tl.sum there); it sums the pair
+# with tl.sum, the compiled kernels in one tl.reduce.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+
+@triton.jit
+def _add_pairs(a, b, c, d):
+    return a + c, b + d
+
+
+@triton.jit
+def _sum_pair(a, b):
+    """(sum a, sum b) of two vectors, compiled as one reduction of the pair: a single round
+    through shared memory and one barrier, where two tl.sum take two."""
+    if INTERPRETED:
+        return tl.sum(a, axis=0), tl.sum(b, axis=0)
+    return tl.reduce((a, b), 0, _add_pairs)
 
 
 @triton.jit
 def _slice_sums(xhat, ghat):
-    """A slice's share of (ln-c): sum ghat and sum ghat * xhat, packed."""
-    return _pack(tl.sum(ghat, axis=0), tl.sum(ghat * xhat, axis=0))
+    """A slice's share of (ln-c): sum ghat and sum ghat * xhat, packed, from one reduction."""
+    s1, s2 = _sum_pair(ghat, ghat * xhat)
+    return _pack(s1, s2)
 
 
 @triton.jit
-def _slice_dx(got, valid, D, x, dy, dh, W, DX, row, c, mask, mean, rstd,
+def _slice_dx(got, valid, D, x, dy, dh, w, DX, row, c, mask, mean, rstd,
               IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
               HAS_DH: tl.constexpr):
     """dx (ln-dx), (rms-dx), (fork-rule) of one row's slice c, stored, from
     the row's S slots ``got`` (``valid``: t < S): c1 and c2 summed in slice
     order, the same bits in every program."""
-    c2 = tl.sum(tl.where(valid, _unpack(got, True), 0.0), axis=0) / D
+    # both sums first (one reduction), so the slots die before xhat and
+    # ghat are formed
+    c1, c2 = _sum_pair(tl.where(valid, _unpack(got, False), 0.0),
+                       tl.where(valid, _unpack(got, True), 0.0))
+    c1 = c1 / D
+    c2 = c2 / D
     # xhat and ghat again, from the row as loaded: fewer registers are held
     # through the wait
-    xhat, ghat = _slice_terms(x, dy, W, c, mask, mean, rstd, IS_RMS,
+    xhat, ghat = _slice_terms(x, dy, w, mask, mean, rstd, IS_RMS,
                               HAS_WEIGHT)
     if IS_RMS:
         dx = (ghat - c2 * xhat) * rstd                          # (rms-dx)
     else:
-        c1 = tl.sum(tl.where(valid, _unpack(got, False), 0.0), axis=0) / D
         dx = (ghat - c1 - c2 * xhat) * rstd                     # (ln-dx)
     if HAS_DH:
         dx += dh.to(tl.float32)                              # (fork-rule)
@@ -234,6 +261,11 @@ def norm_bwd_coop_kernel(
                              # (see _config.vec)
     POLLS: tl.constexpr,     # bound of the wait for the other slices
                              # (0 in the interpreter; see _wait_for_slots)
+    WEIGHT_LOADS: tl.constexpr,  # loads of the weight's slice: 0 once per
+                             # program, held through the loop; 1 once a
+                             # row, held through the wait; 2 twice a row,
+                             # before the sums and after the wait, none
+                             # held (see _config.weight_loads)
 ):
     """(ln-c), (ln-dx), (rms-dx), (ln-dparams) and (fork-rule) for wide
     rows, reading x and dy once: S programs share each row, a slice of
@@ -263,8 +295,14 @@ def norm_bwd_coop_kernel(
     j = pid % S                                   # this program's slice
     groups = tl.num_programs(0) // S
     cols = tl.arange(0, BLOCK_D)
-    c = j * BLOCK_D + cols
-    mask = c < D
+    mask = cols < D - j * BLOCK_D
+    # the slice's columns of each row-sized tensor: a pointer per program
+    # and the same per-thread offsets (cols) for all, fewer registers than
+    # per-thread columns j * BLOCK_D + cols held through the loop
+    Xj = X + j * BLOCK_D
+    DYj = DY + j * BLOCK_D
+    DHj = DH + j * BLOCK_D
+    DXj = DX + j * BLOCK_D
     t = tl.arange(0, SLICES)                      # (SLICES,) slice index
     valid = t < S
     dw = tl.zeros((BLOCK_D,), dtype=tl.float32)   # partial sum_n dy*xhat
@@ -273,18 +311,27 @@ def norm_bwd_coop_kernel(
     # clamped all the same: without it Triton 3.6 spills 16 bytes
     # (LayerNorm with dh, sm_90), although the clamp changes no value
     start = tl.minimum(first, M - 1)
-    deferred = first * 0 + M       # first row left for the end (M: none)
-    x_next = tl.load(X + start * stride_x + c, mask=mask, other=0.0)
-    dy_next = tl.load(DY + start * stride_dy + c, mask=mask, other=0.0)
+    deferred = pid * 0 + M         # first row left for the end (M: none);
+                                   # int32 (a register fewer than int64)
+    x_next = tl.load(Xj + start * stride_x + cols, mask=mask, other=0.0)
+    dy_next = tl.load(DYj + start * stride_dy + cols, mask=mask, other=0.0)
+    rstd_next = tl.load(Stats + (0 if IS_RMS else M) + start)
+    mean_next = 0.0 if IS_RMS else tl.load(Stats + start)
+    # the program's columns of the weight, the same in every row, as stored
+    # (16-bit: compact); with WEIGHT_LOADS = 0 loaded here, so that no row
+    # waits for it (the plan chooses where the compiler holds it unspilled)
+    Wj = W + j * BLOCK_D
+    w = tl.load(Wj + cols, mask=mask, other=0.0) if (
+        WEIGHT_LOADS == 0 and HAS_WEIGHT) else 0.0
     dh = dy_next                   # (a value for calls without DH)
     for row in range(first, M, groups):
         x = x_next                 # this row as loaded (16-bit: compact)
         dy = dy_next
-        rstd = tl.load(Stats + (0 if IS_RMS else M) + row)
-        mean = 0.0
-        if not IS_RMS:
-            mean = tl.load(Stats + row)
-        xhat, ghat = _slice_terms(x, dy, W, c, mask, mean, rstd,
+        rstd = rstd_next           # its statistics, loaded with it
+        mean = mean_next
+        w_row = w if WEIGHT_LOADS == 0 else (
+            tl.load(Wj + cols, mask=mask, other=0.0) if HAS_WEIGHT else 0.0)
+        xhat, ghat = _slice_terms(x, dy, w_row, mask, mean, rstd,
                                   IS_RMS, HAS_WEIGHT)
         # publish: the owner's sums, the bits a program computing them for
         # a late owner also writes (same code, see the end of the loop)
@@ -295,20 +342,28 @@ def norm_bwd_coop_kernel(
             dw += dy.to(tl.float32) * xhat
         if HAS_BIAS:
             db += dy.to(tl.float32)
-        # the next row, in flight while we wait (past the end: the last)
+        # the next row and its statistics, in flight while we wait (past
+        # the end: the last), so no load from HBM waits in its chain
         nxt = tl.minimum(row + groups, M - 1)
-        x_next = tl.load(X + nxt * stride_x + c, mask=mask, other=0.0)
-        dy_next = tl.load(DY + nxt * stride_dy + c, mask=mask, other=0.0)
-        if HAS_DH:
-            dh = tl.load(DH + row * stride_dh + c, mask=mask, other=0.0)
+        x_next = tl.load(Xj + nxt * stride_x + cols, mask=mask, other=0.0)
+        dy_next = tl.load(DYj + nxt * stride_dy + cols, mask=mask, other=0.0)
+        rstd_next = tl.load(Stats + (0 if IS_RMS else M) + nxt)
+        if not IS_RMS:
+            mean_next = tl.load(Stats + nxt)
+        if HAS_DH:                 # in flight through the wait
+            dh = tl.load(DHj + row * stride_dh + cols, mask=mask, other=0.0)
         # wait for the row's sums; a row whose wait runs out, and every
         # later one, are finished after the loop, where registers are free
         got, deferred = _exchange(Slots, row, S, t, valid, deferred, M,
                                   POLLS)
         if row < deferred:
-            _slice_dx(got, valid, D, x, dy, dh, W, DX, row, c, mask, mean,
-                      rstd, IS_RMS, HAS_WEIGHT, HAS_DH)
+            if WEIGHT_LOADS == 2:  # again (from L2), rather than held
+                w_row = tl.load(Wj + cols, mask=mask, other=0.0) if (
+                    HAS_WEIGHT) else 0.0
+            _slice_dx(got, valid, D, x, dy, dh, w_row, DXj, row, cols, mask,
+                      mean, rstd, IS_RMS, HAS_WEIGHT, HAS_DH)
     # this group's partial row (int64: groups x D may pass 2^31)
+    c = j * BLOCK_D + cols
     part = first * D
     if HAS_WEIGHT:
         tl.store(DW + part + c, dw.to(DW.dtype.element_ty), mask=mask)
@@ -317,7 +372,8 @@ def norm_bwd_coop_kernel(
     # The rows whose wait ran out (none under a cooperative launch):
     # each slot still empty is computed from x and dy by the code its
     # owner runs and published, first writer wins; then dx as in the loop
-    for row in range(deferred, M, groups):
+    for r in range(deferred, M, groups):
+        row = first * 0 + r            # int64: offsets may pass 2^31
         rstd = tl.load(Stats + (0 if IS_RMS else M) + row)
         mean = 0.0
         if not IS_RMS:
@@ -331,7 +387,8 @@ def norm_bwd_coop_kernel(
                 xu = tl.load(X + row * stride_x + cu, mask=mu, other=0.0)
                 dyu = tl.load(DY + row * stride_dy + cu, mask=mu,
                               other=0.0)
-                xhat_u, ghat_u = _slice_terms(xu, dyu, W, cu, mu, mean,
+                wu = tl.load(W + cu, mask=mu, other=0.0) if HAS_WEIGHT else 0.0
+                xhat_u, ghat_u = _slice_terms(xu, dyu, wu, mu, mean,
                                               rstd, IS_RMS, HAS_WEIGHT)
                 mine = _claim(Slots + row * S + u,
                               _slice_sums(xhat_u, ghat_u))
@@ -340,7 +397,9 @@ def norm_bwd_coop_kernel(
         dy = tl.load(DY + row * stride_dy + c, mask=mask, other=0.0)
         if HAS_DH:
             dh = tl.load(DH + row * stride_dh + c, mask=mask, other=0.0)
-        _slice_dx(got, valid, D, x, dy, dh, W, DX, row, c, mask, mean,
+        wc = w if WEIGHT_LOADS == 0 else (
+            tl.load(W + c, mask=mask, other=0.0) if HAS_WEIGHT else 0.0)
+        _slice_dx(got, valid, D, x, dy, dh, wc, DX, row, c, mask, mean,
                   rstd, IS_RMS, HAS_WEIGHT, HAS_DH)
 
 

@@ -75,6 +75,8 @@ CPU_SLICES = 64           # the interpreter shares a row among up to this many s
 FINISH_BLOCK_D = 64       # the finish kernel sums (32, 64) fp32 tiles of partials, 8 KB per
 FINISH_BLOCK_P = 32       # program: narrow column blocks, so D / 64 programs share the reduction
 FINISH_WARPS = 4
+WEIGHT_ONCE_FROM = (3, 9)  # from this Triton on the sharing backward holds its weight slice
+                          # through its loop unspilled (see weight_loads)
 
 
 _ON = ("1", "true", "yes", "on")
@@ -494,14 +496,32 @@ def backward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool, has
     elif not shared:
         return None
     else:   # the next row's x and dy are in flight while a program waits (dh comes after)
-        main = _shared_plan("norm_bwd_coop_kernel", M, D, cfg, dev, itemsize, 2, flags,
-                            device_index, partials=0, **counts)
+        main = _shared_plan("norm_bwd_coop_kernel", M, D, cfg, dev, itemsize, 2,
+                            dict(flags, WEIGHT_LOADS=weight_loads(has_dh)), device_index, partials=0,
+                            **counts)
         if main is None:
             return None
     if main.groups == 1 or not n_par:      # one group writes dweight and dbias itself
         return (main,)
     main = main._replace(partials=main.groups * n_par)
     return main, finish_plan(D, has_weight, has_bias, main.groups)
+
+
+@functools.lru_cache(maxsize=2)
+def weight_loads(has_dh: bool) -> int:
+    """How the sharing backward loads its slice of the weight (its ``WEIGHT_LOADS``), the
+    fewest loads in a row's chain of waits that the compiler fits in COOP_MAXNREG registers
+    without spilling (sm_90 bf16, ``python -m normbook.kernels.report``): 0, once per
+    program, on Triton :data:`WEIGHT_ONCE_FROM` and later without dh (chain 1.3 us); 1, once a
+    row and held through the wait, before it (Triton 3.6 spills holding it longer: 1.8 us);
+    2, before the sums and again after the wait, with dh, whose row is held through the wait
+    instead (2.3 us, a step of 2.0)."""
+    if has_dh:
+        return 2
+    import triton
+
+    version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:2])
+    return 0 if version >= WEIGHT_ONCE_FROM else 1
 
 
 def finish_plan(D: int, has_weight: bool, has_bias: bool, groups: int) -> Plan:

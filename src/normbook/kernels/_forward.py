@@ -102,7 +102,7 @@ def _exchange(Slots, row, S, t, valid, deferred, M, POLLS: tl.constexpr):
     got = tl.load(slots, mask=valid, other=1, volatile=True)
     got = _wait_for_slots(slots, valid, got, tl.where(deferred == M, POLLS, 0))
     if _any_empty(got):
-        deferred = tl.minimum(deferred, row)
+        deferred = tl.minimum(deferred, row).to(deferred.dtype)
     return got, deferred
 
 

@@ -293,6 +293,8 @@ def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None, progress=False) -> l
                        norm="rms" if is_rms else "layer", residual=residual,
                        num_warps=plan.options["num_warps"], ROWS=plan.rows,
                        BLOCK_D=plan.constexprs["BLOCK_D"], slices=plan.slices,
+                       **({"WEIGHT_LOADS": plan.constexprs["WEIGHT_LOADS"]}
+                          if "WEIGHT_LOADS" in plan.constexprs else {}),
                        per_sm=plan.per_sm, triton=triton.__version__,
                        **traffic(plan, D, dtype))
             try:
