@@ -287,15 +287,16 @@ def test_no_offset_wraps_at_2_31(tmp_path):
 # ----------------------------------------------------------------------------- the exchange
 
 def _wide(norm, D, residual):
-    """y, h and the gradients of one wide-row forward and backward (fp32, 2 rows)."""
+    """y, h and the gradients of one wide-row forward and backward (bf16, 2 rows)."""
     g = torch.Generator().manual_seed(D)
-    x, r = (torch.randn(2, D, generator=g).to(DEVICE).requires_grad_() for _ in range(2))
-    w = torch.randn(D, generator=g).to(DEVICE).requires_grad_()
+    x, r = (torch.randn(2, D, generator=g).to(DEVICE, torch.bfloat16).requires_grad_()
+            for _ in range(2))
+    w = torch.randn(D, generator=g).to(DEVICE, torch.bfloat16).requires_grad_()
     if norm == "layer":
         y, h = K.add_layer_norm(x, r if residual else torch.zeros_like(x), w, w)
     else:
         y, h = K.add_rms_norm(x, r if residual else torch.zeros_like(x), w)
-    dy, dh = (torch.randn(2, D, generator=g).to(DEVICE) for _ in range(2))
+    dy, dh = (torch.randn(2, D, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
     torch.autograd.backward((y, h), (dy, dh))
     return [t.detach().clone() for t in (y, h, x.grad, w.grad)]
 
@@ -307,7 +308,8 @@ def test_bounded_wait_runs_out_and_gives_the_same_bits(monkeypatch, norm, residu
     on the first program of each row: it computes the missing slots itself, publishes them,
     and stops waiting for later rows; the later programs find their slots taken and use the
     winner's sums. The answer is bitwise the one of waits of 0 reads (the interpreter's
-    default), in both directions (D = 40000 fp32: 10 slices forward, 20 backward)."""
+    default), in both directions (D = 40000 bf16 with the add: 10 slices each way, half as
+    many as fp32 for the interpreter to compute one program after another)."""
     if DEVICE != "cpu":
         pytest.skip("the interpreter's sequential programs are what make the wait run out")
     D = 40000
@@ -316,8 +318,9 @@ def test_bounded_wait_runs_out_and_gives_the_same_bits(monkeypatch, norm, residu
     _config.forward_plan.cache_clear()
     _config.backward_plan.cache_clear()
     try:
-        assert _config.forward_plan(2, D, -1, 4, norm == "rms", True, True, norm == "layer", 0,
-                                    True)[0].flags["POLLS"] == 3
+        plan = _config.forward_plan(2, D, -1, 2, norm == "rms", True, True, norm == "layer", 0,
+                                    True)[0]
+        assert plan.flags["POLLS"] == 3 and plan.slices == 10
         waited = _wide(norm, D, residual)
     finally:
         _config.forward_plan.cache_clear()

@@ -314,12 +314,14 @@ def norm_bwd_coop_kernel(
     deferred = pid * 0 + M         # first row left for the end (M: none);
                                    # int32 (a register fewer than int64)
     x_next = tl.load(Xj + start * stride_x + cols, mask=mask, other=0.0)
-    dy_next = tl.load(DYj + start * stride_dy + cols, mask=mask, other=0.0)
+    dy_next = tl.load(DYj + start * stride_dy + cols, mask=mask,
+                      other=0.0)
     rstd_next = tl.load(Stats + (0 if IS_RMS else M) + start)
     mean_next = 0.0 if IS_RMS else tl.load(Stats + start)
-    # the program's columns of the weight, the same in every row, as stored
-    # (16-bit: compact); with WEIGHT_LOADS = 0 loaded here, so that no row
-    # waits for it (the plan chooses where the compiler holds it unspilled)
+    # the program's columns of the weight, the same in every row, as
+    # stored (16-bit: compact); with WEIGHT_LOADS = 0 loaded here, so that
+    # no row waits for it (the plan chooses where the compiler holds it
+    # without spilling)
     Wj = W + j * BLOCK_D
     w = tl.load(Wj + cols, mask=mask, other=0.0) if (
         WEIGHT_LOADS == 0 and HAS_WEIGHT) else 0.0
@@ -329,8 +331,9 @@ def norm_bwd_coop_kernel(
         dy = dy_next
         rstd = rstd_next           # its statistics, loaded with it
         mean = mean_next
-        w_row = w if WEIGHT_LOADS == 0 else (
-            tl.load(Wj + cols, mask=mask, other=0.0) if HAS_WEIGHT else 0.0)
+        w_row = w
+        if WEIGHT_LOADS != 0 and HAS_WEIGHT:
+            w_row = tl.load(Wj + cols, mask=mask, other=0.0)
         xhat, ghat = _slice_terms(x, dy, w_row, mask, mean, rstd,
                                   IS_RMS, HAS_WEIGHT)
         # publish: the owner's sums, the bits a program computing them for
@@ -346,12 +349,14 @@ def norm_bwd_coop_kernel(
         # the end: the last), so no load from HBM waits in its chain
         nxt = tl.minimum(row + groups, M - 1)
         x_next = tl.load(Xj + nxt * stride_x + cols, mask=mask, other=0.0)
-        dy_next = tl.load(DYj + nxt * stride_dy + cols, mask=mask, other=0.0)
+        dy_next = tl.load(DYj + nxt * stride_dy + cols, mask=mask,
+                          other=0.0)
         rstd_next = tl.load(Stats + (0 if IS_RMS else M) + nxt)
         if not IS_RMS:
             mean_next = tl.load(Stats + nxt)
         if HAS_DH:                 # in flight through the wait
-            dh = tl.load(DHj + row * stride_dh + cols, mask=mask, other=0.0)
+            dh = tl.load(DHj + row * stride_dh + cols, mask=mask,
+                         other=0.0)
         # wait for the row's sums; a row whose wait runs out, and every
         # later one, are finished after the loop, where registers are free
         got, deferred = _exchange(Slots, row, S, t, valid, deferred, M,
@@ -360,8 +365,8 @@ def norm_bwd_coop_kernel(
             if WEIGHT_LOADS == 2:  # again (from L2), rather than held
                 w_row = tl.load(Wj + cols, mask=mask, other=0.0) if (
                     HAS_WEIGHT) else 0.0
-            _slice_dx(got, valid, D, x, dy, dh, w_row, DXj, row, cols, mask,
-                      mean, rstd, IS_RMS, HAS_WEIGHT, HAS_DH)
+            _slice_dx(got, valid, D, x, dy, dh, w_row, DXj, row, cols,
+                      mask, mean, rstd, IS_RMS, HAS_WEIGHT, HAS_DH)
     # this group's partial row (int64: groups x D may pass 2^31)
     c = j * BLOCK_D + cols
     part = first * D
@@ -387,7 +392,9 @@ def norm_bwd_coop_kernel(
                 xu = tl.load(X + row * stride_x + cu, mask=mu, other=0.0)
                 dyu = tl.load(DY + row * stride_dy + cu, mask=mu,
                               other=0.0)
-                wu = tl.load(W + cu, mask=mu, other=0.0) if HAS_WEIGHT else 0.0
+                wu = 0.0
+                if HAS_WEIGHT:
+                    wu = tl.load(W + cu, mask=mu, other=0.0)
                 xhat_u, ghat_u = _slice_terms(xu, dyu, wu, mu, mean,
                                               rstd, IS_RMS, HAS_WEIGHT)
                 mine = _claim(Slots + row * S + u,
