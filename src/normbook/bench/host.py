@@ -237,6 +237,6 @@ def main(argv=None) -> int:
     print(text)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(us, ratios=ratios(us), floor_ratios=ratios(us, "floor"), goal=GOAL, entry=ENTRY, torch=torch.__version__,
-                           D=D), f, indent=1)
+            json.dump(dict(us, ratios=ratios(us), floor_ratios=ratios(us, "floor"), goal=GOAL,
+                           entry=ENTRY, torch=torch.__version__, D=D), f, indent=1)
     return 1 if args.goal and not ok else 0

@@ -497,8 +497,8 @@ def backward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool, has
         return None
     else:   # the next row's x and dy are in flight while a program waits (dh comes after)
         main = _shared_plan("norm_bwd_coop_kernel", M, D, cfg, dev, itemsize, 2,
-                            dict(flags, WEIGHT_LOADS=weight_loads(has_dh)), device_index, partials=0,
-                            **counts)
+                            dict(flags, WEIGHT_LOADS=weight_loads(has_dh)), device_index,
+                            partials=0, **counts)
         if main is None:
             return None
     if main.groups == 1 or not n_par:      # one group writes dweight and dbias itself
