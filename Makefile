@@ -36,12 +36,12 @@ book: $(STAMP)
 
 ## Gate 1: the package, with Triton in its interpreter on the CPU.
 pytest: $(STAMP)
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q -n auto
 
 ## The package's tests without those marked slow (several processes, compiles, the widest rows
 ## in the interpreter): the loop to run while editing; make test runs them all.
 quick: $(STAMP)
-	$(PY) -m pytest tests -q -m "not slow"
+	$(PY) -m pytest tests -q -n auto -m "not slow"
 
 ## The GPU machine runs Triton 3.6.0 (this one 3.9): every kernel compiles for sm_80/sm_90 and the
 ## interpreter kernel tests pass under 3.6 too. numpy 2.2.6 goes with it: 3.6's interpreter breaks
@@ -52,7 +52,7 @@ $(TRITON36)/.installed: $(STAMP)
 
 triton36: $(TRITON36)/.installed
 	env -u TRITON_INTERPRET PYTHONPATH=$(TRITON36) $(PY) -m normbook.kernels.report --json build/report-triton36.json
-	PYTHONPATH=$(TRITON36) $(PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning:triton.runtime.interpreter $(KERNEL_TESTS)
+	PYTHONPATH=$(TRITON36) $(PY) -m pytest -q -n auto -p no:cacheprovider -W ignore::DeprecationWarning:triton.runtime.interpreter $(KERNEL_TESTS)
 
 ## benchmarks/gpu_check.sh with DRY_RUN=1: the GPU check's every step on the CPU, so a broken
 ## script is found here and not in the GPU's few minutes.
