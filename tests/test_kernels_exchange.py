@@ -159,3 +159,35 @@ def test_backward_programs_together_late_and_absent(monkeypatch):
             _run(seen, polls=300, delays={}, never=set(range(20)) - set(never))
         for got, ref in zip((dx, dw, db), want):
             assert torch.equal(got, ref), (delays, never)
+
+
+def test_forward_ring_reused_by_later_rows(monkeypatch):
+    """One group of programs over 4 rows: each row's slots are those of the row two before it
+    (the ring of two rows per group), found by their tag. Together, then with one program
+    absent whose partners run out of waiting, finish every row in order and leave the ring to
+    later rows; launched afterwards, alone, it finds its rows' slots overwritten, computes them
+    itself, and the answer is bitwise the one-by-one one."""
+    x, w, b, _ = _inputs(4)
+    want = _forward.norm_forward(x, None, w, b, EPS, False)
+    plan = _config.forward_plan(4, D, -1, 4, False, False, True, True, 0, True)[0]
+    S, block, SLICES = plan.slices, plan.constexprs["BLOCK_D"], plan.constexprs["SLICES"]
+    y, stats, seen = _forward_launch(monkeypatch, x, w, b)
+    slots = seen["args"][7]                            # the rows in flight, not M x S
+    assert seen["programs"] > S and slots.shape == (seen["programs"] // S * 4 * SLICES,)
+    one_group = dict(seen, programs=S)
+    _run(one_group, polls=1_000_000, delays={})
+    assert torch.equal(y, want[0]) and torch.equal(stats, want[2])
+    # group 0's ring: (half, word, slot), slots S.. unused; rows 2 and 3, tagged i + 1
+    tags = (slots[:4 * SLICES].view(2, 2, SLICES)[:, :, :S] >> 32).tolist()
+    assert tags == [[[3] * S] * 2, [[4] * S] * 2], tags
+    y.fill_(float("nan"))
+    slots.zero_()                                      # a new launch: the slots zeroed
+    missing = 4
+    _run(one_group, polls=300, delays={}, never={missing})
+    cols = slice(missing * block, (missing + 1) * block)
+    assert torch.isnan(y[:, cols]).all()               # nobody wrote the absent program's part
+    rest = torch.ones(D, dtype=torch.bool)
+    rest[cols] = False
+    assert torch.equal(y[:, rest], want[0][:, rest]) and torch.equal(stats, want[2])
+    _run(one_group, polls=300, delays={}, never=set(range(S)) - {missing})
+    assert torch.equal(y, want[0])

@@ -127,7 +127,8 @@ def test_model_by_hand():
 
 def test_traffic_is_counted_from_the_plans():
     """report.traffic reads a plan's counts, no per-kernel table: LayerNorm at D = 4096 bf16
-    (whole rows, 2 per step), and at 65536 (shared rows: 16 bytes a slot)."""
+    (whole rows, 2 per step), and at 65536 (shared rows: the groups' rings of slots, 16 bytes
+    a slot, zeroed and written back once per launch)."""
     from normbook.kernels import report
 
     M, e, D = report.M_REPORT, 2, 4096
@@ -145,7 +146,9 @@ def test_traffic_is_counted_from_the_plans():
     fwd = report.launches(D, False, False)[0]
     assert fwd.slices == D // fwd.constexprs["BLOCK_D"] > 1
     t = report.traffic(fwd, D, "bf16")
-    assert t["bytes_per_row"] == 2 * D * e + 8 + 16 * fwd.slices + 2 * D * e / M
+    ring = fwd.groups * fwd.constexprs["RING"] * fwd.constexprs["SLICES"]     # slots
+    assert fwd.constexprs["RING"] == 2 and ring < M
+    assert t["bytes_per_row"] == 2 * D * e + 8 + (2 * D * e + 2 * 16 * ring) / M
     assert t["grid"] == fwd.groups * fwd.slices and t["step_bytes"] == 2 * fwd.constexprs["BLOCK_D"] * e
 
 

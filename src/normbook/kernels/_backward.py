@@ -35,7 +35,7 @@ import triton.language as tl
 
 from normbook.kernels._config import (backward_plan, launch_shared, narrow_loads, other_device,
                                       refusal, shared_rows)
-from normbook.kernels._forward import (_claim, _exchange, _pack, _slot_empty, _unpack,
+from normbook.kernels._forward import (_claim, _exchange, _pack, _publish, _ring, _unpack,
                                        multiple)
 
 
@@ -197,23 +197,24 @@ def _sum_pair(a, b):
 
 
 @triton.jit
-def _slice_sums(xhat, ghat):
-    """A slice's share of (ln-c): sum ghat and sum ghat * xhat, packed, from one reduction."""
+def _slice_sums(xhat, ghat, tag):
+    """A slice's share of (ln-c): sum ghat and sum ghat * xhat, packed with ``tag``, from
+    one reduction."""
     s1, s2 = _sum_pair(ghat, ghat * xhat)
-    return _pack(s1, s2)
+    return _pack(s1, s2, tag)
 
 
 @triton.jit
-def _slice_dx(got, valid, D, x, dy, dh, w, DX, row, c, mask, mean, rstd,
+def _slice_dx(sa, sb, valid, D, x, dy, dh, w, DX, row, c, mask, mean, rstd,
               IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
               HAS_DH: tl.constexpr):
     """dx (ln-dx), (rms-dx), (fork-rule) of one row's slice c, stored, from
-    the row's S slots ``got`` (``valid``: t < S): c1 and c2 summed in slice
+    the words ``sa``, ``sb`` of the row's S slots (``valid``: t < S): c1 and c2 summed in slice
     order, the same bits in every program."""
     # both sums first (one reduction), so the slots die before xhat and
     # ghat are formed
-    c1, c2 = _sum_pair(tl.where(valid, _unpack(got, False), 0.0),
-                       tl.where(valid, _unpack(got, True), 0.0))
+    c1, c2 = _sum_pair(tl.where(valid, _unpack(sa), 0.0),
+                       tl.where(valid, _unpack(sb), 0.0))
     c1 = c1 / D
     c2 = c2 / D
     # xhat and ghat again, from the row as loaded: fewer registers are held
@@ -241,8 +242,9 @@ def norm_bwd_coop_kernel(
     W,                       # (D,) weight gamma (if HAS_WEIGHT)
     Stats,                   # (2, M) fp32 mean [0], rstd [1] saved by the
                              # forward; RMSNorm (1, M)
-    Slots,                   # (M, S) int64, zeroed: slice j of row n
-                             # publishes its two sums at [n, j]
+    Slots,                   # (groups * RING * 2 * SLICES,) int64,
+                             # zeroed: per group a ring of RING rows'
+                             # S slots, two words each (_ring, _pack)
     DW,                      # (groups, D) fp32 partial dweight, a row
                              # per group; with one group, dweight itself
     DB,                      # (groups, D) fp32 partial dbias (as DW)
@@ -260,7 +262,8 @@ def norm_bwd_coop_kernel(
     VEC: tl.constexpr,       # D and the strides are multiples of VEC
                              # (see _config.vec)
     POLLS: tl.constexpr,     # bound of the wait for the other slices
-                             # (0 in the interpreter; see _wait_for_slots)
+                             # (0 in the interpreter; see _exchange)
+    RING: tl.constexpr,      # rows of a group whose slots are kept (_ring)
     WEIGHT_LOADS: tl.constexpr,  # loads of the weight's slice: 0 once per
                              # program, held through the loop; 1 once a
                              # row, held through the wait; 2 twice a row,
@@ -272,19 +275,22 @@ def norm_bwd_coop_kernel(
     columns each, and exchange their shares of c1 and c2.
 
     Program (g, j) owns slice j of rows g, g + G, ... (G groups of S).
-    Per row it publishes its two sums as one 64-bit word (an atomic at
-    L2: the data is its own "ready" flag), reads the other S - 1 slots
-    until none is empty, and sums them in slice order: the same bits
-    every run. The next row's x and dy are loaded before the wait, so
-    HBM stays busy meanwhile. Every program publishes before it waits,
-    so the waits end once all are resident, which the cooperative launch
-    guarantees. The wait is bounded all the same (POLLS reads): once one
-    runs out, that row and the program's later rows are finished after
-    its loop, where each slot still empty is computed from x and dy by the
-    same code and published, first writer wins (_claim): a launch that is
-    not all resident gives the same answer, only slower. The interpreter
-    runs programs one by one with POLLS = 0: the first program of a row
-    computes and publishes the others' slots, the later ones find them.
+    Per row it publishes its two sums in its slot of the group's ring
+    (_ring): two 64-bit words, each a sum and the row's tag, each written
+    by one atomic at L2, so the data is its own "ready" flag. It reads
+    the other S - 1 slots until all hold the row's tag and sums them in
+    slice order: the same bits every run. The next row's x and dy are
+    loaded before the wait, so HBM stays busy meanwhile. Every program
+    publishes before it waits, so the waits end once all are resident,
+    which the cooperative launch guarantees. The wait is bounded all the
+    same (POLLS reads): once one runs out, the program publishes no more
+    in its loop, and finishes that row and its later ones after it, in
+    order, where each slot without the row's sums is computed from x and
+    dy by the same code and published, first writer wins (_claim): a
+    launch that is not all resident gives the same answer, only slower.
+    The interpreter runs programs one by one with POLLS = 0: the first
+    program of a row computes and publishes the others' slots, the later
+    ones find them.
     """
     D = multiple(D, VEC)
     stride_x = multiple(stride_x, VEC)
@@ -313,6 +319,7 @@ def norm_bwd_coop_kernel(
     start = tl.minimum(first, M - 1)
     deferred = pid * 0 + M         # first row left for the end (M: none);
                                    # int32 (a register fewer than int64)
+    tag = pid * 0                  # the last row's tag (int32; 0: none)
     x_next = tl.load(Xj + start * stride_x + cols, mask=mask, other=0.0)
     dy_next = tl.load(DYj + start * stride_dy + cols, mask=mask,
                       other=0.0)
@@ -338,8 +345,13 @@ def norm_bwd_coop_kernel(
                                   IS_RMS, HAS_WEIGHT)
         # publish: the owner's sums, the bits a program computing them for
         # a late owner also writes (same code, see the end of the loop)
-        tl.atomic_xchg(Slots + row * S + j, _slice_sums(xhat, ghat),
-                       sem="relaxed")
+        tag += 1                   # this row: 1 + its place in the group
+        ring = _ring(Slots, first, tag, SLICES, RING)
+        sums = _slice_sums(xhat, ghat, tag)
+        # (none after a wait ran out: see the end; a branch for RMSNorm
+        # with dh, where the mask alone costs Triton 3.6 8 bytes of spill)
+        if not (IS_RMS and HAS_DH) or row < deferred:
+            _publish(ring, SLICES, j, sums, row < deferred, IS_RMS)
         # (ln-dparams) before the wait, so dy's fp32 copy can go
         if HAS_WEIGHT:
             dw += dy.to(tl.float32) * xhat
@@ -359,13 +371,13 @@ def norm_bwd_coop_kernel(
                          other=0.0)
         # wait for the row's sums; a row whose wait runs out, and every
         # later one, are finished after the loop, where registers are free
-        got, deferred = _exchange(Slots, row, S, t, valid, deferred, M,
-                                  POLLS)
+        sa, sb, deferred = _exchange(ring, SLICES, t, valid, tag, row,
+                                     deferred, M, POLLS, IS_RMS)
         if row < deferred:
             if WEIGHT_LOADS == 2:  # again (from L2), rather than held
                 w_row = tl.load(Wj + cols, mask=mask, other=0.0) if (
                     HAS_WEIGHT) else 0.0
-            _slice_dx(got, valid, D, x, dy, dh, w_row, DXj, row, cols,
+            _slice_dx(sa, sb, valid, D, x, dy, dh, w_row, DXj, row, cols,
                       mask, mean, rstd, IS_RMS, HAS_WEIGHT, HAS_DH)
     # this group's partial row (int64: groups x D may pass 2^31)
     c = j * BLOCK_D + cols
@@ -374,19 +386,25 @@ def norm_bwd_coop_kernel(
         tl.store(DW + part + c, dw.to(DW.dtype.element_ty), mask=mask)
     if HAS_BIAS:
         tl.store(DB + part + c, db.to(DB.dtype.element_ty), mask=mask)
-    # The rows whose wait ran out (none under a cooperative launch):
-    # each slot still empty is computed from x and dy by the code its
-    # owner runs and published, first writer wins; then dx as in the loop
+    # The rows whose wait ran out (none under a cooperative launch), in
+    # order: each slot without the row's sums, this program's own first,
+    # is computed from x and dy by the code its owner runs and published,
+    # first writer wins; then dx as in the loop
     for r in range(deferred, M, groups):
         row = first * 0 + r            # int64: offsets may pass 2^31
         rstd = tl.load(Stats + (0 if IS_RMS else M) + row)
         mean = 0.0
         if not IS_RMS:
             mean = tl.load(Stats + row)
-        got = tl.load(Slots + row * S + t, mask=valid, other=1,
-                      volatile=True)
-        for u in range(0, S):
-            if _slot_empty(got, t, u):
+        tag = ((row - first) // groups + 1).to(tl.int32)
+        ring = _ring(Slots, first, tag, SLICES, RING)
+        sa = tl.zeros((SLICES,), dtype=tl.int64)
+        sb = sa
+        for k in range(0, S):
+            u = (j + k) % S
+            wb = tl.load(ring + SLICES + u, volatile=True)
+            wa = wb if IS_RMS else tl.load(ring + u, volatile=True)
+            if ((wa >> 32) != tag) | ((wb >> 32) != tag):
                 cu = c + (u - j) * BLOCK_D     # slice u's columns
                 mu = cu < D
                 xu = tl.load(X + row * stride_x + cu, mask=mu, other=0.0)
@@ -397,16 +415,18 @@ def norm_bwd_coop_kernel(
                     wu = tl.load(W + cu, mask=mu, other=0.0)
                 xhat_u, ghat_u = _slice_terms(xu, dyu, wu, mu, mean,
                                               rstd, IS_RMS, HAS_WEIGHT)
-                mine = _claim(Slots + row * S + u,
-                              _slice_sums(xhat_u, ghat_u))
-                got = tl.where(t == u, mine, got)
+                pa, pb = _slice_sums(xhat_u, ghat_u, tag)
+                wb = _claim(ring + SLICES + u, wb, pb, tag)
+                wa = wb if IS_RMS else _claim(ring + u, wa, pa, tag)
+            sa = tl.where(t == u, wa, sa)
+            sb = tl.where(t == u, wb, sb)
         x = tl.load(X + row * stride_x + c, mask=mask, other=0.0)
         dy = tl.load(DY + row * stride_dy + c, mask=mask, other=0.0)
         if HAS_DH:
             dh = tl.load(DH + row * stride_dh + c, mask=mask, other=0.0)
         wc = w if WEIGHT_LOADS == 0 else (
             tl.load(W + c, mask=mask, other=0.0) if HAS_WEIGHT else 0.0)
-        _slice_dx(got, valid, D, x, dy, dh, wc, DX, row, c, mask, mean,
+        _slice_dx(sa, sb, valid, D, x, dy, dh, wc, DX, row, c, mask, mean,
                   rstd, IS_RMS, HAS_WEIGHT, HAS_DH)
 
 
@@ -519,7 +539,9 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
                 (stride_x | stride_dy | stride_dh) & 15, shared_rows(D)) is not None:
             return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)   # measured plan
     if plan.slices > 1:     # groups of S programs, one per slice of a row, exchanging sums
-        slots = torch.zeros((M, plan.slices), dtype=torch.int64, device=x.device)
+        ring = plan.constexprs["RING"] * 2 * plan.constexprs["SLICES"]   # words a group
+        slots = torch.zeros(plan.grid[0] // plan.slices * ring, dtype=torch.int64,
+                            device=x.device)
         launch_shared(kernel, plan.grid, (x, dy, dhp, dx, w, stats, slots, pw, pb, stride_x,
                                           stride_dy, stride_dh, M, D), plan.flags)
     else:

@@ -19,7 +19,8 @@ on 16-byte-aligned pointers and strides: that is what lets the loads be 128 bits
 - S > 1, wider rows: each row is split into S slices, one program per slice holding it in
   registers (COOP_FWD_BYTES of loads in the forward, COOP_BYTES of x in the backward), and
   the S programs of a row exchange their partial sums (forward: mean and M2; backward: the
-  shares of c1, c2) through 64-bit slots with a bounded wait, launched cooperatively so that
+  shares of c1, c2) through tagged 64-bit slots with a bounded wait (a ring of two rows per
+  group of S programs, zeroed per launch), launched cooperatively so that
   all are resident: the row is read once (``norm_fwd_coop_kernel``, ``norm_bwd_coop_kernel``).
 - Rows with more slices than the device runs programs at once (the interpreter: CPU_SLICES),
   and every row wider than MAX_FUSED_D_BWD when NORMBOOK_SHARED_ROWS is off
@@ -70,6 +71,8 @@ MIN_BLOCK_D = 16          # narrower blocks only waste the 128-bit loads
 CPU_PROGRAMS = 4          # persistent grid size in the interpreter (any fixed number is deterministic)
 EXCHANGE_POLLS = 1 << 16  # bound of a wait for the other slices of a row: about 50 ms of
                           # L2 reads, far past the programs' skew under a cooperative launch
+RING = 2                  # rows of a group whose slots are kept at once: one being read, the
+                          # next being published (the interpreter keeps all of a group's rows)
 CPU_SLICES = 64           # the interpreter shares a row among up to this many slices (it runs
                           # them one by one: the first program of a row computes every slot)
 FINISH_BLOCK_D = 64       # the finish kernel sums (32, 64) fp32 tiles of partials, 8 KB per
@@ -383,12 +386,15 @@ def _shared_plan(kernel: str, M: int, D: int, cfg: Config, dev: Device, itemsize
     """S > 1: groups of S programs, one per slice of a row, exchanging sums; None when a row
     has more slices than can run at once (:func:`shared_groups`)."""
     coop = coop_flags(dev)
-    constexprs = dict(flags, BLOCK_D=cfg.BLOCK_D, SLICES=cfg.SLICES, POLLS=coop["POLLS"])
+    constexprs = dict(flags, BLOCK_D=cfg.BLOCK_D, SLICES=cfg.SLICES, POLLS=coop["POLLS"],
+                      RING=RING)
     options = dict(cfg.launch(), **{k: v for k, v in coop.items() if k != "POLLS"})
     per_sm, measured = _resident(kernel, dict(constexprs, **options), cfg, dev, device_index)
     groups = shared_groups(M, D, cfg, dev, per_sm)
     if not groups:
         return None
+    if not dev.sms:     # a ring that holds every row of a group (see _forward._ring)
+        constexprs["RING"] = max(RING, -(-M // groups))
     slices = -(-D // cfg.BLOCK_D)
     return _plan(kernel, groups * slices, constexprs, options, slices=slices, groups=groups,
                  rows=1, per_sm=per_sm, ahead=ahead, elem_bytes=itemsize, measured=measured,

@@ -47,75 +47,101 @@ def multiple(n, VEC: tl.constexpr):
 
 
 @triton.jit
-def _pack(a, b):
-    """Two fp32 values as one int64 (a in the low word), never 0:
-    0 marks an empty slot, so a pair of +0.0 is stored as
-    (+0.0, -0.0), equal in every sum."""
-    ai = a.to(tl.int32, bitcast=True)
-    bi = b.to(tl.int32, bitcast=True)
-    bi = tl.where((ai | bi) == 0, -2147483648, bi)
-    return (bi.to(tl.int64) << 32) | (ai.to(tl.int64) & 0xFFFFFFFF)
+def _ring(Slots, first, tag, SLICES: tl.constexpr, RING: tl.constexpr):
+    """Where the slots of the row tagged ``tag`` are. A group's slots
+    are a ring of RING rows (2 on a GPU): its i-th row (first + i *
+    groups) is tagged i + 1 and uses place i % RING, so a program can
+    publish row i + 1 while its partners still read row i, and row i + 2
+    only once they all have. A place is SLICES words a, then SLICES
+    words b (a constexpr apart: no register holds the offset). The slots
+    are zeroed per launch: tag 0 is "empty". The interpreter, which runs
+    a group's programs one after another, keeps every row of a group, so
+    that the slots the first program computes stay for the others."""
+    return Slots + (first * RING + (tag + RING - 1) % RING) * (2 * SLICES)
 
 
 @triton.jit
-def _unpack(v, high: tl.constexpr):
-    """One of the two fp32 values of :func:`_pack` (``high``: b)."""
-    if high:
-        v = v >> 32
+def _pack(a, b, tag):
+    """Two fp32 values as two int64 words, each its value's bits in the
+    low half and ``tag`` in the high half: a word is written by one
+    atomic, so a reader that finds its row's tag in a word finds the value
+    beside it (the data is its own ready flag)."""
+    ai = a.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    bi = b.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    tag = tag.to(tl.int64) << 32
+    return tag | ai, tag | bi
+
+
+@triton.jit
+def _unpack(v):
+    """The fp32 value of a word of :func:`_pack`."""
     return (v & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _slot_empty(got, t, u):
-    """Whether slot u of the slots read, ``got``, is still empty (0)."""
-    return tl.sum(((t == u) & (got == 0)).to(tl.int32), axis=0) > 0
+def _publish(ring, SLICES: tl.constexpr, j, packed, live, ONE: tl.constexpr):
+    """This slice's two words into its slot (word a at ``ring + j``, b SLICES words on; with
+    ``ONE``, RMSNorm's, only b: a holds 0, unused), if ``live``: once a wait of the program
+    has run out, it publishes no more in its loop, so that its slots keep the rows its
+    partners finish after theirs."""
+    a, b = packed
+    if not ONE:
+        tl.atomic_xchg(ring + j, a, mask=live, sem="relaxed")
+    tl.atomic_xchg(ring + SLICES + j, b, mask=live, sem="relaxed")
 
 
 @triton.jit
-def _any_empty(got):
-    """Whether any of the slots read, ``got``, is still empty (0)."""
-    return tl.sum((got == 0).to(tl.int32), axis=0) > 0
+def _missing(a, b, which, tag):
+    """Whether any slot of ``which`` (a mask over the slots) lacks a value of the row tagged
+    ``tag`` in its words ``a`` or ``b``, as read."""
+    stale = ((a >> 32) != tag) | ((b >> 32) != tag)
+    return tl.sum((which & stale).to(tl.int32), axis=0) > 0
 
 
 @triton.jit
-def _wait_for_slots(slots, others, got, polls):
-    """Read the ``others`` slots until none is empty, at most ``polls`` more times. Under a
-    cooperative launch every program is resident and publishes before it waits, so the wait
-    ends within the programs' skew, far inside the bound; the bound is for a launch that is
-    not all resident (refused cooperation, a launcher that drops it), where a slot may stay
-    empty until its program runs. The interpreter, which runs programs one by one, polls 0
-    times."""
-    while _any_empty(got) & (polls > 0):
-        got = tl.load(slots, mask=others, other=1, volatile=True)
-        polls -= 1
-    return got
+def _read_slots(ring, SLICES: tl.constexpr, t, valid, ONE: tl.constexpr):
+    """The two words of each of the row's S slots (``t``: slot index; past S: 0, empty);
+    with ``ONE``, word b twice."""
+    b = tl.load(ring + SLICES + t, mask=valid, other=0, volatile=True)
+    a = b if ONE else tl.load(ring + t, mask=valid, other=0, volatile=True)
+    return a, b
 
 
 @triton.jit
-def _exchange(Slots, row, S, t, valid, deferred, M, POLLS: tl.constexpr):
+def _exchange(ring, SLICES: tl.constexpr, t, valid, tag, row, deferred, M,
+              POLLS: tl.constexpr, ONE: tl.constexpr):
     """The row's S slots, this program's own among them (read back, so that its share needs
-    no registers through the wait), once none is empty or the wait has run out: at most POLLS
-    reads, none once a wait of this program has run out (``deferred`` < M). Returns them and
-    ``deferred``: the first row left for the end of the program's loop, ``row`` if this
-    wait ran out (a program of the row is late or not running), else as it was."""
-    slots = Slots + row * S + t
-    got = tl.load(slots, mask=valid, other=1, volatile=True)
-    got = _wait_for_slots(slots, valid, got, tl.where(deferred == M, POLLS, 0))
-    if _any_empty(got):
+    no registers through the wait), once all hold the row's tag or the wait has run out: at
+    most POLLS more reads, none once a wait of this program has run out (``deferred`` < M).
+    Under a cooperative launch every program is resident and publishes before it waits, so
+    the wait ends within the programs' skew, far inside the bound; the bound is for a launch
+    that is not all resident (refused cooperation, a launcher that drops it), where a slot may
+    stay empty until its program runs. The interpreter, which runs programs one by one, polls
+    0 times. Returns the words and ``deferred``: the first row left for the end of the
+    program's loop, ``row`` if this wait ran out, else as it was."""
+    a, b = _read_slots(ring, SLICES, t, valid, ONE)
+    polls = tl.where(deferred == M, POLLS, 0)
+    while _missing(a, b, valid, tag) & (polls > 0):
+        a, b = _read_slots(ring, SLICES, t, valid, ONE)
+        polls -= 1
+    if _missing(a, b, valid, tag):
         deferred = tl.minimum(deferred, row).to(deferred.dtype)
-    return got, deferred
+    return a, b, deferred
 
 
 @triton.jit
-def _claim(slot, value):
-    """Publish ``value`` in an empty slot, first writer wins (compare-and-swap): returns the
-    slot's bits after it, the winner's, which every program of the row then uses. The owner
-    of a slice and a program that computed it for a late owner write the same sums; taking
-    the winner's bits keeps the row's programs in exact agreement all the same."""
-    # (an int64 zero to compare with: Triton's interpreter casts the swap to the type of a
-    # literal 0, int32, and would drop the high word)
-    prev = tl.atomic_cas(slot, tl.full((), 0, tl.int64), value, sem="relaxed")
-    return tl.where(prev == 0, value, prev)
+def _claim(slot, seen, value, tag):
+    """Publish ``value`` (a word of :func:`_pack`) in ``slot``, which held ``seen``, unless a
+    later row's word is there (a partner has gone on); compare-and-swap, so that the first
+    writer wins: returns the word the row's programs use, the winner's if the slot holds one
+    of this row, else ``value``. The owner of a slice and a program that computed it for a
+    late owner write the same sums; taking the winner's bits keeps the programs of the row in
+    exact agreement all the same."""
+    got = seen
+    if (seen >> 32) < tag:
+        got = tl.atomic_cas(slot, seen, value, sem="relaxed")
+        got = tl.where(got == seen, value, got)
+    return tl.where((got >> 32) == tag, got, value)
 
 
 @triton.jit
@@ -301,8 +327,8 @@ def _slice_count(D, u, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _slice_moments(x, mask, n, IS_RMS: tl.constexpr):
-    """One slice's share of the statistics, packed: its mean and M2 (the
+def _slice_moments(x, mask, n, IS_RMS: tl.constexpr, tag):
+    """One slice's share of the statistics, packed with ``tag``: its mean and M2 (the
     sum of squared deviations from that mean; RMSNorm: 0 and the sum of
     squares). An M2 that overflows (values past about 1e19) is sent as
     minus its square root, taken on the slice scaled by its max |x|."""
@@ -317,11 +343,11 @@ def _slice_moments(x, mask, n, IS_RMS: tl.constexpr):
         amax = tl.max(tl.abs(xc), axis=0)
         u = xc / amax
         m2 = -tl.sqrt(tl.sum(u * u, axis=0)) * amax
-    return _pack(m, m2)
+    return _pack(m, m2, tag)
 
 
 @triton.jit
-def _row_statistics(got, t, S, D, BLOCK_D: tl.constexpr, eps,
+def _row_statistics(sa, sb, t, S, D, BLOCK_D: tl.constexpr, eps,
                     IS_RMS: tl.constexpr):
     """mean and rstd of a row from its S slices' (mean, M2), in slice
     order (kern-chan, all blocks at once):
@@ -331,8 +357,8 @@ def _row_statistics(got, t, S, D, BLOCK_D: tl.constexpr, eps,
     which comes back out of the square root."""
     valid = t < S
     n = _slice_count(D, t, BLOCK_D)
-    m = tl.where(valid, _unpack(got, False), 0.0)
-    m2 = tl.where(valid, _unpack(got, True), 0.0)
+    m = 0.0 if IS_RMS else tl.where(valid, _unpack(sa), 0.0)
+    m2 = tl.where(valid, _unpack(sb), 0.0)
     if IS_RMS:
         mean = 0.0
     else:
@@ -350,14 +376,14 @@ def _row_statistics(got, t, S, D, BLOCK_D: tl.constexpr, eps,
 
 
 @triton.jit
-def _slice_normalize(got, valid, t, S, D, BLOCK_D: tl.constexpr, eps, x, Y, w, b,
+def _slice_normalize(sa, sb, valid, t, S, D, BLOCK_D: tl.constexpr, eps, x, Y, w, b,
                      Stats, M, row, j, c, mask, IS_RMS: tl.constexpr,
                      HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The row's mean and rstd from its S slots ``got`` (``valid``: t < S),
+    """The row's mean and rstd from its S slots' words ``sa``, ``sb`` (``valid``: t < S),
     merged in slice order (the same bits in every program; slice 0 stores
     them), then y for this program's columns c (weight ``w`` and bias ``b``
     as loaded)."""
-    mean, rstd = _row_statistics(got, t, S, D, BLOCK_D, eps, IS_RMS)
+    mean, rstd = _row_statistics(sa, sb, t, S, D, BLOCK_D, eps, IS_RMS)
     if j == 0:
         if IS_RMS:
             tl.store(Stats + row, rstd)
@@ -380,8 +406,9 @@ def norm_fwd_coop_kernel(
     B,                       # (D,) bias beta (if HAS_BIAS)
     Stats,                   # (2, M) fp32 output: mean [0], rstd [1];
                              # RMSNorm (1, M): rstd
-    Slots,                   # (M, S) int64, zeroed: slice j of row n
-                             # publishes its mean and M2 at [n, j]
+    Slots,                   # (groups * RING * 2 * SLICES,) int64,
+                             # zeroed: per group a ring of RING rows'
+                             # S slots, two words each (_ring, _pack)
     stride_x,                # row stride of X, in elements
     stride_r,                # row stride of R, in elements
     M,                       # number of rows
@@ -396,7 +423,8 @@ def norm_fwd_coop_kernel(
     VEC: tl.constexpr,       # D and the strides are multiples of VEC
                              # (see _config.vec)
     POLLS: tl.constexpr,     # bound of the wait for the other slices
-                             # (0 in the interpreter; see _wait_for_slots)
+                             # (0 in the interpreter; see _exchange)
+    RING: tl.constexpr,      # rows of a group whose slots are kept (_ring)
 ):
     """(ln-mean) to (ln-y), (rms-ms), (rms-y) for wide rows, each read
     once: S programs share each row, a slice of columns each, and
@@ -418,6 +446,7 @@ def norm_fwd_coop_kernel(
     valid = t < S
     first = (pid // S).to(tl.int64)               # < M: groups <= M
     deferred = first * 0 + M       # first row left for the end (M: none)
+    tag = pid * 0                  # the last row's tag (int32; 0: none)
     x_next = tl.load(X + first * stride_x + c, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r_next = tl.load(R + first * stride_r + c, mask=mask, other=0.0)
@@ -431,8 +460,10 @@ def norm_fwd_coop_kernel(
             tl.store(H + row * D + c, x, mask=mask)
         # publish: the owner's moments, the bits a program computing them
         # for a late owner also writes (same code, see the end)
-        moments = _slice_moments(x.to(tl.float32), mask, n_j, IS_RMS)
-        tl.atomic_xchg(Slots + row * S + j, moments, sem="relaxed")
+        tag += 1                   # this row: 1 + its place in the group
+        ring = _ring(Slots, first, tag, SLICES, RING)
+        moments = _slice_moments(x.to(tl.float32), mask, n_j, IS_RMS, tag)
+        _publish(ring, SLICES, j, moments, row < deferred, IS_RMS)
         # the next row, in flight while we wait (past the end: the last);
         # and the weight and bias, from L2, so that no load waits after it
         nxt = tl.minimum(row + groups, M - 1)
@@ -442,33 +473,40 @@ def norm_fwd_coop_kernel(
         w, b = _load_params(W, B, c, mask, HAS_WEIGHT, HAS_BIAS)
         # wait for the row's moments; a row whose wait runs out, and every
         # later one, are finished after the loop, where registers are free
-        got, deferred = _exchange(Slots, row, S, t, valid, deferred, M,
-                                  POLLS)
+        sa, sb, deferred = _exchange(ring, SLICES, t, valid, tag, row,
+                                     deferred, M, POLLS, IS_RMS)
         if row < deferred:
-            _slice_normalize(got, valid, t, S, D, BLOCK_D, eps, x, Y, w,
-                             b, Stats, M, row, j, c, mask, IS_RMS,
+            _slice_normalize(sa, sb, valid, t, S, D, BLOCK_D, eps, x, Y,
+                             w, b, Stats, M, row, j, c, mask, IS_RMS,
                              HAS_WEIGHT, HAS_BIAS)
-    # The rows whose wait ran out (none under a cooperative launch):
-    # each slot still empty is computed from x (and the residual) by the
-    # code its owner runs and published, first writer wins; then as in
-    # the loop
+    # The rows whose wait ran out (none under a cooperative launch), in
+    # order: each slot without the row's values, this program's own first,
+    # is computed from x (and the residual) by the code its owner runs and
+    # published, first writer wins; then as in the loop
     for row in range(deferred, M, groups):
-        got = tl.load(Slots + row * S + t, mask=valid, other=1,
-                      volatile=True)
-        for u in range(0, S):
-            if _slot_empty(got, t, u):
+        tag = ((row - first) // groups + 1).to(tl.int32)
+        ring = _ring(Slots, first, tag, SLICES, RING)
+        sa = tl.zeros((SLICES,), dtype=tl.int64)
+        sb = sa
+        for k in range(0, S):
+            u = (j + k) % S
+            wb = tl.load(ring + SLICES + u, volatile=True)
+            wa = wb if IS_RMS else tl.load(ring + u, volatile=True)
+            if ((wa >> 32) != tag) | ((wb >> 32) != tag):
                 cu = c + (u - j) * BLOCK_D     # slice u's columns
                 mu = cu < D
                 # (h stored again: the bits its owner stores)
                 xu = _load_add(X, R, H, row, stride_x, stride_r, D, cu,
                                mu, HAS_RESIDUAL)
                 n_u = _slice_count(D, u, BLOCK_D)
-                mine = _claim(Slots + row * S + u,
-                              _slice_moments(xu, mu, n_u, IS_RMS))
-                got = tl.where(t == u, mine, got)
+                pa, pb = _slice_moments(xu, mu, n_u, IS_RMS, tag)
+                wb = _claim(ring + SLICES + u, wb, pb, tag)
+                wa = wb if IS_RMS else _claim(ring + u, wa, pa, tag)
+            sa = tl.where(t == u, wa, sa)
+            sb = tl.where(t == u, wb, sb)
         x = _reload(X, H, row, stride_x, D, c, mask, HAS_RESIDUAL)
         w, b = _load_params(W, B, c, mask, HAS_WEIGHT, HAS_BIAS)
-        _slice_normalize(got, valid, t, S, D, BLOCK_D, eps, x, Y, w, b,
+        _slice_normalize(sa, sb, valid, t, S, D, BLOCK_D, eps, x, Y, w, b,
                          Stats, M, row, j, c, mask, IS_RMS, HAS_WEIGHT,
                          HAS_BIAS)
 
@@ -510,7 +548,9 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     args = (x, r, h if h is not None else y, y, weight if weight is not None else x,
             bias if bias is not None else x, stats, stride_x, stride_r, M, D, eps)
     if plan.slices > 1:     # groups of S programs, one per slice of a row, exchanging sums
-        slots = torch.zeros((M, plan.slices), dtype=torch.int64, device=x.device)
+        ring = plan.constexprs["RING"] * 2 * plan.constexprs["SLICES"]   # words a group
+        slots = torch.zeros(plan.grid[0] // plan.slices * ring, dtype=torch.int64,
+                            device=x.device)
         args = (*args[:7], slots, *args[7:])
     if not plan.measured:   # a GPU, the kernel's first launch: size the grid by what it needs
         from normbook.kernels._config import measure

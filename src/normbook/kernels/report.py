@@ -80,15 +80,17 @@ def direction(plan: Plan) -> str:
 
 def traffic(plan: Plan, D: int, dtype: str, M: int = M_REPORT) -> dict:
     """What one launch moves, counted from its plan: HBM bytes per row of the problem (its
-    row-sized tensors read and written, the fp32 statistics, 16 bytes per slot of a shared row:
-    zeroed, then exchanged at L2 and written back at most once; the parameters and the fp32
-    partials, once per launch), the bytes of loads one program has in flight per step of its
+    row-sized tensors read and written, the fp32 statistics; once per launch, the parameters,
+    the fp32 partials and a shared row's slots, 32 bytes per slot of a group's ring: zeroed,
+    then exchanged at L2 and written back at most once), the bytes of loads one program has in flight per step of its
     loop (its tile), its grid, and (but for the finish kernel, which has no rows) the bytes
     one program's row step reads and writes, which must outlast its chain of waits."""
     e = bytemodel.itemsize(dtype)
     out = dict(bytes_per_row=D * e * (plan.reads + plan.writes) + 4 * plan.stats
-               + (16 * plan.slices if plan.slices > 1 else 0)
-               + D * (e * plan.params + 4 * plan.partials) / M,
+               + (D * (e * plan.params + 4 * plan.partials)
+                  + (32 * plan.constexprs["RING"] * plan.constexprs["SLICES"]
+                     * plan.grid[0] // plan.slices
+                     if plan.slices > 1 else 0)) / M,
                tile_bytes=plan.rows * min(D, plan.constexprs["BLOCK_D"]) * plan.elem_bytes * plan.ahead,
                grid=plan.grid[0])
     if plan.kernel != "norm_bwd_finish_kernel":
