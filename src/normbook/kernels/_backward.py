@@ -263,7 +263,7 @@ def norm_bwd_coop_kernel(
                              # (see _config.vec)
     POLLS: tl.constexpr,     # bound of the wait for the other slices
                              # (0 in the interpreter; see _exchange)
-    RING: tl.constexpr,      # rows of a group whose slots are kept (_ring)
+    RING: tl.constexpr,      # rows of a group kept in slots (_ring)
     WEIGHT_LOADS: tl.constexpr,  # loads of the weight's slice: 0 once per
                              # program, held through the loop; 1 once a
                              # row, held through the wait; 2 twice a row,

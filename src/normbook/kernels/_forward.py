@@ -57,15 +57,16 @@ def _ring(Slots, first, tag, SLICES: tl.constexpr, RING: tl.constexpr):
     are zeroed per launch: tag 0 is "empty". The interpreter, which runs
     a group's programs one after another, keeps every row of a group, so
     that the slots the first program computes stay for the others."""
-    return Slots + (first * RING + (tag + RING - 1) % RING) * (2 * SLICES)
+    place = first * RING + (tag + RING - 1) % RING
+    return Slots + place * (2 * SLICES)
 
 
 @triton.jit
 def _pack(a, b, tag):
     """Two fp32 values as two int64 words, each its value's bits in the
     low half and ``tag`` in the high half: a word is written by one
-    atomic, so a reader that finds its row's tag in a word finds the value
-    beside it (the data is its own ready flag)."""
+    atomic, so a reader that finds its row's tag in a word finds the
+    value beside it (the data is its own ready flag)."""
     ai = a.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
     bi = b.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
     tag = tag.to(tl.int64) << 32
@@ -424,7 +425,7 @@ def norm_fwd_coop_kernel(
                              # (see _config.vec)
     POLLS: tl.constexpr,     # bound of the wait for the other slices
                              # (0 in the interpreter; see _exchange)
-    RING: tl.constexpr,      # rows of a group whose slots are kept (_ring)
+    RING: tl.constexpr,      # rows of a group kept in slots (_ring)
 ):
     """(ln-mean) to (ln-y), (rms-ms), (rms-y) for wide rows, each read
     once: S programs share each row, a slice of columns each, and
