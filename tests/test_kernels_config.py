@@ -70,10 +70,12 @@ def test_shared_rows_switch_takes_effect_after_plans_are_cached(monkeypatch):
                                      _config.shared_rows(D))
     K.layer_norm(x, D)
     assert plan()[0].slices > 1 and _config.kernels_take(D, 4, False, x.get_device())
+    _, _, stats = _forward.norm_forward(x, None, None, None, 1e-5, False)
     monkeypatch.setenv("NORMBOOK_SHARED_ROWS", "off")
     assert plan() is None and not _config.kernels_take(D, 4, False, x.get_device())
     assert _config.kernels_take(_config.MAX_FUSED_D_BWD, 4, True, x.get_device())
-    _, _, stats = _forward.norm_forward(x, None, None, None, 1e-5, False)   # 20000: in registers
+    with pytest.raises(ValueError, match=r"D = 20000 .*wider than 16384.*NORMBOOK_SHARED_ROWS is off"):
+        _forward.norm_forward(x, None, None, None, 1e-5, False)
     with pytest.raises(ValueError, match=r"D = 20000 .*wider than 8192.*NORMBOOK_SHARED_ROWS is off"):
         _backward.norm_backward(x, None, x, None, stats, None, False)
 
@@ -102,8 +104,9 @@ def few_cpu_slices(monkeypatch):
 
 def test_rows_too_wide_to_share_are_not_taken(few_cpu_slices):
     """fp32 slices are 4096 values forward (2048 with the residual), 2048 backward: 8 of them
-    hold rows of 16384 backward, so 16385 has no backward plan; the forward holds 32768 in
-    registers and its slices no more, so 32769 has no forward plan (with the residual: 16385)."""
+    hold rows of 16384 backward, so 16385 has no backward plan; the forward holds 16384 in
+    registers and shares wider rows, 32768 at most in 8 slices, so 32769 has no forward plan
+    (with the residual: 16385, in registers up to 16384)."""
     fwd, bwd = _config.COOP_FWD_BYTES // 4, _config.COOP_BYTES // 4
     assert _config.kernels_take(few_cpu_slices * bwd, 4, False, -1)
     assert not _config.kernels_take(few_cpu_slices * bwd + 1, 4, False, -1)
@@ -112,7 +115,9 @@ def test_rows_too_wide_to_share_are_not_taken(few_cpu_slices):
     assert not _config.kernels_take(few_cpu_slices * 2 * bwd + 1, 2, True, -1)
     wide = few_cpu_slices * fwd + 1                               # 32769
     assert _config.forward_plan(1, wide, -1, 4, False, False, True, True) is None
-    assert _config.forward_plan(1, wide - 1, -1, 4, False, False, True, True)[0].slices == 1
+    assert _config.forward_plan(1, wide - 1, -1, 4, False, False, True, True)[0].slices == 8
+    assert _config.forward_plan(1, _config.MAX_FUSED_D_FWD, -1, 4, False, False, True,
+                                True)[0].slices == 1
     assert _config.forward_plan(1, 16385, -1, 4, False, True, True, True) is None  # x and r
     assert _config.forward_plan(1, 16384, -1, 4, False, True, True, True)[0].slices == 1
 

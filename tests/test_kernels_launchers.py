@@ -21,10 +21,10 @@ from helpers import DEVICE, EPS, ULPS, assert_within_torch, error, grads, make  
 
 # (M, D): M in {0, 1, 37}, D in {1, 3, 760, 1000, 4097, 10000, 20000, 70000}. D = 4097 is the
 # first D of its power-of-two bucket (BLOCK_D = 8192) with a ragged tail; 10000 uses the fused
-# forward with the wide backward (3 slices exchanging sums, the last one ragged), 20000 the
-# widest fused forward (32 warps, BLOCK_D = 32768); 70000 the shared forward (9 slices in
-# 16-bit, 18 in fp32) and 18 slices (bf16) of the backward, so its M stays small (the
-# interpreter is slow); 32769 the first shared forward, its last slice one column wide.
+# forward with the wide backward (3 slices exchanging sums, the last one ragged), 20000 shares
+# rows both ways (past the forward's widest row in registers, 16384); 70000 the shared forward
+# (9 slices in 16-bit, 18 in fp32) and 18 slices (bf16) of the backward, so its M stays small
+# (the interpreter is slow); 32769 a shared forward whose last slice is one column wide.
 SHAPES = [(0, 760), (1, 1), (37, 1), (1, 3), (37, 3), (37, 760), (1, 1000), (37, 1000),
           (1, 4097), (37, 4097), (3, 10000), (2, 20000), (0, 70000),
           pytest.param(1, 70000, marks=pytest.mark.slow),

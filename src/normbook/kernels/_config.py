@@ -44,8 +44,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-MAX_FUSED_D_FWD = 32768   # widest row the forward holds in registers: 32 values per thread, 32 warps
-MAX_FUSED_D_ADD_FP32 = 16384   # fp32 with the residual add: x and r, 64 fp32 values, would spill
+MAX_FUSED_D_FWD = 16384   # widest row the forward holds in registers: 32 values per thread (64
+                          # fp32 with the add: x and r), 16 warps; twice that needs 32 warps, a
+                          # program with no registers left to pipeline (see the appendix)
 MAX_FUSED_D_BWD = 8192    # backward holds x, dy, dweight and dbias partials: 32 per thread
 ELEMS_FWD = 32            # values per thread: four 128-bit loads of bf16; 4 warps up to a
                           # 4096-value tile, so three programs share an SM
@@ -193,16 +194,12 @@ def maxnreg_for(num_warps: int) -> int:
 def forward_config(M: int, D: int, has_residual: bool = False, itemsize: int = 2,
                    arch: int = 90) -> Config:
     """Block shape of the forward for M rows of length D (cached).
-    With the fused residual add a thread loads two values per element of its share; in fp32
-    those are 64 registers, all a 32-warp thread has, so fp32 rows with the add are held in
-    registers only up to MAX_FUSED_D_ADD_FP32. Wider rows: slices whose loads are
+    Rows up to MAX_FUSED_D_FWD are held in registers. Wider rows: slices whose loads are
     COOP_FWD_BYTES (x, and the residual) that exchange their statistics (``SLICES``).
     ``arch``: the compute capability (see :func:`arch`)."""
-    wide_add = has_residual and itemsize > 2
-    max_fused = MAX_FUSED_D_ADD_FP32 if wide_add else MAX_FUSED_D_FWD
-    if D > max_fused:
+    if D > MAX_FUSED_D_FWD:
         return _shared_config(D, COOP_FWD_BYTES // itemsize // (2 if has_residual else 1), arch)
-    return _config(M, D, max_fused, ELEMS_FWD)
+    return _config(M, D, MAX_FUSED_D_FWD, ELEMS_FWD)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -599,7 +596,7 @@ def widest_shared(direction: str, itemsize: int, has_residual: bool, device_inde
     shared by slices that all run at once (for the launchers' error)."""
     dev = device(device_index)
     if direction == "fwd":
-        held = MAX_FUSED_D_ADD_FP32 if has_residual and itemsize > 2 else MAX_FUSED_D_FWD
+        held = MAX_FUSED_D_FWD
         cfg = forward_config(1, 1 << 40, has_residual, itemsize, dev.arch)
     else:
         held = MAX_FUSED_D_BWD

@@ -13,9 +13,8 @@ store, and their latency, which the performance model adds to each row step.
 Pointers, row strides and D carry a divisibility-by-16 hint, as Triton's JIT gives them at run
 time for 16-byte-aligned rows; that hint is what lets the loads be 128 bits wide.
 
-Exits non-zero if a compile fails, a configuration that holds rows in registers spills (beyond
-``SPILL_ALLOWANCE_32_WARPS`` bytes in a 32-warp configuration outside the goal's sm_90
-bf16), or a kernel at D >= 256 has no 128-bit global load where D is a multiple of 16 bytes.
+Exits non-zero if a compile fails, a configuration spills, or a kernel at D >= 256 has no
+128-bit global load where D is a multiple of 16 bytes.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from normbook.bench import bytemodel, model  # noqa: E402
 from normbook.kernels import _backward, _forward, sass  # noqa: E402
 from normbook.kernels._config import (  # noqa: E402
-    MAX_FUSED_D_FWD, MAX_WARPS, Device, Plan, backward_plan, forward_plan, narrow_loads)
+    Device, Plan, backward_plan, forward_plan, narrow_loads)
 
 M_REPORT = 32768                                   # the batch of the performance goal
 ARCHS = (80, 90)
@@ -318,32 +317,17 @@ def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None, progress=False) -> l
     return rows
 
 
-# A 32-warp program (D up to 32768, rows in registers) has 64 registers per thread for its 32
-# values. LayerNorm's weight and bias loaded in fp32 (fp32 inputs), or Triton 3.6's schedule on
-# sm_80, push a few of them to local memory: a few bytes per thread, cached in L1, against the
-# second HBM read of the row that the chunked kernel would cost. The goal's configurations
-# (sm_90, bf16) must not spill at all, nor any program of fewer warps.
-SPILL_ALLOWANCE_32_WARPS = 64
-
-
-def spill_allowance(row: dict) -> int:
-    """Spill bytes per thread a configuration may have without failing the report."""
-    if row["num_warps"] < MAX_WARPS or (row["arch"] == "sm_90" and row["dtype"] == "bf16"):
-        return 0
-    return SPILL_ALLOWANCE_32_WARPS
-
-
 def problems(row: dict) -> list[str]:
     """Why a row fails the report: a compile error, an int32 offset that can wrap
-    (:func:`int32_offsets`), spills at D <= MAX_FUSED_D_FWD (see
-    :func:`spill_allowance`), narrow loads where D is a multiple of 16 bytes of values, a
+    (:func:`int32_offsets`), spills (a row, a slice, a tile is held in registers: none may
+    go to local memory), narrow loads where D is a multiple of 16 bytes of values, a
     persistent rows kernel less resident than its grid assumes."""
     if "error" in row:
         return [row["error"]]
     out = []
     if row.get("int32_offsets"):
         out.append(f"{row['int32_offsets']} int32 products of a program id and a size (wrap at 2^31)")
-    if row["D"] <= MAX_FUSED_D_FWD and row["spill_bytes"] > spill_allowance(row):
+    if row["spill_bytes"]:
         out.append(f"spills {row['spill_bytes']} bytes")
     wide_possible = not narrow_loads(row["D"], bytemodel.itemsize(row["dtype"]))
     if row["D"] >= 256 and wide_possible and row["load_bits"] < 128:
