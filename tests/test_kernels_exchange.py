@@ -191,3 +191,21 @@ def test_forward_ring_reused_by_later_rows(monkeypatch):
     assert torch.equal(y[:, rest], want[0][:, rest]) and torch.equal(stats, want[2])
     _run(one_group, polls=300, delays={}, never=set(range(S)) - {missing})
     assert torch.equal(y, want[0])
+
+
+def test_rms_backward_publishes_one_word_and_the_rest_is_right(monkeypatch):
+    """RMSNorm's slots carry one word (c2's share: it has no c1): its programs together with
+    one absent, whose slice the others compute, then the absent one alone: bitwise the
+    one-by-one dx and dweight."""
+    x, w, _, dy = _inputs(1)
+    _, _, stats = _forward.norm_forward(x, None, w, None, EPS, True)
+    want = _backward.norm_backward(dy, None, x, w, stats, None, True)
+    (dx, dw, _), seen = _capture(monkeypatch, _backward, lambda: _backward.norm_backward(
+        dy, None, x, w, stats, None, True))
+    slots = seen["args"][6]
+    programs = seen["programs"]
+    _run(seen, polls=300, delays={}, never={3})
+    SLICES = seen["flags"]["SLICES"]
+    assert (slots[:SLICES] == 0).all() and (slots[SLICES:2 * SLICES] != 0).any()  # no word a
+    _run(seen, polls=300, delays={}, never=set(range(programs)) - {3})
+    assert torch.equal(dx, want[0]) and torch.equal(dw, want[1])

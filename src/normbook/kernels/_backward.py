@@ -528,25 +528,22 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     pw = pw if has_w else stats
     pb = pb if has_b else stats
     kernel = globals()[plan.kernel]
-    if not plan.measured:   # a GPU, the kernel's first launch: size the grid by what it needs
-        from normbook.kernels._config import measure
-        args = (x, dy, dhp, dx, w, stats, pw, pb, stride_x, stride_dy, stride_dh, M, D)
-        if plan.slices > 1:
-            args = (*args[:6], torch.zeros((M, plan.slices), dtype=torch.int64,
-                                           device=x.device), *args[6:])
-        if measure(kernel, plan, args, device) and backward_plan(
-                M, D, device, e, is_rms, dh is not None, has_w, has_b,
-                (stride_x | stride_dy | stride_dh) & 15, shared_rows(D)) is not None:
-            return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)   # measured plan
+    args = (x, dy, dhp, dx, w, stats, pw, pb, stride_x, stride_dy, stride_dh, M, D)
     if plan.slices > 1:     # groups of S programs, one per slice of a row, exchanging sums
         ring = plan.constexprs["RING"] * 2 * plan.constexprs["SLICES"]   # words a group
         slots = torch.zeros(plan.grid[0] // plan.slices * ring, dtype=torch.int64,
                             device=x.device)
-        launch_shared(kernel, plan.grid, (x, dy, dhp, dx, w, stats, slots, pw, pb, stride_x,
-                                          stride_dy, stride_dh, M, D), plan.flags)
+        args = (*args[:6], slots, *args[6:])
+    if not plan.measured:   # a GPU, the kernel's first launch: size the grid by what it needs
+        from normbook.kernels._config import measure
+        if measure(kernel, plan, args, device) and backward_plan(
+                M, D, device, e, is_rms, dh is not None, has_w, has_b,
+                (stride_x | stride_dy | stride_dh) & 15, shared_rows(D)) is not None:
+            return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)   # measured plan
+    if plan.slices > 1:
+        launch_shared(kernel, plan.grid, args, plan.flags)
     else:
-        kernel[plan.grid](x, dy, dhp, dx, w, stats, pw, pb, stride_x, stride_dy, stride_dh, M, D,
-                          **plan.flags)
+        kernel[plan.grid](*args, **plan.flags)
     if len(plans) > 1:
         # the one small reduction, (groups, D) -> (D,), in a fixed order: deterministic
         finish = plans[1]
