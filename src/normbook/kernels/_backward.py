@@ -35,8 +35,8 @@ import triton.language as tl
 
 from normbook.kernels._config import (backward_plan, launch_shared, narrow_loads, other_device,
                                       refusal, shared_rows)
-from normbook.kernels._forward import (_claim, _exchange, _pack, _publish, _ring, _unpack,
-                                       multiple)
+from normbook.kernels._forward import (_claim_words, _exchange, _pack, _publish, _ring,
+                                       _slot_words, _unpack, multiple)
 
 
 @triton.jit
@@ -402,9 +402,8 @@ def norm_bwd_coop_kernel(
         sb = sa
         for k in range(0, S):
             u = (j + k) % S
-            wb = tl.load(ring + SLICES + u, volatile=True)
-            wa = wb if IS_RMS else tl.load(ring + u, volatile=True)
-            if ((wa >> 32) != tag) | ((wb >> 32) != tag):
+            wa, wb, stale = _slot_words(ring, SLICES, u, tag, IS_RMS)
+            if stale:
                 cu = c + (u - j) * BLOCK_D     # slice u's columns
                 mu = cu < D
                 xu = tl.load(X + row * stride_x + cu, mask=mu, other=0.0)
@@ -415,9 +414,9 @@ def norm_bwd_coop_kernel(
                     wu = tl.load(W + cu, mask=mu, other=0.0)
                 xhat_u, ghat_u = _slice_terms(xu, dyu, wu, mu, mean,
                                               rstd, IS_RMS, HAS_WEIGHT)
-                pa, pb = _slice_sums(xhat_u, ghat_u, tag)
-                wb = _claim(ring + SLICES + u, wb, pb, tag)
-                wa = wb if IS_RMS else _claim(ring + u, wa, pa, tag)
+                packed = _slice_sums(xhat_u, ghat_u, tag)
+                wa, wb = _claim_words(ring, SLICES, u, wa, wb, packed,
+                                      tag, IS_RMS)
             sa = tl.where(t == u, wa, sa)
             sb = tl.where(t == u, wb, sb)
         x = tl.load(X + row * stride_x + c, mask=mask, other=0.0)

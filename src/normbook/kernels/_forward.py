@@ -131,6 +131,25 @@ def _exchange(ring, SLICES: tl.constexpr, t, valid, tag, row, deferred, M,
 
 
 @triton.jit
+def _slot_words(ring, SLICES: tl.constexpr, u, tag, ONE: tl.constexpr):
+    """Slot u's two words (with ``ONE``, word b twice), read now, and whether either lacks
+    the row's ``tag``."""
+    wb = tl.load(ring + SLICES + u, volatile=True)
+    wa = wb if ONE else tl.load(ring + u, volatile=True)
+    return wa, wb, ((wa >> 32) != tag) | ((wb >> 32) != tag)
+
+
+@triton.jit
+def _claim_words(ring, SLICES: tl.constexpr, u, wa, wb, packed, tag, ONE: tl.constexpr):
+    """:func:`_claim` for both words of slot u (read as ``wa``, ``wb``) with ``packed``, this
+    program's computation of its slice: the words the row's programs use."""
+    pa, pb = packed
+    wb = _claim(ring + SLICES + u, wb, pb, tag)
+    wa = wb if ONE else _claim(ring + u, wa, pa, tag)
+    return wa, wb
+
+
+@triton.jit
 def _claim(slot, seen, value, tag):
     """Publish ``value`` (a word of :func:`_pack`) in ``slot``, which held ``seen``, unless a
     later row's word is there (a partner has gone on); compare-and-swap, so that the first
@@ -491,18 +510,17 @@ def norm_fwd_coop_kernel(
         sb = sa
         for k in range(0, S):
             u = (j + k) % S
-            wb = tl.load(ring + SLICES + u, volatile=True)
-            wa = wb if IS_RMS else tl.load(ring + u, volatile=True)
-            if ((wa >> 32) != tag) | ((wb >> 32) != tag):
+            wa, wb, stale = _slot_words(ring, SLICES, u, tag, IS_RMS)
+            if stale:
                 cu = c + (u - j) * BLOCK_D     # slice u's columns
                 mu = cu < D
                 # (h stored again: the bits its owner stores)
                 xu = _load_add(X, R, H, row, stride_x, stride_r, D, cu,
                                mu, HAS_RESIDUAL)
                 n_u = _slice_count(D, u, BLOCK_D)
-                pa, pb = _slice_moments(xu, mu, n_u, IS_RMS, tag)
-                wb = _claim(ring + SLICES + u, wb, pb, tag)
-                wa = wb if IS_RMS else _claim(ring + u, wa, pa, tag)
+                packed = _slice_moments(xu, mu, n_u, IS_RMS, tag)
+                wa, wb = _claim_words(ring, SLICES, u, wa, wb, packed,
+                                      tag, IS_RMS)
             sa = tl.where(t == u, wa, sa)
             sb = tl.where(t == u, wb, sb)
         x = _reload(X, H, row, stride_x, D, c, mask, HAS_RESIDUAL)
