@@ -545,15 +545,9 @@ def num_stages(cfg: Config, itemsize: int, inputs: int) -> int:
     """Stages of a rows kernel's software pipeline: one more than the tiles that fit in
     SMEM_PER_PROGRAM (their loads are in flight ahead of the arithmetic), at most MAX_STAGES;
     1 (no pipelining) when not even one does. A tile is ROWS rows of each of the ``inputs``
-    row-sized tensors loaded.
-
-    A 32-warp program is never pipelined: its threads have 64 registers each, room for their
-    32 values of the row but not for the weight and bias that a pipelined loop holds (ptxas
-    would spill), and reloaded inside the loop those would be pipelined into shared memory too.
-    Its whole row is in flight at once instead (half the time, NON_PIPELINED_DUTY in the model).
+    row-sized tensors loaded. (No rows kernel takes 32 warps, whose 64 registers a thread
+    would leave none to pipeline with: MAX_FUSED_D_FWD keeps the forward at 16.)
     """
-    if cfg.num_warps >= MAX_WARPS:
-        return 1
     tile = cfg.ROWS * cfg.BLOCK_D * itemsize * inputs
     return min(MAX_STAGES, 1 + SMEM_PER_PROGRAM // tile)
 
