@@ -177,6 +177,31 @@ def test_backward_within_twice_the_formulas_error(shape, is_rms):
         assert err <= 2 * err0 + allow, (name, err, err0, allow)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_backward_blocks_add_up_to_one_block(monkeypatch, is_rms, dtype):
+    """Rows taken a few at a time (blocks of 3 rows on one thread, 6 on two, the last one
+    short: 67 rows) give what one block of every row gives, within rounding: each row's c1
+    and c2 are its own (a matrix-vector product over a block of another height may add in
+    another order: ulps of rstd * ghat), and dweight and dbias add the blocks in another order.
+    The test shapes above fit in one block; this one crosses 12 or more of them."""
+    x, w, b, dy = _inputs((67, 300), seed=11)
+    x, dy = x.to(dtype), dy.to(dtype)
+    mean, rstd = _math.stats(x.float(), EPS, is_rms)
+    with torch.no_grad():
+        one = _math._backward_eager(dy, x, w, mean, rstd, not is_rms)
+        monkeypatch.setattr(_math, "_BLOCK_PER_THREAD", 3 * 300 // torch.get_num_threads() + 1)
+        blocks = _math._backward_eager(dy, x, w, mean, rstd, not is_rms)
+    terms = (rstd * dy.float() * w).abs().max().item()              # scale of rstd * ghat
+    assert (blocks[0].float() - one[0].float()).abs().max().item() <= 4 * F32 * terms + (
+        0 if dtype == torch.float32 else torch.finfo(dtype).eps * one[0].abs().max().item())
+    for got, ref in zip(blocks[1:], one[1:]):
+        if ref is None:
+            assert got is None
+        else:
+            assert torch.allclose(got, ref, rtol=0, atol=8 * F32 * ref.abs().max().item())
+
+
 @pytest.mark.parametrize("is_rms", [False, True])
 def test_backward_of_rows_near_the_fp32_limits(is_rms):
     """Rows near 1e20 and 1e36 (their squares overflow fp32; rstd near 1e-20 and 1e-36) beside
