@@ -152,6 +152,12 @@ def test_a_nan_stays_in_its_own_row():
     (lambda: normbook.rms_norm(torch.randn(2, 5), (5,), torch.ones(5, dtype=torch.int32)), TypeError, r"weight: expected a floating-point dtype, got torch.int32"),
     (lambda: normbook.layer_norm(torch.randn(2, 5), (5,), eps="0.1"), ValueError, r"eps: expected a real number or a 0-d tensor, got '0.1'"),
     (lambda: normbook.layer_norm(torch.randn(2, 5), "5"), TypeError, r"normalized_shape: expected an int or a sequence of ints, got str"),
+    # NaN is refused however normalized_shape is written (an int, a 1-tuple: the fast path)
+    (lambda: normbook.layer_norm(torch.randn(2, 5), (5,), eps=float("nan")), ValueError, r"eps: expected a real number .*got nan"),
+    (lambda: normbook.rms_norm(torch.randn(2, 5), 5, eps=float("nan")), ValueError, r"eps: expected a real number .*got nan"),
+    (lambda: normbook.layer_norm(torch.randn(2, 5), 5, eps=torch.tensor(float("nan"))), ValueError, r"eps: expected a real number .*got nan"),
+    (lambda: normbook.add_rms_norm(torch.randn(2, 5), torch.randn(2, 5), eps=float("nan")), ValueError, r"eps: expected a real number .*got nan"),
+    (lambda: normbook.add_layer_norm(torch.tensor(1.0), torch.tensor(1.0)), ValueError, r"x: expected a tensor of shape \(\.\.\., D\) with at least one dim, got a 0-d tensor"),
 ])
 def test_bad_input_names_the_argument(call, exc, pattern):
     with pytest.raises(exc, match=pattern):
@@ -277,3 +283,16 @@ def test_half_rows_on_the_torch_backend_are_as_accurate_as_torch(norm, dtype):
     assert_within_torch(y, y_t, y_r, name="y")
     for name, a, t, r in zip(("dx", "dweight", "dbias"), got, base, ref):
         assert_within_torch(a, t, r, name=name, sum_rows=M if name != "dx" else 1)
+
+
+def test_overflowing_rows_as_the_docstrings_say():
+    """The rows the docstrings of layer_norm and rms_norm quote: torch gives zeros or NaN
+    (measured; this fails, and the docstrings need updating, if torch changes), normbook the
+    finite answer float64 gives."""
+    zeros_ln, nan_ln = torch.tensor([[3e19, 1.0, 2.0, 0.0]]), torch.tensor([[1e20, 2e20, 3e20, 4e20]])
+    assert F.layer_norm(zeros_ln, (4,)).eq(0).all() and F.layer_norm(nan_ln, (4,)).isnan().all()
+    assert F.rms_norm(nan_ln, (4,)).eq(0).all()
+    for x in (zeros_ln, nan_ln):
+        for ours, ref in ((normbook.layer_norm(x, 4), F.layer_norm(x.double(), (4,))),
+                          (normbook.rms_norm(x, 4), F.rms_norm(x.double(), (4,)))):
+            torch.testing.assert_close(ours.double(), ref, rtol=1e-6, atol=1e-6)

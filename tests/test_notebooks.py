@@ -113,3 +113,21 @@ def test_the_install_cell_does_nothing_where_normbook_is_installed(monkeypatch):
 
     monkeypatch.setattr(subprocess, "run", refuse)
     exec(notebooks.INSTALL_CELL, {})
+
+
+def test_the_install_cell_adds_only_the_missing_extra_beside_a_plain_install(monkeypatch):
+    """normbook installed without its "book" extra (a plain pip install, then a downloaded
+    notebook): the cell installs the extra's missing packages by name, not normbook again."""
+    import importlib.metadata as md
+
+    calls, version = [], md.version
+
+    def without_matplotlib(name):
+        if name == "matplotlib":
+            raise md.PackageNotFoundError(name)
+        return version(name)
+
+    monkeypatch.setattr(md, "version", without_matplotlib)
+    monkeypatch.setattr(subprocess, "run", lambda args, **kw: calls.append(args))
+    exec(notebooks.INSTALL_CELL, {})
+    assert len(calls) == 1 and calls[0][-1] == "matplotlib" and "normbook" not in " ".join(calls[0])

@@ -15,7 +15,8 @@ plain notebook instead:
 - package code a chapter includes (``literalinclude`` with ``:pyobject:``) inlined as a code block;
 - exercises, solutions, admonitions and dropdowns as plain Markdown (solutions and dropdowns in
   ``<details>``, which Jupyter and Colab fold);
-- a first cell that installs normbook with the ``book`` extra when it is missing.
+- a first cell that installs normbook with the ``book`` extra, or only the extra's packages
+  beside a plain ``pip install normbook``, where they are missing.
 
 Needs jupytext and nbformat, plus (to compute glued values without a built book) what the
 chapters import: the package with its ``book`` extra. Numbers follow the book's: chapters are
@@ -44,12 +45,21 @@ REPOSITORY = "https://github.com/normbook/normbook"
 
 INSTALL_CELL = f"""\
 # Runs this chapter anywhere: installs normbook and what the chapters import (its "book"
-# extra) when normbook is missing, as in a fresh Colab or Binder session; does nothing when
-# it is present.
-import importlib.util, subprocess, sys
+# extra) where they are missing: all of it in a fresh Colab or Binder session, only the
+# extra's packages beside a plain `pip install normbook`, nothing when all are present.
+import importlib.metadata as md, importlib.util, re, subprocess, sys
+def _missing(name):
+    try:
+        return not md.version(name)
+    except md.PackageNotFoundError:
+        return True
 if importlib.util.find_spec("normbook") is None:
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet",
-                    "normbook[book] @ git+{REPOSITORY}"], check=True)"""
+    _pip = ["normbook[book] @ git+{REPOSITORY}"]
+else:
+    _pip = [n for r in md.requires("normbook") or () if 'extra == "book"' in r
+            for n in [re.match(r"[\\w.-]+", r)[0]] if _missing(n)]
+if _pip:
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", *_pip], check=True)"""
 
 # -------------------------------------------------------------------------- the book's index
 

@@ -1,4 +1,4 @@
-"""The performance goal of DESIGN.md as a check over recorded rows.
+"""The kernels' performance goal as a check over recorded rows.
 
 Goal, on a Hopper GPU, bf16, M = 32768 rows: the normbook kernels reach at least 0.90 of
 the copy bandwidth in forward and 0.80 in backward for every D in 1024..32768, at least 0.70

@@ -4,7 +4,7 @@ A row step cannot end sooner than its chain of waits: the loads whose values it 
 it can go on, the block reductions (warp shuffles, shared memory, a barrier), and, for the
 kernels that share a row among programs, the exchange of partial sums. PTX order is not what
 runs (ptxas hoists loads and interleaves reductions), so the chain is read from the compiled
-cubin. The model's third limit (DESIGN.md): that chain must be shorter than the step's time at
+cubin. The performance model's third limit: that chain must be shorter than the step's time at
 bandwidth.
 
     python -m normbook.kernels.sass      # the table for sm_90 bf16
