@@ -97,7 +97,7 @@ def test_summary_of_nan_rows_says_not_measured(tmp_path):
     rc, out, _ = _main(["--summary", tmp_path / "results.json", "--goal"])
     assert rc == 1                                              # --goal: the status says not met
     assert "torch not measured (recorded ms = nan, not a timing)" in out
-    assert "goal: not met" in out and "all PASS" not in out
+    assert "goal: not met" in out and "all PASS" not in out and "goal (bf16, M = 32768)" in out
 
 
 # ---- the schema: bad content is one line naming the file and the problem, exit 2 -------------
@@ -476,7 +476,7 @@ def test_a_run_without_out_writes_nothing_in_the_working_folder(tmp_path, monkey
     assert first.startswith("normbook.bench: writing results to "), out
     folder = Path(first.rsplit(" ", 1)[1])
     assert folder.is_absolute() and folder.parent == tmp and (folder / "results.json").is_file()
-    assert "goal (DESIGN.md" not in out and "NOT MEASURED" not in out   # not asked for
+    assert "goal (bf16, M = 32768)" not in out and "NOT MEASURED" not in out   # not asked for
 
 
 # simulates a machine without Triton: `import triton` fails as where it is not installed
