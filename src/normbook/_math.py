@@ -126,24 +126,34 @@ def backward(dy, x, weight, mean, rstd, has_bias: bool):
 
 
 # Values per block of the eager backward, per intra-op thread: 2^17 (half a MiB in fp32), so
-# that the four buffers a pass touches (x, dy, xhat, dy * xhat) fit in a core's L2 cache between
-# the passes, whichever share of each op's rows a thread takes. Measured on a 2-core machine with
-# 2 MiB of L2 per core, 4096 x 1024 fp32: 2^17 per thread beats 2^16 and 2^18 on one thread and
-# on two (op overhead below, cache misses above).
+# that the buffers a pass touches (x, dy, x - mean, dy * (x - mean)) stay in a core's L2 cache
+# between the passes, whichever share of each op's rows a thread takes. Measured on a 2-core
+# machine with 2 MiB of L2 per core, 4096 x 1024 fp32: 2^17 per thread beats 2^16 and 2^18 on
+# one thread and on two (op overhead below, cache misses above).
 _BLOCK_PER_THREAD = 1 << 17
 
 
 def _backward_eager(dy, x, weight, mean, rstd, has_bias: bool):
     """:func:`backward` with a weight, when nothing records a graph: the same terms, taken a
-    block of rows at a time.
+    block of rows at a time in as few passes over the block as torch's ops allow.
 
-    Each block's passes run over data still in cache, and the only (..., D) allocation is dx.
-    xhat is formed in dx's block; dy * xhat, formed once in a block-sized buffer, serves twice:
-    summed over tokens it is dweight, and against the weight it is the row sum of
-    ghat * xhat = dy * weight * xhat (a matrix-vector product) that gives c2; c1, the row mean
-    of ghat = dy * weight, is a matrix-vector product too. x and dy may be bf16 or fp16 with
-    the weight and the statistics in fp32: each block is then read into fp32 buffers and its
-    dx written back in x's dtype, so no fp32 copy of the whole rows is made.
+    With g = dy and xc = x - mean (x itself for RMSNorm), so that xhat = rstd * xc:
+
+    - p = g * xc, formed once, serves twice: against the weight it is the row sum that gives
+      c2 = mean(ghat * xhat) = rstd * mean(g * weight * xc) (a matrix-vector product), and
+      summed over tokens with rstd it is dweight (ln-dparams). c1 = mean(g * weight) and dbias
+      are matrix-vector products of g.
+    - dx = rstd * ((g * weight - c1) - c2 * rstd * xc), (ln-dx), in three passes, the bracket
+      formed in p's buffer (``addcmul`` with c1 and the weight, then with c2 * rstd and xc).
+
+    Each elementwise step broadcasts at most one per-row column: torch vectorises those, and
+    not a step that broadcasts two. Each block's passes run over data still in cache, and the
+    only (..., D) allocation is dx (fp32 xc is formed in dx's block). x and dy may be bf16 or
+    fp16 with the weight and the statistics in fp32: each block is then copied into fp32
+    buffers first (a step that mixes dtypes is not vectorised) and its dx written back in x's
+    dtype. The sums over tokens: fp32 rows take ``sum`` (pairwise, as accurate as the
+    formulas); half rows a matrix-vector product, faster, whose sequential sum is as accurate
+    as torch's own backward and far finer than the half dtype the rows came in.
     """
     D = x.shape[-1]
     ct = weight.dtype                                                  # the compute dtype
@@ -155,32 +165,42 @@ def _backward_eager(dy, x, weight, mean, rstd, has_bias: bool):
     dx = torch.empty_like(X)                                           # (N, D), x's dtype
     rows = max(1, _BLOCK_PER_THREAD * torch.get_num_threads() // max(D, 1))
     n0 = min(rows, X.shape[0])
-    p = X.new_empty(n0, D, dtype=ct)                                   # dy * xhat, one block
-    xbuf = X.new_empty(n0, D, dtype=ct) if low else None               # xhat, then dx
+    p = X.new_empty(n0, D, dtype=ct)                                   # g * xc, then the bracket
+    xbuf = X.new_empty(n0, D, dtype=ct) if low else None               # x, then xc, in fp32
     gbuf = X.new_empty(n0, D, dtype=ct) if low else None               # dy in fp32
+    ones = X.new_ones(n0, dtype=ct) if low else None                   # sums over rows
     dweight = X.new_zeros(D, dtype=ct)
     dbias = X.new_zeros(D, dtype=ct) if has_bias else None
     for s in range(0, X.shape[0], rows):
         xb, gb, rb = X[s:s + rows], G[s:s + rows], R[s:s + rows]
         n = xb.shape[0]
-        out = xbuf[:n] if low else dx[s:s + rows]
         if low:
-            gb = gbuf[:n].copy_(gb)
-        if Mu is None:
-            xh = torch.mul(xb, rb, out=out)                            # (rms-xhat)
+            xc, gb = xbuf[:n].copy_(xb), gbuf[:n].copy_(gb)
+            if Mu is not None:
+                xc.sub_(Mu[s:s + rows])
         else:
-            xh = torch.sub(xb, Mu[s:s + rows], out=out).mul_(rb)       # (ln-xhat)
-        pb = torch.mul(gb, xh, out=p[:n])                              # dy * xhat
-        dweight += pb.sum(0)                                           # (ln-dparams)
-        if dbias is not None:
-            dbias += gb.sum(0)                                         # (ln-dparams)
-        c2 = (pb @ w_d).unsqueeze(-1)                                  # (rows, 1) c2 in (ln-c)
-        dxb = xh.mul_(c2.neg_())                                       # - c2 * xhat
-        if Mu is not None:
-            dxb.sub_((gb @ w_d).unsqueeze(-1))                         # - c1 in (ln-c)
-        dxb.addcmul_(gb, weight).mul_(rb)                              # + ghat, times rstd: (ln-dx)
+            xc = xb if Mu is None else torch.sub(xb, Mu[s:s + rows], out=dx[s:s + rows])
+        pb = torch.mul(gb, xc, out=p[:n])                              # g * xc
         if low:
-            dx[s:s + rows].copy_(dxb)
+            dweight.addmv_(pb.t(), rb.view(-1))                        # (ln-dparams)
+            c2 = torch.mv(pb, w_d).unsqueeze(-1).mul_(rb)              # c2 in (ln-c)
+            if dbias is not None:
+                dbias.addmv_(gb.t(), ones[:n])                         # (ln-dparams)
+        else:
+            dweight += pb.mul_(rb).sum(0)                              # g * xhat: (ln-dparams)
+            c2 = torch.mv(pb, w_d).unsqueeze(-1)                       # c2 in (ln-c)
+            if dbias is not None:
+                dbias += gb.sum(0)                                     # (ln-dparams)
+        if Mu is None:
+            bracket = torch.mul(gb, weight, out=pb)                    # ghat
+        else:
+            c1 = torch.mv(gb, w_d).neg_().unsqueeze(-1)                # -c1 in (ln-c)
+            bracket = torch.addcmul(c1, gb, weight, out=pb)            # ghat - c1
+        bracket.addcmul_(xc, c2.mul_(rb).neg_())                       # ... - c2 * xhat
+        if low:
+            dx[s:s + rows].copy_(bracket.mul_(rb))                     # times rstd: (ln-dx)
+        else:
+            torch.mul(bracket, rb, out=dx[s:s + rows])                 # times rstd: (ln-dx)
     return dx.reshape(x.shape), dweight, dbias
 
 
