@@ -173,7 +173,9 @@ def test_forward_ring_reused_by_later_rows(monkeypatch):
     S, block, SLICES = plan.slices, plan.constexprs["BLOCK_D"], plan.constexprs["SLICES"]
     y, stats, seen = _forward_launch(monkeypatch, x, w, b)
     slots = seen["args"][7]                            # the rows in flight, not M x S
-    assert seen["programs"] > S and slots.shape == (seen["programs"] // S * 4 * SLICES,)
+    # each group's ring (2 rows of 2 words a slot), then a word per program
+    assert seen["programs"] > S and slots.shape == (seen["programs"] // S * 4 * SLICES
+                                                    + seen["programs"],)
     one_group = dict(seen, programs=S)
     _run(one_group, polls=1_000_000, delays={})
     assert torch.equal(y, want[0]) and torch.equal(stats, want[2])

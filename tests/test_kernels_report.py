@@ -127,8 +127,8 @@ def test_model_by_hand():
 
 def test_traffic_is_counted_from_the_plans():
     """report.traffic reads a plan's counts, no per-kernel table: LayerNorm at D = 4096 bf16
-    (whole rows, 2 per step), and at 65536 (shared rows: the groups' rings of slots, 16 bytes
-    a slot, zeroed and written back once per launch)."""
+    (whole rows, 2 per step), and at 65536 (shared rows: the groups' rings of slots and a word
+    per program, 16 bytes a word, zeroed and written back once per launch)."""
     from normbook.kernels import report
 
     M, e, D = report.M_REPORT, 2, 4096
@@ -148,7 +148,9 @@ def test_traffic_is_counted_from_the_plans():
     t = report.traffic(fwd, D, "bf16")
     ring = fwd.groups * fwd.constexprs["RING"] * fwd.constexprs["SLICES"]     # slots
     assert fwd.constexprs["RING"] == 2 and ring < M
-    assert t["bytes_per_row"] == 2 * D * e + 8 + (2 * D * e + 2 * 16 * ring) / M
+    # two words a slot, then a word per program (its warps' first row left for the end)
+    words = 2 * ring + fwd.grid[0]
+    assert t["bytes_per_row"] == 2 * D * e + 8 + (2 * D * e + 16 * words) / M
     assert t["grid"] == fwd.groups * fwd.slices and t["step_bytes"] == 2 * fwd.constexprs["BLOCK_D"] * e
 
 

@@ -34,9 +34,9 @@ import triton
 import triton.language as tl
 
 from normbook.kernels._config import (backward_plan, launch_shared, narrow_loads, other_device,
-                                      refusal, shared_rows)
-from normbook.kernels._forward import (_claim_words, _exchange, _pack, _publish, _ring,
-                                       _slot_words, _unpack, multiple)
+                                      refusal, shared_rows, slot_words)
+from normbook.kernels._forward import (_agreed_start, _claim_words, _exchange, _pack, _publish,
+                                       _ring, _slot_words, _unpack, multiple)
 
 
 @triton.jit
@@ -389,7 +389,13 @@ def norm_bwd_coop_kernel(
     # The rows whose wait ran out (none under a cooperative launch), in
     # order: each slot without the row's sums, this program's own first,
     # is computed from x and dy by the code its owner runs and published,
-    # first writer wins; then dx as in the loop
+    # first writer wins; then dx as in the loop. The warps start at the
+    # earliest row any of them left (each reads the slots at its own
+    # moment, and this loop synchronises them: _agreed_start): a warp's dx
+    # of a row it finished in the loop is computed again, the same way
+    # (dweight and dbias took every row above, once)
+    deferred = _agreed_start(Slots, pid, groups, deferred, M, cols, SLICES,
+                             RING).to(tl.int32)
     for r in range(deferred, M, groups):
         row = first * 0 + r            # int64: offsets may pass 2^31
         rstd = tl.load(Stats + (0 if IS_RMS else M) + row)
@@ -402,7 +408,8 @@ def norm_bwd_coop_kernel(
         sb = sa
         for k in range(0, S):
             u = (j + k) % S
-            wa, wb, stale = _slot_words(ring, SLICES, u, tag, IS_RMS)
+            wa, wb, stale = _slot_words(ring, SLICES, u, tag, IS_RMS, cols,
+                                        M)
             if stale:
                 cu = c + (u - j) * BLOCK_D     # slice u's columns
                 mu = cu < D
@@ -529,9 +536,7 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     kernel = globals()[plan.kernel]
     args = (x, dy, dhp, dx, w, stats, pw, pb, stride_x, stride_dy, stride_dh, M, D)
     if plan.slices > 1:     # groups of S programs, one per slice of a row, exchanging sums
-        ring = plan.constexprs["RING"] * 2 * plan.constexprs["SLICES"]   # words a group
-        slots = torch.zeros(plan.grid[0] // plan.slices * ring, dtype=torch.int64,
-                            device=x.device)
+        slots = torch.zeros(slot_words(plan), dtype=torch.int64, device=x.device)
         args = (*args[:6], slots, *args[6:])
     if not plan.measured:   # a GPU, the kernel's first launch: size the grid by what it needs
         from normbook.kernels._config import measure

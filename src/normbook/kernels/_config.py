@@ -280,6 +280,14 @@ def coop_flags(dev: Device) -> dict:
 _cooperation_refused = False
 
 
+def slot_words(plan) -> int:
+    """The int64 words of a sharing launch's slot buffer, zeroed before it: each group's ring
+    (RING rows of 2 words per slice) and, after all the rings, one word per program (where
+    the warps of a program agree on the first row they left for after the loop)."""
+    ring = plan.constexprs["RING"] * 2 * plan.constexprs["SLICES"]
+    return plan.grid[0] // plan.slices * ring + plan.grid[0]
+
+
 def launch_shared(kernel, grid, args, flags: dict) -> None:
     """Launch a kernel that exchanges sums (:func:`coop_flags`). Cooperatively first; should
     the driver refuse (``too many blocks in cooperative launch``: a partitioned GPU under MPS

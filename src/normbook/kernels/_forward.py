@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from normbook.kernels._config import (forward_plan, launch_shared, other_device, refusal,
-                                      shared_rows)
+                                      shared_rows, slot_words)
 
 FP32_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)   # torch.finfo(torch.float32).tiny
 FP32_MAX = tl.constexpr(3.4028234663852886e38)           # torch.finfo(torch.float32).max
@@ -119,7 +119,15 @@ def _exchange(ring, SLICES: tl.constexpr, t, valid, tag, row, deferred, M,
     that is not all resident (refused cooperation, a launcher that drops it), where a slot may
     stay empty until its program runs. The interpreter, which runs programs one by one, polls
     0 times. Returns the words and ``deferred``: the first row left for the end of the
-    program's loop, ``row`` if this wait ran out, else as it was."""
+    program's loop, ``row`` if this wait ran out, else as it was.
+
+    With S <= 32 each warp holds all the slots and reads them at its own moment, so warps
+    may disagree on whether this wait ran out (a partner writes between their reads). In the
+    loop that is harmless: what a branch on ``row < deferred`` holds (the row's statistics
+    from the slots, its y or dx) does not synchronise the program, and a warp that took the
+    row finds it again after the loop, which starts at the earliest row any warp left
+    (:func:`_agreed_start`). Nothing that synchronises may go into that branch. With S > 32 the
+    slots span warps, their sum is one for the program, and so is the answer."""
     a, b = _read_slots(ring, SLICES, t, valid, ONE)
     polls = tl.where(deferred == M, POLLS, 0)
     while _missing(a, b, valid, tag) & (polls > 0):
@@ -131,12 +139,45 @@ def _exchange(ring, SLICES: tl.constexpr, t, valid, tag, row, deferred, M,
 
 
 @triton.jit
-def _slot_words(ring, SLICES: tl.constexpr, u, tag, ONE: tl.constexpr):
+def _agreed(v, lanes, M):
+    """The greatest of the int32 ``v`` over every thread of the program, the same in all of
+    them. A value read from a slot differs between the program's warps when a partner writes
+    between their reads, and so would what the program does with it; a branch that
+    synchronises the program inside (a block reduction, the broadcast of a scalar atomic's
+    result) must go one way in every warp, so its condition goes through this first. The
+    reduction runs over ``lanes``, the slice's columns, laid out across every warp, where
+    ``lanes >= -M`` is always true but not known to the compiler (M is an argument), so that
+    each thread brings the v it holds."""
+    return tl.max(tl.where(lanes >= -M, v, 0), axis=0)
+
+
+@triton.jit
+def _agreed_start(Slots, pid, groups, deferred, M, lanes, SLICES: tl.constexpr,
+                  RING: tl.constexpr):
+    """The first row any warp of the program left for after its loop (``deferred``, M for
+    none), the same in every thread: each warp reads the slots at its own moment, so one may
+    find a wait run out that another found ended, while the loop after it synchronises the
+    program. The warps that left a row raise the program's word past the groups' rings (M -
+    their row; zeroed with the slots, so 0 for none) and, after a barrier, every thread reads
+    it back. Under a cooperative launch no wait runs out, and nothing is written. (An atomic
+    and a barrier rather than a block reduction: the reduction here costs the backward 12
+    bytes of spill, in its loop.)"""
+    own = Slots + groups * (RING * 2 * SLICES) + pid
+    gap = (M - deferred).to(tl.int64)              # > 0: this thread left a row
+    tl.atomic_max(own + lanes * 0, gap, mask=lanes * 0 < gap, sem="relaxed")
+    tl.debug_barrier()
+    return M - tl.load(own, volatile=True)
+
+
+@triton.jit
+def _slot_words(ring, SLICES: tl.constexpr, u, tag, ONE: tl.constexpr, lanes, M):
     """Slot u's two words (with ``ONE``, word b twice), read now, and whether either lacks
-    the row's ``tag``."""
+    the row's ``tag`` in any thread of the program (:func:`_agreed`): the same answer in every
+    thread, so that the program branches on it as one."""
     wb = tl.load(ring + SLICES + u, volatile=True)
     wa = wb if ONE else tl.load(ring + u, volatile=True)
-    return wa, wb, ((wa >> 32) != tag) | ((wb >> 32) != tag)
+    stale = (((wa >> 32) != tag) | ((wb >> 32) != tag)).to(tl.int32)
+    return wa, wb, _agreed(stale, lanes, M) > 0
 
 
 @triton.jit
@@ -151,16 +192,17 @@ def _claim_words(ring, SLICES: tl.constexpr, u, wa, wb, packed, tag, ONE: tl.con
 
 @triton.jit
 def _claim(slot, seen, value, tag):
-    """Publish ``value`` (a word of :func:`_pack`) in ``slot``, which held ``seen``, unless a
-    later row's word is there (a partner has gone on); compare-and-swap, so that the first
-    writer wins: returns the word the row's programs use, the winner's if the slot holds one
-    of this row, else ``value``. The owner of a slice and a program that computed it for a
-    late owner write the same sums; taking the winner's bits keeps the programs of the row in
-    exact agreement all the same."""
-    got = seen
-    if (seen >> 32) < tag:
-        got = tl.atomic_cas(slot, seen, value, sem="relaxed")
-        got = tl.where(got == seen, value, got)
+    """Publish ``value`` (a word of :func:`_pack`) in ``slot``, which held ``seen``, unless
+    that was this row's word already or a later row's (a partner has gone on):
+    compare-and-swap, so that the first writer wins; the compare value of a slot not to be
+    written matches no word (words are >= 0). Returns the word the row's programs use: the
+    slot's if it holds one of this row, else ``value``. The owner of a slice and a program that
+    computed it for a late owner write the same sums; taking the winner's bits keeps the
+    programs of the row in exact agreement all the same. No branch: the scalar atomic's
+    result reaches every thread through a barrier, which all of them must meet, while
+    ``seen``, read by each thread at its own moment, may differ between them."""
+    expect = tl.where((seen >> 32) < tag, seen, -1)
+    got = tl.atomic_cas(slot, expect, value, sem="relaxed")
     return tl.where((got >> 32) == tag, got, value)
 
 
@@ -502,7 +544,11 @@ def norm_fwd_coop_kernel(
     # The rows whose wait ran out (none under a cooperative launch), in
     # order: each slot without the row's values, this program's own first,
     # is computed from x (and the residual) by the code its owner runs and
-    # published, first writer wins; then as in the loop
+    # published, first writer wins; then as in the loop. The warps start at
+    # the earliest row any of them left (each reads the slots at its own
+    # moment, and this loop synchronises them: _agreed_start): rows a warp
+    # finished in the loop are computed again, the same way
+    deferred = _agreed_start(Slots, pid, groups, deferred, M, cols, SLICES, RING)
     for row in range(deferred, M, groups):
         tag = ((row - first) // groups + 1).to(tl.int32)
         ring = _ring(Slots, first, tag, SLICES, RING)
@@ -510,7 +556,8 @@ def norm_fwd_coop_kernel(
         sb = sa
         for k in range(0, S):
             u = (j + k) % S
-            wa, wb, stale = _slot_words(ring, SLICES, u, tag, IS_RMS)
+            wa, wb, stale = _slot_words(ring, SLICES, u, tag, IS_RMS, cols,
+                                        M)
             if stale:
                 cu = c + (u - j) * BLOCK_D     # slice u's columns
                 mu = cu < D
@@ -567,9 +614,7 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     args = (x, r, h if h is not None else y, y, weight if weight is not None else x,
             bias if bias is not None else x, stats, stride_x, stride_r, M, D, eps)
     if plan.slices > 1:     # groups of S programs, one per slice of a row, exchanging sums
-        ring = plan.constexprs["RING"] * 2 * plan.constexprs["SLICES"]   # words a group
-        slots = torch.zeros(plan.grid[0] // plan.slices * ring, dtype=torch.int64,
-                            device=x.device)
+        slots = torch.zeros(slot_words(plan), dtype=torch.int64, device=x.device)
         args = (*args[:7], slots, *args[7:])
     if not plan.measured:   # a GPU, the kernel's first launch: size the grid by what it needs
         from normbook.kernels._config import measure
