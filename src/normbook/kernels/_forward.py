@@ -52,7 +52,9 @@ def _ring(Slots, first, tag, SLICES: tl.constexpr, RING: tl.constexpr):
     are a ring of RING rows (2 on a GPU): its i-th row (first + i *
     groups) is tagged i + 1 and uses place i % RING, so a program can
     publish row i + 1 while its partners still read row i, and row i + 2
-    only once they all have. A place is SLICES words a, then SLICES
+    only once they all have (while no wait runs out: after one, a late
+    program's words may land on a later row's place, and the tags keep
+    them from being taken for that row's). A place is SLICES words a, then SLICES
     words b (a constexpr apart: no register holds the offset). The slots
     are zeroed per launch: tag 0 is "empty". The interpreter, which runs
     a group's programs one after another, keeps every row of a group, so
