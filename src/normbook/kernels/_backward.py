@@ -394,8 +394,8 @@ def norm_bwd_coop_kernel(
     # moment, and this loop synchronises them: _agreed_start): a warp's dx
     # of a row it finished in the loop is computed again, the same way
     # (dweight and dbias took every row above, once)
-    deferred = _agreed_start(Slots, pid, groups, deferred, M, cols, SLICES,
-                             RING).to(tl.int32)
+    deferred = _agreed_start(Slots, pid, groups, deferred, M, cols,
+                             SLICES, RING).to(tl.int32)
     for r in range(deferred, M, groups):
         row = first * 0 + r            # int64: offsets may pass 2^31
         rstd = tl.load(Stats + (0 if IS_RMS else M) + row)
@@ -408,8 +408,8 @@ def norm_bwd_coop_kernel(
         sb = sa
         for k in range(0, S):
             u = (j + k) % S
-            wa, wb, stale = _slot_words(ring, SLICES, u, tag, IS_RMS, cols,
-                                        M)
+            wa, wb, stale = _slot_words(ring, SLICES, u, tag, IS_RMS,
+                                        cols, M)
             if stale:
                 cu = c + (u - j) * BLOCK_D     # slice u's columns
                 mu = cu < D

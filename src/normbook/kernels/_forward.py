@@ -54,11 +54,12 @@ def _ring(Slots, first, tag, SLICES: tl.constexpr, RING: tl.constexpr):
     publish row i + 1 while its partners still read row i, and row i + 2
     only once they all have (while no wait runs out: after one, a late
     program's words may land on a later row's place, and the tags keep
-    them from being taken for that row's). A place is SLICES words a, then SLICES
-    words b (a constexpr apart: no register holds the offset). The slots
-    are zeroed per launch: tag 0 is "empty". The interpreter, which runs
-    a group's programs one after another, keeps every row of a group, so
-    that the slots the first program computes stay for the others."""
+    them from being taken for that row's). A place is SLICES words a,
+    then SLICES words b (a constexpr apart: no register holds the
+    offset). The slots are zeroed per launch: tag 0 is "empty". The
+    interpreter, which runs a group's programs one after another, keeps
+    every row of a group, so that the slots the first program computes
+    stay for the others."""
     place = first * RING + (tag + RING - 1) % RING
     return Slots + place * (2 * SLICES)
 
@@ -546,11 +547,12 @@ def norm_fwd_coop_kernel(
     # The rows whose wait ran out (none under a cooperative launch), in
     # order: each slot without the row's values, this program's own first,
     # is computed from x (and the residual) by the code its owner runs and
-    # published, first writer wins; then as in the loop. The warps start at
-    # the earliest row any of them left (each reads the slots at its own
-    # moment, and this loop synchronises them: _agreed_start): rows a warp
-    # finished in the loop are computed again, the same way
-    deferred = _agreed_start(Slots, pid, groups, deferred, M, cols, SLICES, RING)
+    # published, first writer wins; then as in the loop. The warps start
+    # at the earliest row any of them left (each reads the slots at its
+    # own moment, and this loop synchronises them: _agreed_start): rows a
+    # warp finished in the loop are computed again, the same way
+    deferred = _agreed_start(Slots, pid, groups, deferred, M, cols,
+                             SLICES, RING)
     for row in range(deferred, M, groups):
         tag = ((row - first) // groups + 1).to(tl.int32)
         ring = _ring(Slots, first, tag, SLICES, RING)
@@ -558,8 +560,8 @@ def norm_fwd_coop_kernel(
         sb = sa
         for k in range(0, S):
             u = (j + k) % S
-            wa, wb, stale = _slot_words(ring, SLICES, u, tag, IS_RMS, cols,
-                                        M)
+            wa, wb, stale = _slot_words(ring, SLICES, u, tag, IS_RMS,
+                                        cols, M)
             if stale:
                 cu = c + (u - j) * BLOCK_D     # slice u's columns
                 mu = cu < D
