@@ -97,6 +97,7 @@ def backend(name: str) -> Iterator[None]:
 
 
 _K = None   # normbook.kernels' launchers and ops, imported on the first kernel call
+_TORCH, _LAUNCH, _OPS = 0, 1, 2   # what computes a call: NormFunction's ``kernels`` argument
 
 
 def _kernels():
@@ -143,17 +144,6 @@ def _torch_forward(x, residual, weight, bias, eps, is_rms):
     return (y.to(x.dtype), stats) if residual is None else (y.to(x.dtype), h, stats)
 
 
-def _kernel_forward(x, residual, weight, bias, eps, is_rms):
-    """The kernel backend's forward: the launcher, or the custom op where a tracer or a DTensor
-    needs one."""
-    launch, _, ops, _ = _kernels()
-    if torch.compiler.is_compiling() or _is_subclass(x):
-        y, h, stats = ops.norm_forward(x, residual, weight, bias, eps, is_rms)
-    else:
-        y, h, stats = launch(x, residual, weight, bias, eps, is_rms)
-    return (y, stats) if residual is None else (y, h, stats)
-
-
 def _torch_backward(dy, dh, x, weight, stats, eps, is_rms, bias_dtype, recompute):
     """(ln-dx) / (rms-dx) and (ln-dparams) in torch ops, plus the fork rule's dh. ``recompute``:
     the statistics are taken again from x, inside the graph autograd is building of this
@@ -188,8 +178,9 @@ class NormFunction(torch.autograd.Function):
 
     ``apply(x, residual, weight, bias, eps, is_rms, kernels) -> (y, stats)``, or ``(y, h,
     stats)`` with a residual: x and the residual (M, D) rows (a DTensor keeps its leading dims),
-    weight and bias (D,) or None, ``kernels`` the backend (True: the Triton kernels; False:
-    torch ops). y = norm(h) with h = x + residual (h = x without one, and then not returned:
+    weight and bias (D,) or None, ``kernels`` the backend: ``_TORCH`` (0) the torch ops,
+    ``_LAUNCH`` (1) the Triton kernels' launchers, ``_OPS`` (2) the kernels through their custom
+    ops (under a tracer, or for a DTensor; :func:`_mode` chooses). y = norm(h) with h = x + residual (h = x without one, and then not returned:
     an output fewer is a microsecond less per call); stats (k, M), not differentiable.
 
     The backward is (ln-dx) / (rms-dx) and (ln-dparams), with the gradient arriving at h added
@@ -202,9 +193,13 @@ class NormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(x, residual, weight, bias, eps, is_rms, kernels):
-        if kernels:
-            return _kernel_forward(x, residual, weight, bias, eps, is_rms)
-        return _torch_forward(x, residual, weight, bias, eps, is_rms)
+        if kernels == _LAUNCH:       # eager, plain tensors: the launcher itself
+            y, h, stats = _K[0](x, residual, weight, bias, eps, is_rms)
+        elif kernels:                # _OPS: the custom op, which tracers and DTensor see
+            y, h, stats = _K[2].norm_forward(x, residual, weight, bias, eps, is_rms)
+        else:
+            return _torch_forward(x, residual, weight, bias, eps, is_rms)
+        return (y, stats) if residual is None else (y, h, stats)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -229,22 +224,19 @@ class NormFunction(torch.autograd.Function):
                 or torch._C._are_functorch_transforms_active()):
             dx, dweight, dbias = _torch_backward(dy, dh, x, weight, stats, eps, is_rms,
                                                  bias_dtype, torch.is_grad_enabled())
-        else:
-            dx, dweight, dbias = _kernel_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)
+        elif kernels == _LAUNCH and not torch.compiler.is_compiling():
+            # gradients may be any view (an expand): the launcher needs unit last-dim strides
+            if not dy.is_contiguous() and dy.stride(-1) != 1:
+                dy = dy.contiguous()
+            if dh is not None and not dh.is_contiguous() and dh.stride(-1) != 1:
+                dh = dh.contiguous()
+            dx, dweight, dbias = _K[1](dy, dh, x, weight, stats, bias_dtype, is_rms)
+        else:   # traced (compiled autograd too) or a DTensor: the custom op
+            dx, dweight, dbias = _K[2].norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)
+            dweight = None if weight is None else dweight
+            dbias = None if bias_dtype is None else dbias
         # fork rule: h = x + residual, so x and the residual receive the same gradient
         return dx, dx if has_residual else None, dweight, dbias, None, None, None
-
-
-def _kernel_backward(dy, dh, x, weight, stats, bias_dtype, is_rms):
-    _, launch, ops, _ = _kernels()
-    if torch.compiler.is_compiling() or _is_subclass(x):
-        dx, dweight, dbias = ops.norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)
-        return dx, None if weight is None else dweight, None if bias_dtype is None else dbias
-    if not dy.is_contiguous() and dy.stride(-1) != 1:   # gradients may be any view (an expand)
-        dy = dy.contiguous()
-    if dh is not None and not dh.is_contiguous() and dh.stride(-1) != 1:
-        dh = dh.contiguous()
-    return launch(dy, dh, x, weight, stats, bias_dtype, is_rms)
 
 
 class _NormFunctionAD(NormFunction):
@@ -281,15 +273,18 @@ _fast_apply = super(torch.autograd.Function, _NormFunctionAD).apply
 
 
 def _apply(x, residual, weight, bias, eps, is_rms, kernels):
-    """:class:`NormFunction` on (M, D) rows by whichever ``apply`` the context needs: torch's,
-    of the jvp-free class, for torch.compile and torch.export (their tracers see the Function);
-    torch's, of :class:`_NormFunctionAD` on the torch backend, under torch.func transforms
-    (which wrap tensors no kernel can read); the C++ one otherwise, forward-mode AD included."""
+    """:class:`NormFunction` on (M, D) rows by whichever ``apply`` the context needs, and the
+    kernels by whichever route (``kernels`` True or False: the backend). Under torch.compile and
+    torch.export, torch's apply of the jvp-free class (their tracers see the Function) and the
+    kernels' custom ops; under torch.func transforms (which wrap tensors no kernel can read),
+    torch's apply of :class:`_NormFunctionAD` on the torch backend; otherwise the C++ apply,
+    forward-mode AD included, with the custom ops for a DTensor and the launchers for the rest."""
     if torch.compiler.is_compiling():
-        return NormFunction.apply(x, residual, weight, bias, eps, is_rms, kernels)
+        return NormFunction.apply(x, residual, weight, bias, eps, is_rms, _OPS if kernels else _TORCH)
     if torch._C._are_functorch_transforms_active():
-        return _NormFunctionAD.apply(x, residual, weight, bias, eps, is_rms, False)
-    return _fast_apply(x, residual, weight, bias, eps, is_rms, kernels)
+        return _NormFunctionAD.apply(x, residual, weight, bias, eps, is_rms, _TORCH)
+    mode = (_OPS if _is_subclass(x) else _LAUNCH) if kernels else _TORCH
+    return _fast_apply(x, residual, weight, bias, eps, is_rms, mode)
 
 
 # ----------------------------------------------------------------------------- the front door
@@ -372,12 +367,42 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
     The common case is recognised in a few attribute reads: a floating tensor whose last dim
     is D, parameters None or (D,) floating tensors on its device, eps a float that is not NaN.
     Anything else goes through the full checks, which raise with a message or accept the rare
-    case.
+    case. The commonest case of all, a plain tensor with dense rows on the backend that
+    :func:`backend` chooses, outside any tracer or transform, takes a shorter path first (host
+    time per call is what a user of small batches waits for: ``python -m normbook.bench host``);
+    whatever it does not accept goes on to the checks below, so both give the same results.
     """
-    original = input
     t = type(normalized_shape)
     D = normalized_shape if t is int else (
         normalized_shape[0] if t in (tuple, list, torch.Size) and len(normalized_shape) == 1 else None)
+    if (type(input) is Tensor and type(eps) is float and eps == eps and D and residual is None
+            and not torch.compiler.is_compiling()
+            and not torch._C._are_functorch_transforms_active()):
+        shape, dtype = input.shape, input.dtype
+        if kernels is None:     # backend(): see _use_kernels
+            kernels = _backend == "kernels" or (_backend == "auto" and input.is_cuda
+                                                and dtype in _KERNEL_DTYPES and _triton_installed())
+        if kernels:             # what the kernels take without a word (else: the checks below)
+            mode, dtypes = _LAUNCH, _KERNEL_DTYPES
+            ok = D <= _FUSED_D and _K is not None and (input.is_cuda or (_INTERPRETED and input.is_cpu))
+        else:
+            mode, dtypes, ok = _TORCH, _FLOAT_DTYPES, True
+        if ok and shape and shape[-1] == D and dtype in dtypes and input.is_contiguous():
+            device = input.device
+            if weight is not None and not (
+                    isinstance(weight, Tensor) and weight.shape == (D,) and weight.dtype in dtypes
+                    and weight.device == device and weight.is_contiguous()):
+                ok = False
+            b = None if bias is _NO_BIAS else bias
+            if b is not None and not (
+                    isinstance(b, Tensor) and b.shape == (D,) and b.dtype in dtypes
+                    and b.device == device and b.is_contiguous()):
+                ok = False
+            if ok:
+                x = input if len(shape) == 2 else input.view(-1, D)
+                y = _fast_apply(x, None, weight, b, eps, is_rms, mode)[0]
+                return (y if x is input else y.view(shape)), None
+    original = input
     fast = (D is not None and isinstance(input, Tensor) and input.dtype in _FLOAT_DTYPES
             and input.ndim and input.shape[-1] == D and type(eps) is float and eps == eps)
     if fast:
@@ -405,6 +430,7 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
     if kernels:
         _check_kernel_args(input, weight, bias, name)
         kernels = _kernels_take(input, residual)
+        _kernels()
     x = input if input.ndim == 2 and (input.is_contiguous() or input.stride(1) == 1) else _rows(input)
     r = None if residual is None else _rows(residual)
     if weight is not None and not weight.is_contiguous():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from normbook.functional import layer_norm, rms_norm
+from normbook.functional import _NO_BIAS, _norm, _rms_eps, _validate, layer_norm, rms_norm
 
 __all__ = ["LayerNorm", "RMSNorm"]
 
@@ -29,7 +29,11 @@ class LayerNorm(torch.nn.LayerNorm):
         if torch.jit.is_scripting():   # TorchScript compiles torch's own function instead
             return torch.nn.functional.layer_norm(input, self.normalized_shape, self.weight,
                                                   self.bias, self.eps)
-        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+        eps = self.eps
+        if type(input) is not torch.Tensor:   # a subclass (nested, DTensor): the public door
+            return layer_norm(input, self.normalized_shape, self.weight, self.bias, eps)
+        return _norm(input, self.normalized_shape, self.weight, self.bias,
+                     eps if type(eps) is float else _validate.as_eps(eps), False)[0]
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -44,4 +48,8 @@ class RMSNorm(torch.nn.RMSNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if torch.jit.is_scripting():   # TorchScript compiles torch's own function instead
             return torch.nn.functional.rms_norm(input, self.normalized_shape, self.weight, self.eps)
-        return rms_norm(input, self.normalized_shape, self.weight, self.eps)
+        eps = self.eps
+        if type(input) is not torch.Tensor:   # a subclass (nested, DTensor): the public door
+            return rms_norm(input, self.normalized_shape, self.weight, eps)
+        return _norm(input, self.normalized_shape, self.weight, _NO_BIAS,
+                     eps if type(eps) is float else _rms_eps(input, eps), True)[0]

@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from normbook.kernels._config import (backward_plan, launch_shared, narrow_loads, other_device,
-                                      refusal, shared_rows, slot_words)
+from normbook.kernels._config import (MAX_FUSED_D_BWD, backward_plan, launch_shared, narrow_loads,
+                                      other_device, refusal, shared_rows, slot_words)
 from normbook.kernels._forward import (_agreed_start, _claim_words, _exchange, _pack, _publish,
                                        _ring, _slot_words, _unpack, multiple)
 
@@ -494,64 +494,69 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     """
     M, D = x.shape
     device = x.get_device()
-    if other_device(device):
+    if device >= 0 and other_device(device):
         with torch.cuda.device(device):
             return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)
-    has_w, has_b = weight is not None, bias_dtype is not None
     # empty_like: cheapest on the host; contiguous, since x's rows are dense or x is not dense
     dx = torch.empty_like(x)
-    dweight = torch.empty_like(weight) if has_w else None
-    dbias = None
-    if has_b:
-        if has_w:
-            dbias = torch.empty_like(weight) if bias_dtype == weight.dtype else torch.empty_like(weight, dtype=bias_dtype)
-        else:
-            dbias = x.new_empty(D, dtype=bias_dtype)
-    if M == 0:  # no rows: the sums over rows are zero
-        return dx, dweight if not has_w else dweight.zero_(), dbias if not has_b else dbias.zero_()
+    if weight is None:
+        dweight = None
+        dbias = None if bias_dtype is None else x.new_empty(D, dtype=bias_dtype)
+    else:
+        dweight = torch.empty_like(weight)
+        dbias = None if bias_dtype is None else (
+            torch.empty_like(weight) if bias_dtype == weight.dtype
+            else torch.empty_like(weight, dtype=bias_dtype))
+    if not M:   # no rows: the sums over rows are zero
+        return (dx, None if dweight is None else dweight.zero_(),
+                None if dbias is None else dbias.zero_())
     stride_x, stride_dy = x.stride()[0], dy.stride()[0]    # faster than stride(0)
     dhp, stride_dh = (dy, stride_dy) if dh is None else (dh, dh.stride()[0])
     e = x.element_size()
-    plans = backward_plan(M, D, device, e, is_rms, dh is not None, has_w, has_b,
-                          (stride_x | stride_dy | stride_dh) & 15, shared_rows(D))
+    plans = backward_plan(M, D, device, e, is_rms, dh is not None, dweight is not None,
+                          dbias is not None, (stride_x | stride_dy | stride_dh) & 15,
+                          D > MAX_FUSED_D_BWD and shared_rows(D))
     if plans is None and narrow_loads(D, e, stride_x | stride_dy | stride_dh) and not narrow_loads(D, e):
         # a wide row whose odd strides halve the slices: dense copies load 16 bytes at a time
         # and take the plan that kernels_take promised (it plans for dense rows)
         x, dy = x.contiguous(), dy.contiguous()
         dhp = dy if dh is None else dh.contiguous()
         stride_x = stride_dy = stride_dh = D
-        plans = backward_plan(M, D, device, e, is_rms, dh is not None, has_w, has_b, D & 15,
+        plans = backward_plan(M, D, device, e, is_rms, dh is not None, dweight is not None,
+                              dbias is not None, D & 15,
                               shared_rows(D))
     if plans is None:
         raise refusal("bwd", D, e, dh is not None, device, narrow_loads(D, e))
     plan = plans[0]
-    if len(plans) == 1:
-        pw, pb = dweight, dbias             # one group writes the sums over rows itself
+    if len(plans) == 1:   # one group writes the sums over rows itself; placeholders where absent
+        pw = stats if dweight is None else dweight
+        pb = stats if dbias is None else dbias
     else:                                   # fp32 partial sums, one (D,) row per group
-        part = x.new_empty(2, plan.groups, D, dtype=torch.float32)
-        pw, pb = part[0], part[1]
-    w = weight if has_w else x                          # placeholders: never read when absent
-    pw = pw if has_w else stats
-    pb = pb if has_b else stats
+        pw, pb = x.new_empty(2, plan.groups, D, dtype=torch.float32)
+    w = x if weight is None else weight               # placeholders: never read when absent
     kernel = globals()[plan.kernel]
     args = (x, dy, dhp, dx, w, stats, pw, pb, stride_x, stride_dy, stride_dh, M, D)
-    if plan.slices > 1:     # groups of S programs, one per slice of a row, exchanging sums
-        slots = torch.zeros(slot_words(plan), dtype=torch.int64, device=x.device)
-        args = (*args[:6], slots, *args[6:])
-    if not plan.measured:   # a GPU, the kernel's first launch: size the grid by what it needs
-        from normbook.kernels._config import measure
-        if measure(kernel, plan, args, device) and backward_plan(
-                M, D, device, e, is_rms, dh is not None, has_w, has_b,
-                (stride_x | stride_dy | stride_dh) & 15, shared_rows(D)) is not None:
-            return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)   # measured plan
-    if plan.slices > 1:
-        launch_shared(kernel, plan.grid, args, plan.flags)
-    else:
+    if plan.slices == 1 and plan.measured:    # the common case
         kernel[plan.grid](*args, **plan.flags)
+    else:
+        if plan.slices > 1:   # groups of S programs, one per slice of a row, exchanging sums
+            slots = torch.zeros(slot_words(plan), dtype=torch.int64, device=x.device)
+            args = (*args[:6], slots, *args[6:])
+        if not plan.measured:   # a GPU, the kernel's first launch: size the grid by what it needs
+            from normbook.kernels._config import measure
+            if measure(kernel, plan, args, device) and backward_plan(
+                    M, D, device, e, is_rms, dh is not None, dweight is not None,
+                    dbias is not None, (stride_x | stride_dy | stride_dh) & 15,
+                    shared_rows(D)) is not None:
+                return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)  # measured
+        if plan.slices > 1:
+            launch_shared(kernel, plan.grid, args, plan.flags)
+        else:
+            kernel[plan.grid](*args, **plan.flags)
     if len(plans) > 1:
         # the one small reduction, (groups, D) -> (D,), in a fixed order: deterministic
         finish = plans[1]
         globals()[finish.kernel][finish.grid](
-            pw, pb, dweight if has_w else stats, dbias if has_b else stats, plan.groups, D,
-            **finish.flags)
+            pw, pb, stats if dweight is None else dweight, stats if dbias is None else dbias,
+            plan.groups, D, **finish.flags)
     return dx, dweight, dbias

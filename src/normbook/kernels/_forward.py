@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from normbook.kernels._config import (forward_plan, launch_shared, other_device, refusal,
-                                      shared_rows, slot_words)
+from normbook.kernels._config import (MAX_FUSED_D_BWD, forward_plan, launch_shared, other_device,
+                                      refusal, shared_rows, slot_words)
 
 FP32_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)   # torch.finfo(torch.float32).tiny
 FP32_MAX = tl.constexpr(3.4028234663852886e38)           # torch.finfo(torch.float32).max
@@ -594,17 +594,48 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     """
     M, D = x.shape
     device = x.get_device()
-    if other_device(device):
+    if device >= 0 and other_device(device):
         with torch.cuda.device(device):
             return norm_forward(x, residual, weight, bias, eps, is_rms)
     # empty_like: cheapest on the host; contiguous, since x's rows are dense or x is not dense
     y = torch.empty_like(x)
-    h = torch.empty_like(x) if residual is not None else None
     # two fp32 scalars per row (one for RMSNorm) for backward, in one allocation
     # (sizes as separate arguments: half a microsecond less than a tuple, measured)
     stats = x.new_empty(1 if is_rms else 2, M, dtype=torch.float32)
-    if M == 0:
+    stride_x = x.stride()[0]             # stride() then [0]: faster than stride(0)
+    if residual is None:
+        h, r, stride_r = None, x, stride_x   # placeholders: never touched when absent
+    else:
+        h, r = torch.empty_like(x), residual
+        stride_r = r.stride()[0]
+    if not M:
         return y, h, stats
+    plans = forward_plan(M, D, device, x.element_size(), is_rms, h is not None,
+                         weight is not None, bias is not None, (stride_x | stride_r) & 15,
+                         D > MAX_FUSED_D_BWD and shared_rows(D))
+    if plans is None:
+        raise refusal("fwd", D, x.element_size(), residual is not None, device)
+    plan = plans[0]
+    kernel = globals()[plan.kernel]
+    args = (x, r, y if h is None else h, y, x if weight is None else weight,
+            x if bias is None else bias, stats, stride_x, stride_r, M, D, eps)
+    if plan.slices == 1 and plan.measured:    # the common case
+        kernel[plan.grid](*args, **plan.flags)
+        return y, h, stats
+    if plan.slices > 1:     # groups of S programs, one per slice of a row, exchanging sums
+        slots = torch.zeros(slot_words(plan), dtype=torch.int64, device=x.device)
+        args = (*args[:7], slots, *args[7:])
+    if not plan.measured:   # a GPU, the kernel's first launch: size the grid by what it needs
+        from normbook.kernels._config import measure
+        if measure(kernel, plan, args, device) and forward_plan(
+                M, D, device, x.element_size(), is_rms, residual is not None, weight is not None,
+                bias is not None, (stride_x | stride_r) & 15, shared_rows(D)) is not None:
+            return norm_forward(x, residual, weight, bias, eps, is_rms)   # the measured plan
+    if plan.slices > 1:
+        launch_shared(kernel, plan.grid, args, plan.flags)
+    else:
+        kernel[plan.grid](*args, **plan.flags)
+    return y, h, stats
     r = residual if residual is not None else x      # placeholders: never touched when absent
     stride_x = x.stride()[0]             # stride() then [0]: faster than stride(0)
     stride_r = stride_x if r is x else r.stride()[0]
