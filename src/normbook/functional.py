@@ -98,6 +98,8 @@ def backend(name: str) -> Iterator[None]:
 
 _K = None   # normbook.kernels' launchers and ops, imported on the first kernel call
 _TORCH, _LAUNCH, _OPS = 0, 1, 2   # what computes a call: NormFunction's ``kernels`` argument
+_grad_enabled = torch.is_grad_enabled                    # bound once: read on every backward
+_transformed = torch._C._are_functorch_transforms_active
 
 
 def _kernels():
@@ -125,7 +127,7 @@ def _is_subclass(t) -> bool:
 
 def _torch_forward(x, residual, weight, bias, eps, is_rms):
     """The torch backend's forward: h = x + residual (in x's dtype), then (ln-y) / (rms-y) of h
-    in the compute dtype; stats (k, ...)."""
+    in the compute dtype; returns (y, h, stats), h None without a residual, stats (k, ...)."""
     h = x if residual is None else x + residual
     ct = _compute_dtype(h.dtype)
     if not is_rms and h.dtype in _HALF and h.shape[-1] and _math._eager(h, weight, bias):
@@ -137,11 +139,11 @@ def _torch_forward(x, residual, weight, bias, eps, is_rms):
         y, mean, rstd = torch.native_layer_norm(h, (D,), w, b, eps)
         if (rstd > 0).all():                    # False for NaN: those rows take the formulas
             stats = torch.cat([mean, rstd], -1).movedim(-1, 0)
-            return (y, stats) if residual is None else (y, h, stats)
+            return y, None if residual is None else h, stats
     y, mean, rstd = _math.forward(h.to(ct), None if weight is None else weight.to(ct),
                                   None if bias is None else bias.to(ct), eps, is_rms)
     stats = rstd.movedim(-1, 0) if is_rms else torch.cat([mean, rstd], -1).movedim(-1, 0)
-    return (y.to(x.dtype), stats) if residual is None else (y.to(x.dtype), h, stats)
+    return y.to(x.dtype), None if residual is None else h, stats
 
 
 def _torch_backward(dy, dh, x, weight, stats, eps, is_rms, bias_dtype, recompute):
@@ -173,15 +175,29 @@ def _torch_backward(dy, dh, x, weight, stats, eps, is_rms, bias_dtype, recompute
             None if bias_dtype is None else dbias.to(bias_dtype))
 
 
+def _forward_rows(x, residual, weight, bias, eps, is_rms, kernels):
+    """(y, h, stats) of (M, D) rows by the backend ``kernels`` names (see :class:`NormFunction`);
+    h None without a residual."""
+    if kernels == _LAUNCH:       # eager, plain tensors: the launcher itself
+        return _K[0](x, residual, weight, bias, eps, is_rms)
+    if kernels:                  # _OPS: the custom op, which tracers and DTensor see
+        y, h, stats = _K[2].norm_forward(x, residual, weight, bias, eps, is_rms)
+        return y, None if residual is None else h, stats
+    return _torch_forward(x, residual, weight, bias, eps, is_rms)
+
+
 class NormFunction(torch.autograd.Function):
     """Both norms, both backends, with the fused residual add: the one autograd Function.
 
-    ``apply(x, residual, weight, bias, eps, is_rms, kernels) -> (y, stats)``, or ``(y, h,
-    stats)`` with a residual: x and the residual (M, D) rows (a DTensor keeps its leading dims),
-    weight and bias (D,) or None, ``kernels`` the backend: ``_TORCH`` (0) the torch ops,
-    ``_LAUNCH`` (1) the Triton kernels' launchers, ``_OPS`` (2) the kernels through their custom
-    ops (under a tracer, or for a DTensor; :func:`_mode` chooses). y = norm(h) with h = x + residual (h = x without one, and then not returned:
-    an output fewer is a microsecond less per call); stats (k, M), not differentiable.
+    ``apply(x, residual, weight, bias, eps, is_rms, kernels) -> y``, or ``(y, h)`` with a
+    residual: x and the residual (M, D) rows (a DTensor keeps its leading dims), weight and bias
+    (D,) or None, ``kernels`` the backend: ``_TORCH`` (0) the torch ops, ``_LAUNCH`` (1) the
+    Triton kernels' launchers, ``_OPS`` (2) the kernels through their custom ops (under a
+    tracer, or for a DTensor; :func:`_apply` chooses). y = norm(h) with h = x + residual (h = x
+    without one, and then not returned). The statistics, (k, M), are saved for backward, not
+    returned: a Function with one output, and with ``ctx`` in its forward, costs about 1.5 us
+    less per call than one whose ``setup_context`` receives them as a second output (measured,
+    ``python -m normbook.bench host``).
 
     The backward is (ln-dx) / (rms-dx) and (ln-dparams), with the gradient arriving at h added
     to x's and the residual's (the fork rule). When autograd is building a graph of the backward
@@ -192,26 +208,17 @@ class NormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(x, residual, weight, bias, eps, is_rms, kernels):
-        if kernels == _LAUNCH:       # eager, plain tensors: the launcher itself
+    def forward(ctx, x, residual, weight, bias, eps, is_rms, kernels):
+        if kernels == _LAUNCH:   # the commonest case without a call more (see _forward_rows)
             y, h, stats = _K[0](x, residual, weight, bias, eps, is_rms)
-        elif kernels:                # _OPS: the custom op, which tracers and DTensor see
-            y, h, stats = _K[2].norm_forward(x, residual, weight, bias, eps, is_rms)
         else:
-            return _torch_forward(x, residual, weight, bias, eps, is_rms)
-        return (y, stats) if residual is None else (y, h, stats)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, residual, weight, bias, eps, is_rms, kernels = inputs
-        stats = output[-1]
-        saved = (x if residual is None else output[1], weight, stats)
-        ctx.save_for_backward(*saved)
-        if _fwAD._current_level >= 0 or torch._C._are_functorch_transforms_active():
-            ctx.save_for_forward(*saved)      # forward-mode AD (jvp) reads them too
-        ctx.mark_non_differentiable(stats)
-        ctx.set_materialize_grads(False)      # no zeros for unused outputs
+            y, h, stats = _forward_rows(x, residual, weight, bias, eps, is_rms, kernels)
+        ctx.save_for_backward(x if residual is None else h, weight, stats)
         ctx.meta = (residual is not None, None if bias is None else bias.dtype, is_rms, eps, kernels)
+        if residual is None:
+            return y
+        ctx.set_materialize_grads(False)      # no zeros for whichever of y and h is unused
+        return y, h
 
     @staticmethod
     def backward(ctx, dy, *rest):
@@ -220,17 +227,17 @@ class NormFunction(torch.autograd.Function):
         if dy is None:                       # only h was used downstream
             dy = torch.zeros_like(x)
         dh = rest[0] if has_residual else None
-        if (not kernels or torch.is_grad_enabled()
-                or torch._C._are_functorch_transforms_active()):
-            dx, dweight, dbias = _torch_backward(dy, dh, x, weight, stats, eps, is_rms,
-                                                 bias_dtype, torch.is_grad_enabled())
-        elif kernels == _LAUNCH and not torch.compiler.is_compiling():
+        if kernels == _LAUNCH and not (_grad_enabled() or _transformed()
+                                       or torch.compiler.is_compiling()):
             # gradients may be any view (an expand): the launcher needs unit last-dim strides
             if not dy.is_contiguous() and dy.stride(-1) != 1:
                 dy = dy.contiguous()
             if dh is not None and not dh.is_contiguous() and dh.stride(-1) != 1:
                 dh = dh.contiguous()
             dx, dweight, dbias = _K[1](dy, dh, x, weight, stats, bias_dtype, is_rms)
+        elif not kernels or _grad_enabled() or _transformed():
+            dx, dweight, dbias = _torch_backward(dy, dh, x, weight, stats, eps, is_rms,
+                                                 bias_dtype, _grad_enabled())
         else:   # traced (compiled autograd too) or a DTensor: the custom op
             dx, dweight, dbias = _K[2].norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)
             dweight = None if weight is None else dweight
@@ -240,10 +247,28 @@ class NormFunction(torch.autograd.Function):
 
 
 class _NormFunctionAD(NormFunction):
-    """:class:`NormFunction` with the forward-mode tangent (jvp) and a generated vmap rule,
-    for forward-mode AD and torch.func (which run the torch backend, see :func:`_apply`)."""
+    """:class:`NormFunction` with the forward-mode tangent (jvp) and a generated vmap rule, for
+    forward-mode AD and torch.func (which run the torch backend, see :func:`_apply`). torch.func
+    needs a ``setup_context``, so here the statistics are an output: ``apply(...) -> (y,
+    stats)`` or ``(y, h, stats)``; the backward is :class:`NormFunction`'s."""
 
     generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, residual, weight, bias, eps, is_rms, kernels):
+        y, h, stats = _forward_rows(x, residual, weight, bias, eps, is_rms, kernels)
+        return (y, stats) if residual is None else (y, h, stats)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, residual, weight, bias, eps, is_rms, kernels = inputs
+        stats = output[-1]
+        saved = (x if residual is None else output[1], weight, stats)
+        ctx.save_for_backward(*saved)
+        ctx.save_for_forward(*saved)          # the jvp reads them too
+        ctx.mark_non_differentiable(stats)
+        ctx.set_materialize_grads(False)      # no zeros for unused outputs
+        ctx.meta = (residual is not None, None if bias is None else bias.dtype, is_rms, eps, kernels)
 
     @staticmethod
     def jvp(ctx, tx, tresidual, tweight, tbias, teps, tis_rms, tkernels):
@@ -266,30 +291,40 @@ class _NormFunctionAD(NormFunction):
 
 
 # torch's Function.apply binds its arguments with inspect.signature on every call (about 12 us
-# here) because the Function has setup_context; the C++ apply underneath does the same work
-# when every argument is given positionally, as it always is here. It also runs the jvp under
+# here) when the Function has setup_context; the C++ apply underneath does the same work when
+# every argument is given positionally, as it always is here. _ad_apply also runs the jvp under
 # forward-mode AD.
-_fast_apply = super(torch.autograd.Function, _NormFunctionAD).apply
+_eager_apply = super(torch.autograd.Function, NormFunction).apply
+_ad_apply = super(torch.autograd.Function, _NormFunctionAD).apply
 
 
 def _apply(x, residual, weight, bias, eps, is_rms, kernels):
     """:class:`NormFunction` on (M, D) rows by whichever ``apply`` the context needs, and the
-    kernels by whichever route (``kernels`` True or False: the backend). Under torch.compile and
-    torch.export, torch's apply of the jvp-free class (their tracers see the Function) and the
-    kernels' custom ops; under torch.func transforms (which wrap tensors no kernel can read),
-    torch's apply of :class:`_NormFunctionAD` on the torch backend; otherwise the C++ apply,
-    forward-mode AD included, with the custom ops for a DTensor and the launchers for the rest."""
+    kernels by whichever route (``kernels`` True or False: the backend); returns (y, h), h None
+    without a residual. Under torch.compile and torch.export, torch's apply of the jvp-free
+    class (their tracers see the Function) and the kernels' custom ops; under torch.func
+    transforms (which wrap tensors no kernel can read), torch's apply of
+    :class:`_NormFunctionAD` on the torch backend; under forward-mode AD, the C++ apply of
+    :class:`_NormFunctionAD`; otherwise that of :class:`NormFunction`, with the custom ops for
+    a DTensor and the launchers for the rest."""
     if torch.compiler.is_compiling():
-        return NormFunction.apply(x, residual, weight, bias, eps, is_rms, _OPS if kernels else _TORCH)
+        out = NormFunction.apply(x, residual, weight, bias, eps, is_rms, _OPS if kernels else _TORCH)
+        return (out, None) if residual is None else out
     if torch._C._are_functorch_transforms_active():
-        return _NormFunctionAD.apply(x, residual, weight, bias, eps, is_rms, _TORCH)
+        out = _NormFunctionAD.apply(x, residual, weight, bias, eps, is_rms, _TORCH)
+        return out[0], None if residual is None else out[1]
     mode = (_OPS if _is_subclass(x) else _LAUNCH) if kernels else _TORCH
-    return _fast_apply(x, residual, weight, bias, eps, is_rms, mode)
+    if _fwAD._current_level >= 0:
+        out = _ad_apply(x, residual, weight, bias, eps, is_rms, mode)
+        return out[0], None if residual is None else out[1]
+    out = _eager_apply(x, residual, weight, bias, eps, is_rms, mode)
+    return (out, None) if residual is None else out
 
 
 # ----------------------------------------------------------------------------- the front door
 
 _NO_BIAS = object()   # RMSNorm has no bias argument at all (so none is named in its errors)
+_SEQUENCES = (tuple, list, torch.Size)   # what normalized_shape may be besides an int
 _warned_wide: set[int] = set()
 
 
@@ -374,10 +409,10 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
     """
     t = type(normalized_shape)
     D = normalized_shape if t is int else (
-        normalized_shape[0] if t in (tuple, list, torch.Size) and len(normalized_shape) == 1 else None)
+        normalized_shape[0] if t in _SEQUENCES and len(normalized_shape) == 1 else None)
     if (type(input) is Tensor and type(eps) is float and eps == eps and D and residual is None
-            and not torch.compiler.is_compiling()
-            and not torch._C._are_functorch_transforms_active()):
+            and not torch.compiler.is_compiling() and _fwAD._current_level < 0
+            and not _transformed()):
         shape, dtype = input.shape, input.dtype
         if kernels is None:     # backend(): see _use_kernels
             kernels = _backend == "kernels" or (_backend == "auto" and input.is_cuda
@@ -400,7 +435,7 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
                 ok = False
             if ok:
                 x = input if len(shape) == 2 else input.view(-1, D)
-                y = _fast_apply(x, None, weight, b, eps, is_rms, mode)[0]
+                y = _eager_apply(x, None, weight, b, eps, is_rms, mode)
                 return (y if x is input else y.view(shape)), None
     original = input
     fast = (D is not None and isinstance(input, Tensor) and input.dtype in _FLOAT_DTYPES
@@ -437,8 +472,7 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
         weight = weight.contiguous()
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    out = _apply(x, r, weight, bias, eps, is_rms, kernels)
-    y, h = out[0], None if r is None else out[1]
+    y, h = _apply(x, r, weight, bias, eps, is_rms, kernels)
     if x is not original:
         y = y.view(original.shape)
         h = None if h is None else h.view(original.shape)

@@ -516,43 +516,44 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     plans = backward_plan(M, D, device, e, is_rms, dh is not None, dweight is not None,
                           dbias is not None, (stride_x | stride_dy | stride_dh) & 15,
                           D > MAX_FUSED_D_BWD and shared_rows(D))
-    if plans is None and narrow_loads(D, e, stride_x | stride_dy | stride_dh) and not narrow_loads(D, e):
-        # a wide row whose odd strides halve the slices: dense copies load 16 bytes at a time
-        # and take the plan that kernels_take promised (it plans for dense rows)
-        x, dy = x.contiguous(), dy.contiguous()
-        dhp = dy if dh is None else dh.contiguous()
-        stride_x = stride_dy = stride_dh = D
-        plans = backward_plan(M, D, device, e, is_rms, dh is not None, dweight is not None,
-                              dbias is not None, D & 15,
-                              shared_rows(D))
     if plans is None:
-        raise refusal("bwd", D, e, dh is not None, device, narrow_loads(D, e))
+        if narrow_loads(D, e, stride_x | stride_dy | stride_dh) and not narrow_loads(D, e):
+            # a wide row whose odd strides halve the slices: dense copies load 16 bytes at a
+            # time and take the plan that kernels_take promised (it plans for dense rows)
+            x, dy = x.contiguous(), dy.contiguous()
+            dhp = dy if dh is None else dh.contiguous()
+            stride_x = stride_dy = stride_dh = D
+            plans = backward_plan(M, D, device, e, is_rms, dh is not None, dweight is not None,
+                                  dbias is not None, D & 15, shared_rows(D))
+        if plans is None:
+            raise refusal("bwd", D, e, dh is not None, device, narrow_loads(D, e))
     plan = plans[0]
-    if len(plans) == 1:   # one group writes the sums over rows itself; placeholders where absent
+    w = x if weight is None else weight               # placeholders: never read when absent
+    if len(plans) == 1:   # one group writes the sums over rows itself
         pw = stats if dweight is None else dweight
         pb = stats if dbias is None else dbias
+        if plan.slices == 1 and plan.measured:    # the common case: one launch of whole rows
+            globals()[plan.kernel][plan.grid](x, dy, dhp, dx, w, stats, pw, pb, stride_x,
+                                              stride_dy, stride_dh, M, D, **plan.flags)
+            return dx, dweight, dbias
     else:                                   # fp32 partial sums, one (D,) row per group
         pw, pb = x.new_empty(2, plan.groups, D, dtype=torch.float32)
-    w = x if weight is None else weight               # placeholders: never read when absent
     kernel = globals()[plan.kernel]
     args = (x, dy, dhp, dx, w, stats, pw, pb, stride_x, stride_dy, stride_dh, M, D)
-    if plan.slices == 1 and plan.measured:    # the common case
-        kernel[plan.grid](*args, **plan.flags)
+    if plan.slices > 1:   # groups of S programs, one per slice of a row, exchanging sums
+        slots = torch.zeros(slot_words(plan), dtype=torch.int64, device=x.device)
+        args = (*args[:6], slots, *args[6:])
+    if not plan.measured:   # a GPU, the kernel's first launch: size the grid by what it needs
+        from normbook.kernels._config import measure
+        if measure(kernel, plan, args, device) and backward_plan(
+                M, D, device, e, is_rms, dh is not None, dweight is not None,
+                dbias is not None, (stride_x | stride_dy | stride_dh) & 15,
+                shared_rows(D)) is not None:
+            return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)  # measured
+    if plan.slices > 1:
+        launch_shared(kernel, plan.grid, args, plan.flags)
     else:
-        if plan.slices > 1:   # groups of S programs, one per slice of a row, exchanging sums
-            slots = torch.zeros(slot_words(plan), dtype=torch.int64, device=x.device)
-            args = (*args[:6], slots, *args[6:])
-        if not plan.measured:   # a GPU, the kernel's first launch: size the grid by what it needs
-            from normbook.kernels._config import measure
-            if measure(kernel, plan, args, device) and backward_plan(
-                    M, D, device, e, is_rms, dh is not None, dweight is not None,
-                    dbias is not None, (stride_x | stride_dy | stride_dh) & 15,
-                    shared_rows(D)) is not None:
-                return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)  # measured
-        if plan.slices > 1:
-            launch_shared(kernel, plan.grid, args, plan.flags)
-        else:
-            kernel[plan.grid](*args, **plan.flags)
+        kernel[plan.grid](*args, **plan.flags)
     if len(plans) > 1:
         # the one small reduction, (groups, D) -> (D,), in a fixed order: deterministic
         finish = plans[1]
