@@ -189,9 +189,11 @@ def _forward_rows(x, residual, weight, bias, eps, is_rms, kernels):
 class NormFunction(torch.autograd.Function):
     """Both norms, both backends, with the fused residual add: the one autograd Function.
 
-    ``apply(x, residual, weight, bias, eps, is_rms, kernels) -> y``, or ``(y, h)`` with a
-    residual: x and the residual (M, D) rows (a DTensor keeps its leading dims), weight and bias
-    (D,) or None, ``kernels`` the backend: ``_TORCH`` (0) the torch ops, ``_LAUNCH`` (1) the
+    ``apply(x, residual, weight, bias, cfg) -> y``, or ``(y, h)`` with a residual: x and the
+    residual (M, D) rows (a DTensor keeps its leading dims), weight and bias (D,) or None, and
+    the rest one tuple, ``cfg = (eps, is_rms, kernels, bias_dtype, has_residual)``, kept as it
+    is for backward (each argument of an apply, and each object built for backward, costs some
+    work per call: see :func:`_cfg`). ``kernels`` is the backend: ``_TORCH`` (0) the torch ops, ``_LAUNCH`` (1) the
     Triton kernels' launchers, ``_OPS`` (2) the kernels through their custom ops (under a
     tracer, or for a DTensor; :func:`_apply` chooses). y = norm(h) with h = x + residual (h = x
     without one, and then not returned). The statistics, (k, M), are saved for backward, not
@@ -208,13 +210,14 @@ class NormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, is_rms, kernels):
+    def forward(ctx, x, residual, weight, bias, cfg):
+        eps, is_rms, kernels, _, _ = cfg
         if kernels == _LAUNCH:   # the commonest case without a call more (see _forward_rows)
             y, h, stats = _K[0](x, residual, weight, bias, eps, is_rms)
         else:
             y, h, stats = _forward_rows(x, residual, weight, bias, eps, is_rms, kernels)
         ctx.save_for_backward(x if residual is None else h, weight, stats)
-        ctx.meta = (residual is not None, None if bias is None else bias.dtype, is_rms, eps, kernels)
+        ctx.cfg = cfg
         if residual is None:
             return y
         ctx.set_materialize_grads(False)      # no zeros for whichever of y and h is unused
@@ -223,17 +226,14 @@ class NormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, *rest):
         x, weight, stats = ctx.saved_tensors
-        has_residual, bias_dtype, is_rms, eps, kernels = ctx.meta
-        if dy is None:                       # only h was used downstream
-            dy = torch.zeros_like(x)
-        dh = rest[0] if has_residual else None
+        eps, is_rms, kernels, bias_dtype, has_residual = ctx.cfg
+        dh = None
+        if has_residual:
+            dh = rest[0]
+            if dy is None:                   # only h was used downstream
+                dy = torch.zeros_like(x)
         if kernels == _LAUNCH and not (_grad_enabled() or _transformed()
                                        or torch.compiler.is_compiling()):
-            # gradients may be any view (an expand): the launcher needs unit last-dim strides
-            if not dy.is_contiguous() and dy.stride(-1) != 1:
-                dy = dy.contiguous()
-            if dh is not None and not dh.is_contiguous() and dh.stride(-1) != 1:
-                dh = dh.contiguous()
             dx, dweight, dbias = _K[1](dy, dh, x, weight, stats, bias_dtype, is_rms)
         elif not kernels or _grad_enabled() or _transformed():
             dx, dweight, dbias = _torch_backward(dy, dh, x, weight, stats, eps, is_rms,
@@ -243,7 +243,7 @@ class NormFunction(torch.autograd.Function):
             dweight = None if weight is None else dweight
             dbias = None if bias_dtype is None else dbias
         # fork rule: h = x + residual, so x and the residual receive the same gradient
-        return dx, dx if has_residual else None, dweight, dbias, None, None, None
+        return dx, dx if has_residual else None, dweight, dbias, None
 
 
 class _NormFunctionAD(NormFunction):
@@ -255,27 +255,27 @@ class _NormFunctionAD(NormFunction):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, residual, weight, bias, eps, is_rms, kernels):
-        y, h, stats = _forward_rows(x, residual, weight, bias, eps, is_rms, kernels)
+    def forward(x, residual, weight, bias, cfg):
+        y, h, stats = _forward_rows(x, residual, weight, bias, *cfg[:3])
         return (y, stats) if residual is None else (y, h, stats)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, residual, weight, bias, eps, is_rms, kernels = inputs
+        x, residual, weight, bias, cfg = inputs
         stats = output[-1]
         saved = (x if residual is None else output[1], weight, stats)
         ctx.save_for_backward(*saved)
         ctx.save_for_forward(*saved)          # the jvp reads them too
         ctx.mark_non_differentiable(stats)
         ctx.set_materialize_grads(False)      # no zeros for unused outputs
-        ctx.meta = (residual is not None, None if bias is None else bias.dtype, is_rms, eps, kernels)
+        ctx.cfg = cfg
 
     @staticmethod
-    def jvp(ctx, tx, tresidual, tweight, tbias, teps, tis_rms, tkernels):
+    def jvp(ctx, tx, tresidual, tweight, tbias, tcfg):
         """Tangents of (y, h): th = tx + tresidual, ty = weight * J th (ln-jac) plus the
         parameters' terms, in torch ops on the saved statistics."""
         x, weight, stats = ctx.saved_tensors
-        has_residual, _, is_rms, _, _ = ctx.meta
+        _, is_rms, _, _, has_residual = ctx.cfg
         th = tx
         if has_residual and tresidual is not None:
             th = tresidual if th is None else th + tresidual
@@ -298,6 +298,14 @@ _eager_apply = super(torch.autograd.Function, NormFunction).apply
 _ad_apply = super(torch.autograd.Function, _NormFunctionAD).apply
 
 
+def _cfg(eps, is_rms, kernels, bias, residual) -> tuple:
+    """:class:`NormFunction`'s last argument: (eps, is_rms, kernels, bias_dtype, has_residual).
+    One tuple, built once by the door and kept by the Function as ``ctx.cfg``: it is what
+    backward needs besides the saved tensors, and a tuple built again in forward (or two
+    arguments more) costs about a microsecond per call in the host benchmark."""
+    return eps, is_rms, kernels, None if bias is None else bias.dtype, residual is not None
+
+
 def _apply(x, residual, weight, bias, eps, is_rms, kernels):
     """:class:`NormFunction` on (M, D) rows by whichever ``apply`` the context needs, and the
     kernels by whichever route (``kernels`` True or False: the backend); returns (y, h), h None
@@ -308,16 +316,19 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
     :class:`_NormFunctionAD`; otherwise that of :class:`NormFunction`, with the custom ops for
     a DTensor and the launchers for the rest."""
     if torch.compiler.is_compiling():
-        out = NormFunction.apply(x, residual, weight, bias, eps, is_rms, _OPS if kernels else _TORCH)
+        out = NormFunction.apply(x, residual, weight, bias,
+                                 _cfg(eps, is_rms, _OPS if kernels else _TORCH, bias, residual))
         return (out, None) if residual is None else out
     if torch._C._are_functorch_transforms_active():
-        out = _NormFunctionAD.apply(x, residual, weight, bias, eps, is_rms, _TORCH)
+        out = _NormFunctionAD.apply(x, residual, weight, bias,
+                                    _cfg(eps, is_rms, _TORCH, bias, residual))
         return out[0], None if residual is None else out[1]
-    mode = (_OPS if _is_subclass(x) else _LAUNCH) if kernels else _TORCH
+    cfg = _cfg(eps, is_rms, (_OPS if _is_subclass(x) else _LAUNCH) if kernels else _TORCH, bias,
+               residual)
     if _fwAD._current_level >= 0:
-        out = _ad_apply(x, residual, weight, bias, eps, is_rms, mode)
+        out = _ad_apply(x, residual, weight, bias, cfg)
         return out[0], None if residual is None else out[1]
-    out = _eager_apply(x, residual, weight, bias, eps, is_rms, mode)
+    out = _eager_apply(x, residual, weight, bias, cfg)
     return (out, None) if residual is None else out
 
 
@@ -435,7 +446,8 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
                 ok = False
             if ok:
                 x = input if len(shape) == 2 else input.view(-1, D)
-                y = _eager_apply(x, None, weight, b, eps, is_rms, mode)
+                y = _eager_apply(x, None, weight, b,
+                                 (eps, is_rms, mode, None if b is None else b.dtype, False))
                 return (y if x is input else y.view(shape)), None
     original = input
     fast = (D is not None and isinstance(input, Tensor) and input.dtype in _FLOAT_DTYPES

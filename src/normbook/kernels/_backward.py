@@ -473,10 +473,17 @@ def norm_bwd_finish_kernel(
         tl.store(DB + cols, dbias, mask=col_mask)
 
 
+# the launchers look their kernels up by a plan's name here: the module's own namespace, read
+# at each launch (so that a kernel replaced in the module, as the host benchmark's stubs are,
+# is the one launched), without a call to globals()
+_KERNELS = globals()
+
+
 def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     """(ln-dx), (rms-dx), (ln-dparams) and (fork-rule): launch the backward on (M, D) rows.
 
-    ``x`` and ``dy`` have contiguous last dims; their row strides are honoured.
+    ``x`` has a contiguous last dim; its row stride, and dy's and dh's, are honoured (dy or dh
+    with other steps along D, an expanded gradient say, is copied first).
 
     Args:
         dy: (M, D) gradient at y; dh: (M, D) gradient at h, or None (no fused residual).
@@ -510,8 +517,16 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     if not M:   # no rows: the sums over rows are zero
         return (dx, None if dweight is None else dweight.zero_(),
                 None if dbias is None else dbias.zero_())
-    stride_x, stride_dy = x.stride()[0], dy.stride()[0]    # faster than stride(0)
-    dhp, stride_dh = (dy, stride_dy) if dh is None else (dh, dh.stride()[0])
+    stride_x, step = x.stride()                    # stride() then [i]: faster than stride(i)
+    stride_dy, step = dy.stride()
+    if step != 1 and D > 1:    # a gradient may be any view (an expand): make D's steps unit
+        dy = dy.contiguous()
+        stride_dy = dy.stride()[0]
+    if dh is None:
+        dhp, stride_dh = dy, stride_dy
+    else:
+        dhp = dh if dh.stride()[1] == 1 or D == 1 else dh.contiguous()
+        stride_dh = dhp.stride()[0]
     e = x.element_size()
     plans = backward_plan(M, D, device, e, is_rms, dh is not None, dweight is not None,
                           dbias is not None, (stride_x | stride_dy | stride_dh) & 15,
@@ -533,12 +548,12 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
         pw = stats if dweight is None else dweight
         pb = stats if dbias is None else dbias
         if plan.slices == 1 and plan.measured:    # the common case: one launch of whole rows
-            globals()[plan.kernel][plan.grid](x, dy, dhp, dx, w, stats, pw, pb, stride_x,
+            _KERNELS[plan.kernel][plan.grid](x, dy, dhp, dx, w, stats, pw, pb, stride_x,
                                               stride_dy, stride_dh, M, D, **plan.flags)
             return dx, dweight, dbias
     else:                                   # fp32 partial sums, one (D,) row per group
         pw, pb = x.new_empty(2, plan.groups, D, dtype=torch.float32)
-    kernel = globals()[plan.kernel]
+    kernel = _KERNELS[plan.kernel]
     args = (x, dy, dhp, dx, w, stats, pw, pb, stride_x, stride_dy, stride_dh, M, D)
     if plan.slices > 1:   # groups of S programs, one per slice of a row, exchanging sums
         slots = torch.zeros(slot_words(plan), dtype=torch.int64, device=x.device)
@@ -557,7 +572,7 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     if len(plans) > 1:
         # the one small reduction, (groups, D) -> (D,), in a fixed order: deterministic
         finish = plans[1]
-        globals()[finish.kernel][finish.grid](
+        _KERNELS[finish.kernel][finish.grid](
             pw, pb, stats if dweight is None else dweight, stats if dbias is None else dbias,
             plan.groups, D, **finish.flags)
     return dx, dweight, dbias

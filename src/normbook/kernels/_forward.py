@@ -581,6 +581,12 @@ def norm_fwd_coop_kernel(
                          HAS_BIAS)
 
 
+# the launchers look their kernels up by a plan's name here: the module's own namespace, read
+# at each launch (so that a kernel replaced in the module, as the host benchmark's stubs are,
+# is the one launched), without a call to globals()
+_KERNELS = globals()
+
+
 def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     """(ln-y) and (rms-y), with the residual add: launch the forward on (M, D) rows, last dim contiguous.
 
@@ -616,7 +622,7 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     if plans is None:
         raise refusal("fwd", D, x.element_size(), residual is not None, device)
     plan = plans[0]
-    kernel = globals()[plan.kernel]
+    kernel = _KERNELS[plan.kernel]
     args = (x, r, y if h is None else h, y, x if weight is None else weight,
             x if bias is None else bias, stats, stride_x, stride_r, M, D, eps)
     if plan.slices == 1 and plan.measured:    # the common case
@@ -645,7 +651,7 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     if plans is None:
         raise refusal("fwd", D, x.element_size(), residual is not None, device)
     plan = plans[0]
-    kernel = globals()[plan.kernel]
+    kernel = _KERNELS[plan.kernel]
     args = (x, r, h if h is not None else y, y, weight if weight is not None else x,
             bias if bias is not None else x, stats, stride_x, stride_r, M, D, eps)
     if plan.slices > 1:     # groups of S programs, one per slice of a row, exchanging sums
