@@ -98,8 +98,11 @@ def backend(name: str) -> Iterator[None]:
 
 _K = None   # normbook.kernels' launchers and ops, imported on the first kernel call
 _TORCH, _LAUNCH, _OPS = 0, 1, 2   # what computes a call: NormFunction's ``kernels`` argument
-_grad_enabled = torch.is_grad_enabled                    # bound once: read on every backward
+# torch's predicates, bound once (each is read on every call; torch.compile knows them by
+# identity, whatever the name)
+_grad_enabled = torch.is_grad_enabled
 _transformed = torch._C._are_functorch_transforms_active
+_compiling = torch.compiler.is_compiling
 
 
 def _kernels():
@@ -232,8 +235,7 @@ class NormFunction(torch.autograd.Function):
             dh = rest[0]
             if dy is None:                   # only h was used downstream
                 dy = torch.zeros_like(x)
-        if kernels == _LAUNCH and not (_grad_enabled() or _transformed()
-                                       or torch.compiler.is_compiling()):
+        if kernels == _LAUNCH and not (_grad_enabled() or _transformed() or _compiling()):
             dx, dweight, dbias = _K[1](dy, dh, x, weight, stats, bias_dtype, is_rms)
         elif not kernels or _grad_enabled() or _transformed():
             dx, dweight, dbias = _torch_backward(dy, dh, x, weight, stats, eps, is_rms,
@@ -422,7 +424,7 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
     D = normalized_shape if t is int else (
         normalized_shape[0] if t in _SEQUENCES and len(normalized_shape) == 1 else None)
     if (type(input) is Tensor and type(eps) is float and eps == eps and D and residual is None
-            and not torch.compiler.is_compiling() and _fwAD._current_level < 0
+            and not _compiling() and _fwAD._current_level < 0
             and not _transformed()):
         shape, dtype = input.shape, input.dtype
         if kernels is None:     # backend(): see _use_kernels
@@ -435,14 +437,17 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
             mode, dtypes, ok = _TORCH, _FLOAT_DTYPES, True
         if ok and shape and shape[-1] == D and dtype in dtypes and input.is_contiguous():
             device = input.device
-            if weight is not None and not (
-                    isinstance(weight, Tensor) and weight.shape == (D,) and weight.dtype in dtypes
-                    and weight.device == device and weight.is_contiguous()):
-                ok = False
             b = None if bias is _NO_BIAS else bias
-            if b is not None and not (
-                    isinstance(b, Tensor) and b.shape == (D,) and b.dtype in dtypes
-                    and b.device == device and b.is_contiguous()):
+            try:        # a parameter that is not a tensor: the checks below name it
+                if weight is not None and not (
+                        weight.shape == (D,) and weight.dtype in dtypes and weight.device == device
+                        and weight.is_contiguous()):
+                    ok = False
+                if b is not None and not (
+                        b.shape == (D,) and b.dtype in dtypes and b.device == device
+                        and b.is_contiguous()):
+                    ok = False
+            except AttributeError:
                 ok = False
             if ok:
                 x = input if len(shape) == 2 else input.view(-1, D)
