@@ -87,6 +87,35 @@ def test_modules_are_torch_modules_with_interchangeable_state_dicts():
     assert repr(r_ours).startswith("RMSNorm((6,)")
 
 
+@pytest.mark.parametrize("cls", [normbook.LayerNorm, normbook.RMSNorm])
+def test_modules_see_parameters_moved_out_of_parameters(cls):
+    """The modules read weight and bias from _parameters (faster than Module.__getattr__);
+    a weight that parametrize or the old weight_norm hook moved out is read as module.weight
+    gives it, as torch's modules read it."""
+    import torch.nn.utils.parametrize as P
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    theirs = torch.nn.LayerNorm(6) if cls is normbook.LayerNorm else torch.nn.RMSNorm(6)
+    ours = cls(6)
+    x = torch.randn(3, 6)
+    for m in (ours, theirs):
+        P.register_parametrization(m, "weight", Double())
+        assert "weight" not in m._parameters
+    torch.testing.assert_close(ours(x), theirs(x))
+    torch.testing.assert_close(ours(x), 2 * cls(6)(x))    # the parametrized weight, 2 * ones
+    old = cls(6)
+    torch.nn.utils.weight_norm(old, "weight", dim=0)        # a hook sets a plain tensor weight
+    with torch.no_grad():
+        old.weight_g.mul_(3)
+    ref = theirs.__class__(6)
+    with torch.no_grad():
+        ref.weight.mul_(3)
+    torch.testing.assert_close(old(x), ref(x))
+
+
 def test_module_trains_through_the_reference_backward():
     m = normbook.LayerNorm(5, dtype=torch.float64)
     t = torch.nn.LayerNorm(5, dtype=torch.float64)
