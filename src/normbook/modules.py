@@ -9,6 +9,8 @@ dispatch to the Triton kernels.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from normbook.functional import _NO_BIAS, _norm, _rms_eps, _validate, layer_norm, rms_norm
@@ -21,7 +23,7 @@ __all__ = ["LayerNorm", "RMSNorm"]
 # that is not there (moved out by ``torch.nn.utils.parametrize``, say, or replaced by a plain
 # tensor by a hook) comes back as _ABSENT and is read the usual way, so that forward sees what
 # ``self.weight`` gives.
-_ABSENT = object()
+_ABSENT: Any = object()
 
 
 class LayerNorm(torch.nn.LayerNorm):

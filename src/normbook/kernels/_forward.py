@@ -609,11 +609,11 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     # (sizes as separate arguments: half a microsecond less than a tuple, measured)
     stats = x.new_empty(1 if is_rms else 2, M, dtype=torch.float32)
     stride_x = x.stride()[0]             # stride() then [0]: faster than stride(0)
-    if residual is None:
-        h, r, stride_r = None, x, stride_x   # placeholders: never touched when absent
+    if residual is None:   # placeholders for the residual and h: never touched when absent
+        h, r, hy, stride_r = None, x, y, stride_x
     else:
-        h, r = torch.empty_like(x), residual
-        stride_r = r.stride()[0]
+        h = hy = torch.empty_like(x)
+        r, stride_r = residual, residual.stride()[0]
     if not M:
         return y, h, stats
     plans = forward_plan(M, D, device, x.element_size(), is_rms, h is not None,
@@ -622,38 +622,14 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     if plans is None:
         raise refusal("fwd", D, x.element_size(), residual is not None, device)
     plan = plans[0]
-    kernel = _KERNELS[plan.kernel]
-    args = (x, r, y if h is None else h, y, x if weight is None else weight,
-            x if bias is None else bias, stats, stride_x, stride_r, M, D, eps)
-    if plan.slices == 1 and plan.measured:    # the common case
-        kernel[plan.grid](*args, **plan.flags)
+    w = x if weight is None else weight  # placeholders: never read when absent
+    b = x if bias is None else bias
+    if plan.slices == 1 and plan.measured:    # the common case: one launch of whole rows
+        _KERNELS[plan.kernel][plan.grid](x, r, hy, y, w, b, stats, stride_x, stride_r, M, D, eps,
+                                         **plan.flags)
         return y, h, stats
-    if plan.slices > 1:     # groups of S programs, one per slice of a row, exchanging sums
-        slots = torch.zeros(slot_words(plan), dtype=torch.int64, device=x.device)
-        args = (*args[:7], slots, *args[7:])
-    if not plan.measured:   # a GPU, the kernel's first launch: size the grid by what it needs
-        from normbook.kernels._config import measure
-        if measure(kernel, plan, args, device) and forward_plan(
-                M, D, device, x.element_size(), is_rms, residual is not None, weight is not None,
-                bias is not None, (stride_x | stride_r) & 15, shared_rows(D)) is not None:
-            return norm_forward(x, residual, weight, bias, eps, is_rms)   # the measured plan
-    if plan.slices > 1:
-        launch_shared(kernel, plan.grid, args, plan.flags)
-    else:
-        kernel[plan.grid](*args, **plan.flags)
-    return y, h, stats
-    r = residual if residual is not None else x      # placeholders: never touched when absent
-    stride_x = x.stride()[0]             # stride() then [0]: faster than stride(0)
-    stride_r = stride_x if r is x else r.stride()[0]
-    plans = forward_plan(M, D, device, x.element_size(), is_rms, residual is not None,
-                         weight is not None, bias is not None, (stride_x | stride_r) & 15,
-                         shared_rows(D))
-    if plans is None:
-        raise refusal("fwd", D, x.element_size(), residual is not None, device)
-    plan = plans[0]
     kernel = _KERNELS[plan.kernel]
-    args = (x, r, h if h is not None else y, y, weight if weight is not None else x,
-            bias if bias is not None else x, stats, stride_x, stride_r, M, D, eps)
+    args = (x, r, hy, y, w, b, stats, stride_x, stride_r, M, D, eps)
     if plan.slices > 1:     # groups of S programs, one per slice of a row, exchanging sums
         slots = torch.zeros(slot_words(plan), dtype=torch.int64, device=x.device)
         args = (*args[:7], slots, *args[7:])
