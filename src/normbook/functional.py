@@ -437,22 +437,22 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
             mode, dtypes, ok = _TORCH, _FLOAT_DTYPES, True
         if ok and shape and shape[-1] == D and dtype in dtypes and input.is_contiguous():
             device = input.device
-            b = None if bias is _NO_BIAS else bias
+            b, bias_dtype = None, None
             try:        # a parameter that is not a tensor: the checks below name it
                 if weight is not None and not (
                         weight.shape == (D,) and weight.dtype in dtypes and weight.device == device
                         and weight.is_contiguous()):
                     ok = False
-                if b is not None and not (
-                        b.shape == (D,) and b.dtype in dtypes and b.device == device
-                        and b.is_contiguous()):
-                    ok = False
+                if bias is not None and bias is not _NO_BIAS:
+                    b, bias_dtype = bias, bias.dtype
+                    if not (b.shape == (D,) and bias_dtype in dtypes and b.device == device
+                            and b.is_contiguous()):
+                        ok = False
             except AttributeError:
                 ok = False
             if ok:
                 x = input if len(shape) == 2 else input.view(-1, D)
-                y = _eager_apply(x, None, weight, b,
-                                 (eps, is_rms, mode, None if b is None else b.dtype, False))
+                y = _eager_apply(x, None, weight, b, (eps, is_rms, mode, bias_dtype, False))
                 return (y if x is input else y.view(shape)), None
     original = input
     fast = (D is not None and isinstance(input, Tensor) and input.dtype in _FLOAT_DTYPES

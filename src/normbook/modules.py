@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from normbook.functional import _NO_BIAS, _norm, _rms_eps, _validate, layer_norm, rms_norm
 
@@ -44,7 +45,7 @@ class LayerNorm(torch.nn.LayerNorm):
         if weight is _ABSENT or bias is _ABSENT:
             weight, bias = self.weight, self.bias
         eps = self.eps
-        if type(input) is not torch.Tensor:   # a subclass (nested, DTensor): the public door
+        if type(input) is not Tensor:   # a subclass (nested, DTensor): the public door
             return layer_norm(input, self.normalized_shape, weight, bias, eps)
         return _norm(input, self.normalized_shape, weight, bias,
                      eps if type(eps) is float else _validate.as_eps(eps), False)[0]
@@ -66,7 +67,7 @@ class RMSNorm(torch.nn.RMSNorm):
         if weight is _ABSENT:
             weight = self.weight
         eps = self.eps
-        if type(input) is not torch.Tensor:   # a subclass (nested, DTensor): the public door
+        if type(input) is not Tensor:   # a subclass (nested, DTensor): the public door
             return rms_norm(input, self.normalized_shape, weight, eps)
         return _norm(input, self.normalized_shape, weight, _NO_BIAS,
                      eps if type(eps) is float else _rms_eps(input, eps), True)[0]

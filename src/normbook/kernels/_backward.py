@@ -544,13 +544,14 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
             raise refusal("bwd", D, e, dh is not None, device, narrow_loads(D, e))
     plan = plans[0]
     w = x if weight is None else weight               # placeholders: never read when absent
+    if plan.simple:     # the common case: one launch of whole rows, no finish
+        _KERNELS[plan.kernel][plan.grid](
+            x, dy, dhp, dx, w, stats, stats if dweight is None else dweight,
+            stats if dbias is None else dbias, stride_x, stride_dy, stride_dh, M, D, **plan.flags)
+        return dx, dweight, dbias
     if len(plans) == 1:   # one group writes the sums over rows itself
         pw = stats if dweight is None else dweight
         pb = stats if dbias is None else dbias
-        if plan.slices == 1 and plan.measured:    # the common case: one launch of whole rows
-            _KERNELS[plan.kernel][plan.grid](x, dy, dhp, dx, w, stats, pw, pb, stride_x,
-                                              stride_dy, stride_dh, M, D, **plan.flags)
-            return dx, dweight, dbias
     else:                                   # fp32 partial sums, one (D,) row per group
         pw, pb = x.new_empty(2, plan.groups, D, dtype=torch.float32)
     kernel = _KERNELS[plan.kernel]

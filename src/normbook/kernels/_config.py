@@ -177,6 +177,8 @@ class Plan(NamedTuple):
     elem_bytes: int      # bytes of one value of those tensors
     measured: bool = True  # per_sm is the compiled kernel's (or nothing to measure: the
                            # interpreter); False: the launcher measures it at its first launch
+    simple: bool = False   # the launchers' common case, one test: whole rows (S = 1), measured,
+                           # and (the backward) no finish after it
 
 
 def _config(M: int, D: int, max_fused: int, elems: int) -> Config:
@@ -351,7 +353,9 @@ def device(device_index) -> Device:
 
 
 def _plan(kernel: str, grid: int, constexprs: dict, options: dict, **counts) -> Plan:
-    return Plan(kernel, (grid,), constexprs, options, dict(constexprs, **options), **counts)
+    simple = counts["slices"] == 1 and counts.get("measured", True)
+    return Plan(kernel, (grid,), constexprs, options, dict(constexprs, **options), simple=simple,
+                **counts)
 
 
 # programs per SM of compiled kernels, measured at their first launch on a GPU (:func:`measure`):
@@ -514,7 +518,7 @@ def backward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool, has
             return None
     if main.groups == 1 or not n_par:      # one group writes dweight and dbias itself
         return (main,)
-    main = main._replace(partials=main.groups * n_par)
+    main = main._replace(partials=main.groups * n_par, simple=False)
     return main, finish_plan(D, has_weight, has_bias, main.groups)
 
 

@@ -624,7 +624,7 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     plan = plans[0]
     w = x if weight is None else weight  # placeholders: never read when absent
     b = x if bias is None else bias
-    if plan.slices == 1 and plan.measured:    # the common case: one launch of whole rows
+    if plan.simple:     # the common case: one launch of whole rows
         _KERNELS[plan.kernel][plan.grid](x, r, hy, y, w, b, stats, stride_x, stride_r, M, D, eps,
                                          **plan.flags)
         return y, h, stats
