@@ -151,9 +151,12 @@ def _backward_eager(dy, x, weight, mean, rstd, has_bias: bool):
     only (..., D) allocation is dx (fp32 xc is formed in dx's block). x and dy may be bf16 or
     fp16 with the weight and the statistics in fp32: each block is then copied into fp32
     buffers first (a step that mixes dtypes is not vectorised) and its dx written back in x's
-    dtype. The sums over tokens: fp32 rows take ``sum`` (pairwise, as accurate as the
-    formulas); half rows a matrix-vector product, faster, whose sequential sum is as accurate
-    as torch's own backward and far finer than the half dtype the rows came in.
+    dtype. The sums over tokens are matrix-vector products (dweight = (g * xc)^T rstd, dbias =
+    g^T 1), faster than ``sum`` over rows and with no pass to scale g * xc first. They add
+    the rows of a block one after another, and the blocks in turn: measured against float64
+    at 4096 x 1024 fp32, dweight's largest error is 1.4e-6 of its largest value and torch's
+    own backward's 1.3e-6 (2048 x 4096: 8.1e-7 against 8.8e-7; 65536 x 64: 5.0e-7 against
+    2.8e-6), far finer still than a half dtype the rows may have come in.
     """
     D = x.shape[-1]
     ct = weight.dtype                                                  # the compute dtype
@@ -168,7 +171,7 @@ def _backward_eager(dy, x, weight, mean, rstd, has_bias: bool):
     p = X.new_empty(n0, D, dtype=ct)                                   # g * xc, then the bracket
     xbuf = X.new_empty(n0, D, dtype=ct) if low else None               # x, then xc, in fp32
     gbuf = X.new_empty(n0, D, dtype=ct) if low else None               # dy in fp32
-    ones = X.new_ones(n0, dtype=ct) if low else None                   # sums over rows
+    ones = X.new_ones(n0, dtype=ct)                                    # sums over rows
     dweight = X.new_zeros(D, dtype=ct)
     dbias = X.new_zeros(D, dtype=ct) if has_bias else None
     for s in range(0, X.shape[0], rows):
@@ -181,16 +184,10 @@ def _backward_eager(dy, x, weight, mean, rstd, has_bias: bool):
         else:
             xc = xb if Mu is None else torch.sub(xb, Mu[s:s + rows], out=dx[s:s + rows])
         pb = torch.mul(gb, xc, out=p[:n])                              # g * xc
-        if low:
-            dweight.addmv_(pb.t(), rb.view(-1))                        # (ln-dparams)
-            c2 = torch.mv(pb, w_d).unsqueeze(-1).mul_(rb)              # c2 in (ln-c)
-            if dbias is not None:
-                dbias.addmv_(gb.t(), ones[:n])                         # (ln-dparams)
-        else:
-            dweight += pb.mul_(rb).sum(0)                              # g * xhat: (ln-dparams)
-            c2 = torch.mv(pb, w_d).unsqueeze(-1)                       # c2 in (ln-c)
-            if dbias is not None:
-                dbias += gb.sum(0)                                     # (ln-dparams)
+        dweight.addmv_(pb.t(), rb.view(-1))                            # (ln-dparams)
+        c2 = torch.mv(pb, w_d).unsqueeze(-1).mul_(rb)                  # c2 in (ln-c)
+        if dbias is not None:
+            dbias.addmv_(gb.t(), ones[:n])                             # (ln-dparams)
         if Mu is None:
             bracket = torch.mul(gb, weight, out=pb)                    # ghat
         else:
