@@ -1,5 +1,7 @@
 """The public API mirrors torch.nn.functional and torch.nn, on the CPU reference path."""
 
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -325,3 +327,54 @@ def test_overflowing_rows_as_the_docstrings_say():
         for ours, ref in ((normbook.layer_norm(x, 4), F.layer_norm(x.double(), (4,))),
                           (normbook.rms_norm(x, 4), F.rms_norm(x.double(), (4,)))):
             torch.testing.assert_close(ours.double(), ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+def test_forward_over_reverse_and_batched_gradients_like_torch(backend, device):
+    """A tangent through the backward (forward-over-reverse: a dual input, then autograd.grad)
+    and autograd's batched gradients (is_grads_batched) reach the gradients as torch's do on
+    either backend: neither the kernels nor the in-place CPU backward can carry them, so the
+    backward takes the formulas there, the statistics taken again from x."""
+    import torch.autograd.forward_ad as fwAD
+
+    if backend == "kernels" and importlib.util.find_spec("triton") is None:
+        pytest.skip("needs Triton")
+    g = torch.Generator().manual_seed(3)
+    x, v, w, b = (torch.randn(*s, generator=g).to(device) for s in ((5, 16), (5, 16), (16,), (16,)))
+
+    def fwd_over_rev(fn):
+        with fwAD.dual_level():
+            xd = fwAD.make_dual(x, v).requires_grad_(True)
+            gx, = torch.autograd.grad(fn(xd, (16,), w, b).square().sum(), xd)
+            return fwAD.unpack_dual(gx).tangent
+
+    def batched(fn):
+        xg = x.clone().requires_grad_(True)
+        dys = torch.randn(3, 5, 16, generator=g).to(device)
+        return torch.autograd.grad(fn(xg, (16,), w, b), xg, dys, is_grads_batched=True)[0]
+
+    with normbook.backend(backend):
+        got = fwd_over_rev(normbook.layer_norm)
+        torch.testing.assert_close(got, fwd_over_rev(F.layer_norm), rtol=1e-4, atol=1e-4)
+        state = g.get_state()
+        got = batched(normbook.layer_norm)
+        g.set_state(state)
+        torch.testing.assert_close(got, batched(F.layer_norm), rtol=1e-5, atol=1e-5)
+
+
+def test_zero_width_rows_train_like_torch():
+    """D = 0 (an empty normalized shape) gives empty outputs and gradients, as torch does."""
+    x = torch.randn(3, 0, requires_grad=True)
+    w, b = torch.randn(0, requires_grad=True), torch.randn(0, requires_grad=True)
+    normbook.layer_norm(x, 0, w, b).sum().backward()
+    assert x.grad.shape == (3, 0) and w.grad.shape == (0,) and b.grad.shape == (0,)
+
+
+def test_normalized_shape_of_a_float_does_not_depend_on_the_layout():
+    """The door's short path (contiguous rows) and its checks (anything else) agree on an
+    unusual normalized_shape: a float equal to D."""
+    x = torch.randn(2, 3, 8)
+    dense = normbook.layer_norm(x, (8.0,))
+    strided = normbook.layer_norm(x.transpose(0, 1).contiguous().transpose(0, 1), (8.0,))
+    torch.testing.assert_close(dense, strided)
+    torch.testing.assert_close(dense, F.layer_norm(x, (8,)))

@@ -14,6 +14,7 @@ Shapes: x, dy (..., D); weight, bias (D,) or None; mean, rstd (..., 1).
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as _fwAD
 
 
 def _rsqrt_ms(xc: torch.Tensor, eps) -> torch.Tensor:
@@ -53,10 +54,11 @@ _is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lam
 def _eager(*ts) -> bool:
     """Whether a call may take torch's fused kernels and work in place on its own temporaries:
     every tensor given has values at hand (:func:`_has_values`) and autograd records no graph
-    of the call (double backward does, through these formulas). Traced, transformed and
-    recorded calls keep the plain formulas."""
+    of the call (double backward does, through these formulas), nor forward-mode AD, whose
+    tangents the ``out=`` and in-place steps would not carry. Traced, transformed, recorded
+    and dual calls keep the plain formulas."""
     ts = [t for t in ts if t is not None]
-    return (all(_has_values(t) for t in ts)
+    return (all(_has_values(t) for t in ts) and _fwAD._current_level < 0
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts)))
 
 
@@ -110,7 +112,7 @@ def backward(dy, x, weight, mean, rstd, has_bias: bool):
     other code compares against (the feature-sharded norms to 1e-12, say), keeps the formulas.
     """
     if (weight is not None and dy.dtype == x.dtype == weight.dtype == torch.float32
-            and _eager(dy, x, weight, mean, rstd)):     # float64 keeps the formulas, as forward
+            and x.shape[-1] and _eager(dy, x, weight, mean, rstd)):     # float64 keeps the formulas, as forward
         return _backward_eager(dy, x, weight, mean, rstd, has_bias)
     xh = xhat(x, mean, rstd)                                   # (..., D)
     ghat = dy if weight is None else dy * weight               # (ln-ghat)

@@ -103,6 +103,7 @@ _TORCH, _LAUNCH, _OPS = 0, 1, 2   # what computes a call: NormFunction's ``kerne
 _grad_enabled = torch.is_grad_enabled
 _transformed = torch._C._are_functorch_transforms_active
 _compiling = torch.compiler.is_compiling
+_legacy_batched = _math._is_legacy_batched   # autograd's batched gradients (is_grads_batched)
 
 
 def _kernels():
@@ -235,11 +236,15 @@ class NormFunction(torch.autograd.Function):
             dh = rest[0]
             if dy is None:                   # only h was used downstream
                 dy = torch.zeros_like(x)
-        if kernels == _LAUNCH and not (_grad_enabled() or _transformed() or _compiling()):
+        dual = _fwAD._current_level >= 0       # forward-over-reverse: tangents through it
+        eager = kernels == _LAUNCH and not (_grad_enabled() or _transformed() or _compiling())
+        if eager and not dual and not _legacy_batched(dy):
             dx, dweight, dbias = _K[1](dy, dh, x, weight, stats, bias_dtype, is_rms)
-        elif not kernels or _grad_enabled() or _transformed():
+        elif not kernels or _grad_enabled() or _transformed() or dual or eager:
+            # torch ops; the statistics taken again from x where a graph or a tangent of the
+            # backward must see how they depend on it
             dx, dweight, dbias = _torch_backward(dy, dh, x, weight, stats, eps, is_rms,
-                                                 bias_dtype, _grad_enabled())
+                                                 bias_dtype, _grad_enabled() or dual)
         else:   # traced (compiled autograd too) or a DTensor: the custom op
             dx, dweight, dbias = _K[2].norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)
             dweight = None if weight is None else dweight
@@ -423,7 +428,8 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
     t = type(normalized_shape)
     D = normalized_shape if t is int else (
         normalized_shape[0] if t in _SEQUENCES and len(normalized_shape) == 1 else None)
-    if (type(input) is Tensor and type(eps) is float and eps == eps and D and residual is None
+    if (type(input) is Tensor and type(eps) is float and eps == eps and type(D) is int and D
+            and residual is None
             and not _compiling() and _fwAD._current_level < 0
             and not _transformed()):
         shape, dtype = input.shape, input.dtype
