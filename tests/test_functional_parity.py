@@ -290,6 +290,21 @@ def test_torch_jit_script_of_the_modules():
         torch.testing.assert_close(scripted(x), m(x))
 
 
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+def test_torch_jit_trace_of_the_modules(backend, kernels, device):
+    """A trace records torch's ops, not a Triton launch: under torch.jit.trace the door takes
+    the torch backend (a traced kernel call would leave the graph an empty output), so the
+    traced module computes the norm on inputs it was not traced with."""
+    for m, ref in ((normbook.LayerNorm(8), torch.nn.LayerNorm(8)),
+                   (normbook.RMSNorm(8), torch.nn.RMSNorm(8))):
+        m, ref = m.to(device), ref.to(device)
+        with normbook.backend(backend), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            traced = torch.jit.trace(m, torch.randn(4, 8, device=device))
+        x = torch.randn(6, 8, device=device)
+        torch.testing.assert_close(traced(x), ref(x))
+
+
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_nested_jagged_tensors(norm):
     parts = [torch.randn(3, 8), torch.randn(5, 8)]

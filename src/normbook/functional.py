@@ -104,6 +104,7 @@ _grad_enabled = torch.is_grad_enabled
 _transformed = torch._C._are_functorch_transforms_active
 _compiling = torch.compiler.is_compiling
 _legacy_batched = _math._is_legacy_batched   # autograd's batched gradients (is_grads_batched)
+_tracing = torch._C._is_tracing              # torch.jit.trace
 
 
 def _kernels():
@@ -396,7 +397,11 @@ def _check_residual(residual, input) -> None:
 
 def _kernels_take(x, residual) -> bool:
     """Whether the kernels compute rows this wide on this device (rows wider than its programs
-    can share go to the torch backend, with one warning per width)."""
+    can share go to the torch backend, with one warning per width), and now: under
+    ``torch.jit.trace`` the torch backend computes, since a trace records torch's ops and not a
+    Triton launch (its graph would hold empty outputs)."""
+    if torch.jit.is_tracing():      # (torch.compile knows this one; not _tracing, a C builtin)
+        return False
     D = x.shape[-1]
     if D <= _FUSED_D:
         return True
@@ -438,7 +443,8 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
                                                 and dtype in _KERNEL_DTYPES and _triton_installed())
         if kernels:             # what the kernels take without a word (else: the checks below)
             mode, dtypes = _LAUNCH, _KERNEL_DTYPES
-            ok = D <= _FUSED_D and _K is not None and (input.is_cuda or (_INTERPRETED and input.is_cpu))
+            ok = (D <= _FUSED_D and _K is not None and (input.is_cuda or (_INTERPRETED and input.is_cpu))
+                  and not _tracing())
         else:
             mode, dtypes, ok = _TORCH, _FLOAT_DTYPES, True
         if ok and shape and shape[-1] == D and dtype in dtypes and input.is_contiguous():

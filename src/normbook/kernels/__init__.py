@@ -2,7 +2,8 @@
 
 Public functions (same signatures as ``torch.nn.functional``; always the Triton kernels:
 compiled on CUDA, interpreted on the CPU when TRITON_INTERPRET=1 was set before triton was
-imported, a clear error otherwise):
+imported, a clear error otherwise; under ``torch.jit.trace``, which records torch's ops and not
+a kernel launch, the same equations in torch ops):
 
 - :func:`layer_norm`, :func:`rms_norm`;
 - :func:`add_layer_norm`, :func:`add_rms_norm`: the residual add fused in front, -> (y, h).
