@@ -111,8 +111,9 @@ def backward(dy, x, weight, mean, rstd, has_bias: bool):
     the same terms are taken in fewer passes by :func:`_backward_eager`; float64, the precision
     other code compares against (the feature-sharded norms to 1e-12, say), keeps the formulas.
     """
+    # float64 keeps the formulas, as forward; so do rows of D = 0 (no blocks to take)
     if (weight is not None and dy.dtype == x.dtype == weight.dtype == torch.float32
-            and x.shape[-1] and _eager(dy, x, weight, mean, rstd)):     # float64 keeps the formulas, as forward
+            and x.shape[-1] and _eager(dy, x, weight, mean, rstd)):
         return _backward_eager(dy, x, weight, mean, rstd, has_bias)
     xh = xhat(x, mean, rstd)                                   # (..., D)
     ghat = dy if weight is None else dy * weight               # (ln-ghat)

@@ -396,10 +396,10 @@ def _check_residual(residual, input) -> None:
 
 
 def _kernels_take(x, residual) -> bool:
-    """Whether the kernels compute rows this wide on this device (rows wider than its programs
-    can share go to the torch backend, with one warning per width), and now: under
-    ``torch.jit.trace`` the torch backend computes, since a trace records torch's ops and not a
-    Triton launch (its graph would hold empty outputs)."""
+    """Whether the kernels compute this call: rows wider than the device's programs can share
+    go to the torch backend, with one warning per width; so does every call under
+    ``torch.jit.trace``, which records torch's ops and not a Triton launch (its graph would
+    hold empty outputs)."""
     if torch.jit.is_tracing():      # (torch.compile knows this one; not _tracing, a C builtin)
         return False
     D = x.shape[-1]
@@ -443,8 +443,8 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
                                                 and dtype in _KERNEL_DTYPES and _triton_installed())
         if kernels:             # what the kernels take without a word (else: the checks below)
             mode, dtypes = _LAUNCH, _KERNEL_DTYPES
-            ok = (D <= _FUSED_D and _K is not None and (input.is_cuda or (_INTERPRETED and input.is_cpu))
-                  and not _tracing())
+            ok = (D <= _FUSED_D and _K is not None and not _tracing()
+                  and (input.is_cuda or (_INTERPRETED and input.is_cpu)))
         else:
             mode, dtypes, ok = _TORCH, _FLOAT_DTYPES, True
         if ok and shape and shape[-1] == D and dtype in dtypes and input.is_contiguous():

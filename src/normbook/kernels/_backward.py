@@ -517,7 +517,7 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     if not M:   # no rows: the sums over rows are zero
         return (dx, None if dweight is None else dweight.zero_(),
                 None if dbias is None else dbias.zero_())
-    stride_x, step = x.stride()                    # stride() then [i]: faster than stride(i)
+    stride_x = x.stride()[0]                       # stride() then [i]: faster than stride(i)
     stride_dy, step = dy.stride()
     if step != 1 and D > 1:    # a gradient may be any view (an expand): make D's steps unit
         dy = dy.contiguous()
@@ -530,7 +530,7 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     e = x.element_size()
     plans = backward_plan(M, D, device, e, is_rms, dh is not None, dweight is not None,
                           dbias is not None, (stride_x | stride_dy | stride_dh) & 15,
-                          D > MAX_FUSED_D_BWD and shared_rows(D))
+                          D > MAX_FUSED_D_BWD and shared_rows(D))   # (no call for narrow rows)
     if plans is None:
         if narrow_loads(D, e, stride_x | stride_dy | stride_dh) and not narrow_loads(D, e):
             # a wide row whose odd strides halve the slices: dense copies load 16 bytes at a
@@ -543,15 +543,16 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
         if plans is None:
             raise refusal("bwd", D, e, dh is not None, device, narrow_loads(D, e))
     plan = plans[0]
-    w = x if weight is None else weight               # placeholders: never read when absent
+    # placeholders where a tensor is absent: never read or written then
+    w = x if weight is None else weight
+    ow = stats if dweight is None else dweight
+    ob = stats if dbias is None else dbias
     if plan.simple:     # the common case: one launch of whole rows, no finish
-        _KERNELS[plan.kernel][plan.grid](
-            x, dy, dhp, dx, w, stats, stats if dweight is None else dweight,
-            stats if dbias is None else dbias, stride_x, stride_dy, stride_dh, M, D, **plan.flags)
+        _KERNELS[plan.kernel][plan.grid](x, dy, dhp, dx, w, stats, ow, ob, stride_x, stride_dy,
+                                         stride_dh, M, D, **plan.flags)
         return dx, dweight, dbias
     if len(plans) == 1:   # one group writes the sums over rows itself
-        pw = stats if dweight is None else dweight
-        pb = stats if dbias is None else dbias
+        pw, pb = ow, ob
     else:                                   # fp32 partial sums, one (D,) row per group
         pw, pb = x.new_empty(2, plan.groups, D, dtype=torch.float32)
     kernel = _KERNELS[plan.kernel]
@@ -573,7 +574,5 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     if len(plans) > 1:
         # the one small reduction, (groups, D) -> (D,), in a fixed order: deterministic
         finish = plans[1]
-        _KERNELS[finish.kernel][finish.grid](
-            pw, pb, stats if dweight is None else dweight, stats if dbias is None else dbias,
-            plan.groups, D, **finish.flags)
+        _KERNELS[finish.kernel][finish.grid](pw, pb, ow, ob, plan.groups, D, **finish.flags)
     return dx, dweight, dbias

@@ -618,7 +618,7 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
         return y, h, stats
     plans = forward_plan(M, D, device, x.element_size(), is_rms, h is not None,
                          weight is not None, bias is not None, (stride_x | stride_r) & 15,
-                         D > MAX_FUSED_D_BWD and shared_rows(D))
+                         D > MAX_FUSED_D_BWD and shared_rows(D))   # (no call for narrow rows)
     if plans is None:
         raise refusal("fwd", D, x.element_size(), residual is not None, device)
     plan = plans[0]
