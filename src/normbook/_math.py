@@ -13,6 +13,8 @@ Shapes: x, dy (..., D); weight, bias (D,) or None; mean, rstd (..., 1).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.autograd.forward_ad as _fwAD
 
@@ -166,7 +168,8 @@ def _backward_eager(dy, x, weight, mean, rstd, has_bias: bool):
     X, G = x.reshape(-1, D), dy.reshape(-1, D)                         # (N, D)
     R = rstd.reshape(-1, 1).to(ct)                                     # (N, 1)
     Mu = None if mean is None else mean.reshape(-1, 1).to(ct)          # (N, 1)
-    w_d = weight / D                                                   # (D,)
+    w_d, nw_d = weight / D, weight / -D                                # (D,)
+    nR = R.neg()                                                       # (N, 1)
     low = X.dtype != ct                                                # bf16/fp16 rows
     dx = torch.empty_like(X)                                           # (N, D), x's dtype
     rows = max(1, _BLOCK_PER_THREAD * torch.get_num_threads() // max(D, 1))
@@ -177,30 +180,37 @@ def _backward_eager(dy, x, weight, mean, rstd, has_bias: bool):
     ones = X.new_ones(n0, dtype=ct)                                    # sums over rows
     dweight = X.new_zeros(D, dtype=ct)
     dbias = X.new_zeros(D, dtype=ct) if has_bias else None
-    for s in range(0, X.shape[0], rows):
-        xb, gb, rb = X[s:s + rows], G[s:s + rows], R[s:s + rows]
+    # the blocks as views made in one call each (slicing in the loop costs more than it
+    # seems: the loop runs about twenty ops per block, and each op's overhead counts)
+    blocks = zip(X.split(rows), G.split(rows), R.split(rows), R.view(-1).split(rows),
+                 nR.split(rows), dx.split(rows),
+                 Mu.split(rows) if Mu is not None else itertools.repeat(None))
+    for xb, gb, rb, rv, nb, db, mb in blocks:
         n = xb.shape[0]
+        pb = p if n == n0 else p[:n]                                   # the last may be short
         if low:
             xc, gb = xbuf[:n].copy_(xb), gbuf[:n].copy_(gb)
-            if Mu is not None:
-                xc.sub_(Mu[s:s + rows])
+            if mb is not None:
+                xc.sub_(mb)
         else:
-            xc = xb if Mu is None else torch.sub(xb, Mu[s:s + rows], out=dx[s:s + rows])
-        pb = torch.mul(gb, xc, out=p[:n])                              # g * xc
-        dweight.addmv_(pb.t(), rb.view(-1))                            # (ln-dparams)
-        c2 = torch.mv(pb, w_d).unsqueeze(-1).mul_(rb)                  # c2 in (ln-c)
+            xc = xb if mb is None else torch.sub(xb, mb, out=db)       # in dx's block
+        pb = torch.mul(gb, xc, out=pb)                                 # g * xc
+        dweight.addmv_(pb.t(), rv)                                     # (ln-dparams)
+        # -c2 * rstd, (ln-c), one factor rstd at a time (rstd^2 of a row near 1e20 would be
+        # subnormal in fp32)
+        coef = torch.mv(pb, w_d).unsqueeze_(-1).mul_(rb).mul_(nb)
         if dbias is not None:
-            dbias.addmv_(gb.t(), ones[:n])                             # (ln-dparams)
-        if Mu is None:
+            dbias.addmv_(gb.t(), ones if n == n0 else ones[:n])        # (ln-dparams)
+        if mb is None:
             bracket = torch.mul(gb, weight, out=pb)                    # ghat
         else:
-            c1 = torch.mv(gb, w_d).neg_().unsqueeze(-1)                # -c1 in (ln-c)
+            c1 = torch.mv(gb, nw_d).unsqueeze_(-1)                     # -c1 in (ln-c)
             bracket = torch.addcmul(c1, gb, weight, out=pb)            # ghat - c1
-        bracket.addcmul_(xc, c2.mul_(rb).neg_())                       # ... - c2 * xhat
+        bracket.addcmul_(xc, coef)                                     # ... - c2 * xhat
         if low:
-            dx[s:s + rows].copy_(bracket.mul_(rb))                     # times rstd: (ln-dx)
+            db.copy_(bracket.mul_(rb))                                 # times rstd: (ln-dx)
         else:
-            torch.mul(bracket, rb, out=dx[s:s + rows])                 # times rstd: (ln-dx)
+            torch.mul(bracket, rb, out=db)                             # times rstd: (ln-dx)
     return dx.reshape(x.shape), dweight, dbias
 
 
