@@ -285,6 +285,46 @@ def test_add_norm_refuses_a_mismatched_residual():
         normbook.add_rms_norm(x, None)
 
 
+@pytest.mark.parametrize("mode", ["torch", "kernels", "compiled", "forward-AD"])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_add_norm_gradients_accumulate_into_leaves_like_torch(request, norm, mode):
+    """Two backwards into leaves x and residual of three dims (gradient accumulation): each
+    leaf's .grad is a tensor of its own and holds the sum of both backwards, as for torch's
+    x + residual. (Flattened apart, x and the residual received two views of one gradient,
+    which autograd made both leaves' .grad without a copy: the second backward added into it
+    twice, and clipping one gradient in place clipped the other.)"""
+    import contextlib
+
+    import torch.autograd.forward_ad as fwAD
+
+    if mode == "kernels":
+        request.getfixturevalue("kernels")
+    torch.manual_seed(0)
+    x, r = (torch.randn(2, 3, 16, requires_grad=True) for _ in range(2))
+    w = torch.randn(16, requires_grad=True)
+    if norm == "layer":
+        ours = lambda x, r: normbook.add_layer_norm(x, r, w)          # noqa: E731
+        theirs = lambda h: F.layer_norm(h, (16,), w)                  # noqa: E731
+    else:
+        ours = lambda x, r: normbook.add_rms_norm(x, r, w)            # noqa: E731
+        theirs = lambda h: F.rms_norm(h, (16,), w, torch.finfo(torch.float32).eps)  # noqa: E731
+    if mode == "compiled":
+        ours = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    x2, r2 = (t.detach().clone().requires_grad_() for t in (x, r))
+    context = {"kernels": normbook.backend("kernels"), "forward-AD": fwAD.dual_level()}.get(
+        mode, contextlib.nullcontext())
+    with context:
+        for step in range(2):
+            c = torch.randn(2, 3, 16)
+            y, h = ours(x, r)
+            (y * c + h * c.flip(0)).sum().backward()
+            h2 = x2 + r2
+            (theirs(h2) * c + h2 * c.flip(0)).sum().backward()
+    assert x.grad.data_ptr() != r.grad.data_ptr()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(r.grad, r2.grad, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_half_rows_on_the_torch_backend_are_as_accurate_as_torch(norm, dtype):

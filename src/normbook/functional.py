@@ -217,10 +217,16 @@ class NormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, cfg):
         eps, is_rms, kernels, _, _ = cfg
+        shape = None
+        if kernels == _LAUNCH and residual is not None and x.dim() != 2:
+            shape = x.shape                   # the fused add's (..., D): see _apart
+            x, residual = _rows(x), _rows(residual)
         if kernels == _LAUNCH:   # the commonest case without a call more (see _forward_rows)
             y, h, stats = _K[0](x, residual, weight, bias, eps, is_rms)
         else:
             y, h, stats = _forward_rows(x, residual, weight, bias, eps, is_rms, kernels)
+        if shape is not None:
+            y, h = _shaped(y, shape), _shaped(h, shape)
         ctx.save_for_backward(x if residual is None else h, weight, stats)
         ctx.cfg = cfg
         if residual is None:
@@ -232,9 +238,12 @@ class NormFunction(torch.autograd.Function):
     def backward(ctx, dy, *rest):
         x, weight, stats = ctx.saved_tensors
         eps, is_rms, kernels, bias_dtype, has_residual = ctx.cfg
-        dh = None
+        dh, shape = None, None
         if has_residual:
             dh = rest[0]
+            if kernels == _LAUNCH and x.dim() != 2:       # h (..., D), see forward
+                shape = x.shape
+                x, dy, dh = (None if t is None else _rows(t) for t in (x, dy, dh))
             if dy is None:                   # only h was used downstream
                 dy = torch.zeros_like(x)
         dual = _fwAD._current_level >= 0       # forward-over-reverse: tangents through it
@@ -250,7 +259,10 @@ class NormFunction(torch.autograd.Function):
             dx, dweight, dbias = _K[2].norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)
             dweight = None if weight is None else dweight
             dbias = None if bias_dtype is None else dbias
-        # fork rule: h = x + residual, so x and the residual receive the same gradient
+        if shape is not None:
+            dx = dx.view(shape)
+        # fork rule: h = x + residual, so x and the residual receive the same gradient (one
+        # tensor for both: autograd copies it before it could become two leaves' .grad)
         return dx, dx if has_residual else None, dweight, dbias, None
 
 
@@ -355,6 +367,28 @@ def _rows(t: Tensor) -> Tensor:
         D = t.shape[-1]
         t = t.reshape(-1, D) if D else t.reshape(math.prod(t.shape[:-1]), 0)
     return t.contiguous() if t.stride(-1) != 1 and t.shape[-1] > 1 else t
+
+
+def _shaped(t: Tensor, shape) -> Tensor:
+    """A dense (M, D) output made in a forward, given the caller's shape (..., D) in place: the
+    same tensor, not a view of it. (An output of a Function that is a view of a tensor made in
+    its forward may not be modified in place, and torch's outputs may.)"""
+    if t._base is None and t.is_contiguous():
+        return t.resize_(shape)
+    return t.reshape(shape).clone()
+
+
+def _apart(input, residual) -> bool:
+    """Whether the fused add passes x and the residual to :class:`NormFunction` in their own
+    shape (..., D), not flattened by the door: the torch backend and the custom ops take
+    (..., D) as they are, and the launchers' forward flattens them. Two views made by the door would
+    receive two views of the one gradient, and autograd would give both to two leaves as their
+    ``.grad`` without a copy: one tensor, which the next backward would add into twice.
+    Given one tensor, autograd copies it for the second leaf, as for torch's ``x + residual``.
+    Not under torch.func transforms (which fill no ``.grad``, and whose generated vmap rule
+    sees (M, D) rows)."""
+    return (residual is not None and input.dim() != 2 and not _is_subclass(input)
+            and not _transformed())
 
 
 _INTERPRETED = None   # whether Triton's interpreter runs the kernels (known on the first kernel call)
@@ -495,8 +529,11 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
         _check_kernel_args(input, weight, bias, name)
         kernels = _kernels_take(input, residual)
         _kernels()
-    x = input if input.ndim == 2 and (input.is_contiguous() or input.stride(1) == 1) else _rows(input)
-    r = None if residual is None else _rows(residual)
+    if _apart(input, residual):
+        x, r = input, residual          # (..., D) as they are (see _apart)
+    else:
+        x = input if input.ndim == 2 and (input.is_contiguous() or input.stride(1) == 1) else _rows(input)
+        r = None if residual is None else _rows(residual)
     if weight is not None and not weight.is_contiguous():
         weight = weight.contiguous()
     if bias is not None and not bias.is_contiguous():
