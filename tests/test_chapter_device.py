@@ -45,6 +45,29 @@ def test_kernel_device_follows_the_gpu(monkeypatch):
     assert booktools.kernel_device() == "cpu"            # no Triton: the cells skip
 
 
+def test_triton_available_turns_the_interpreter_on_without_a_gpu(monkeypatch):
+    """A downloaded chapter on a machine with Triton and no GPU: the kernel cells run in the
+    interpreter (set before Triton is imported), unless the environment turned it off or
+    Triton was imported already (too late: it reads the switch once)."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "triton" else real_find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delitem(sys.modules, "triton", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert booktools.triton_available() and booktools.kernel_device() == "cpu"
+    assert __import__("os").environ["TRITON_INTERPRET"] == "1"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")           # the reader's own choice stands
+    assert not booktools.triton_available()
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setitem(sys.modules, "triton", object())  # imported already, compiled mode
+    assert not booktools.triton_available()
+    assert "TRITON_INTERPRET" not in __import__("os").environ
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real_find_spec(name, *a))
+    assert not booktools.triton_available()               # no Triton: the cells skip
+
+
 def _notebooks():
     sys.path.insert(0, str(ROOT / "book" / "_ext"))
     return importlib.import_module("notebooks")

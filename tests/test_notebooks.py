@@ -131,3 +131,40 @@ def test_the_install_cell_adds_only_the_missing_extra_beside_a_plain_install(mon
     monkeypatch.setattr(subprocess, "run", lambda args, **kw: calls.append(args))
     exec(notebooks.INSTALL_CELL, {})
     assert len(calls) == 1 and calls[0][-1] == "matplotlib" and "normbook" not in " ".join(calls[0])
+
+
+def test_a_kernel_chapter_installs_triton_and_pins_the_commit(monkeypatch):
+    """A chapter that runs the kernels (chapter 9, say) installs the "kernels" extra too: in a
+    fresh session normbook[book,kernels] from the commit the notebook was built from (the book
+    workflow's GITHUB_SHA), beside a plain install only Triton where it is missing (on Linux,
+    where its wheels are). The other chapters keep the "book" extra alone."""
+    import importlib.metadata as md
+    import importlib.util
+
+    import nbformat
+
+    code = nbformat.v4.new_code_cell("HAS_TRITON = triton_available()")
+    monkeypatch.setenv("GITHUB_SHA", "0123abc")
+    nb = notebooks.convert_notebook(nbformat.v4.new_notebook(cells=[code]), "09-kernels", {})
+    cell = nb.cells[0].source
+    assert "normbook[book,kernels] @ git+https://github.com/normbook/normbook@0123abc" in cell
+    plain = nbformat.v4.new_code_cell("import torch")
+    nb = notebooks.convert_notebook(nbformat.v4.new_notebook(cells=[plain]), "01-one-token", {})
+    assert "normbook[book] @ git+https://github.com/normbook/normbook@0123abc" in nb.cells[0].source
+
+    calls, version, find_spec = [], md.version, importlib.util.find_spec
+    monkeypatch.setattr(md, "version", lambda name: (_ for _ in ()).throw(
+        md.PackageNotFoundError(name)) if name == "triton" else version(name))
+    monkeypatch.setattr(md, "requires", lambda name: ['matplotlib; extra == "book"',
+                                                      'triton>=3.6; sys_platform == "linux" and extra == "kernels"'])
+    monkeypatch.setattr(subprocess, "run", lambda args, **kw: calls.append(args))
+    monkeypatch.setattr(sys, "platform", "linux")
+    exec(cell, {})
+    assert len(calls) == 1 and calls[0][-1] == "triton"
+    monkeypatch.setattr(sys, "platform", "darwin")          # no Triton wheels: nothing to do
+    exec(cell, {})
+    assert len(calls) == 1
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "normbook" else find_spec(name, *a))
+    exec(cell, {})                                          # a fresh session: all of it, pinned
+    assert calls[-1][-1] == "normbook[book,kernels] @ git+https://github.com/normbook/normbook@0123abc"

@@ -43,10 +43,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 REPOSITORY = "https://github.com/normbook/normbook"
 
-INSTALL_CELL = f"""\
+
+def install_cell(kernels: bool = False, ref: str | None = None) -> str:
+    """The notebook's first cell: installs normbook with its "book" extra (and "kernels", Triton
+    on Linux, for a chapter that runs the kernels) where missing. ``ref`` pins the git install
+    to the commit the notebook was built from (the book workflow's ``GITHUB_SHA``), so that a
+    notebook downloaded later still gets the package its text was computed with."""
+    extras = ("book", "kernels") if kernels else ("book",)
+    source = f"git+{REPOSITORY}" + (f"@{ref}" if ref else "")
+    if kernels:
+        comment = """\
+# Runs this chapter anywhere: installs normbook, what the chapters import (its "book" extra)
+# and Triton ("kernels", on Linux) where they are missing: all of it in a fresh Colab or
+# Binder session, only the extras' packages beside a plain `pip install normbook`, nothing
+# when all are present."""
+    else:
+        comment = """\
 # Runs this chapter anywhere: installs normbook and what the chapters import (its "book"
 # extra) where they are missing: all of it in a fresh Colab or Binder session, only the
-# extra's packages beside a plain `pip install normbook`, nothing when all are present.
+# extra's packages beside a plain `pip install normbook`, nothing when all are present."""
+    return comment + f"""
 import importlib.metadata as md, importlib.util, re, subprocess, sys
 def _missing(name):
     try:
@@ -54,12 +70,18 @@ def _missing(name):
     except md.PackageNotFoundError:
         return True
 if importlib.util.find_spec("normbook") is None:
-    _pip = ["normbook[book] @ git+{REPOSITORY}"]
+    _pip = ["normbook[{",".join(extras)}] @ {source}"]
 else:
-    _pip = [n for r in md.requires("normbook") or () if 'extra == "book"' in r
+    _pip = [n for r in md.requires("normbook") or () for e in {extras!r}
+            if f'extra == "{{e}}"' in r and (e != "kernels" or sys.platform == "linux")
             for n in [re.match(r"[\\w.-]+", r)[0]] if _missing(n)]
 if _pip:
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", *_pip], check=True)"""
+
+
+INSTALL_CELL = install_cell()
+KERNEL_CELLS = re.compile(r"triton_available\(|normbook\.kernels|import triton")   # its cells
+
 
 # -------------------------------------------------------------------------- the book's index
 
@@ -337,7 +359,8 @@ def convert_notebook(nb, stem: str, glue: dict[str, str], index: Index | None = 
 
     index = index or build_index()
     page = index.pages.get(stem, Page(stem, None))
-    cells = [nbformat.v4.new_code_cell(INSTALL_CELL)]
+    kernels = any(KERNEL_CELLS.search(c.source) for c in nb.cells if c.cell_type == "code")
+    cells = [nbformat.v4.new_code_cell(install_cell(kernels, os.environ.get("GITHUB_SHA")))]
     for cell in nb.cells:
         if cell.cell_type == "markdown":
             cell.source = convert_markdown(cell.source, index, glue, page, base)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numbers
 import os
 import re
+import sys
 
 
 class _Text(str):
@@ -78,14 +79,24 @@ def kernel_device() -> str:
 
 
 def triton_available() -> bool:
-    """Whether Triton can run here: installed, and interpreter mode on (no GPU in the book build)."""
+    """Whether a chapter's kernel cells can run here: Triton installed, and a CUDA GPU or
+    Triton's interpreter on.
+
+    Without a GPU, and before anything has imported Triton (which reads ``TRITON_INTERPRET``
+    once), it turns the interpreter on, unless the environment already says otherwise: a
+    downloaded chapter then runs its kernels on a laptop or a CPU-only notebook service, as
+    the book build does. Call it before the chapter imports :mod:`normbook.kernels`."""
     import importlib.util
 
     if importlib.util.find_spec("triton") is None:
         return False
     import torch
 
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    if torch.cuda.is_available():
+        return True
+    if "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def check(name: str, yours, reference, *, x=None, dy=None, weight=None, eps: float = 1e-5,
