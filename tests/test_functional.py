@@ -325,6 +325,47 @@ def test_add_norm_gradients_accumulate_into_leaves_like_torch(request, norm, mod
     torch.testing.assert_close(r.grad, r2.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+def test_add_norm_where_only_h_is_used_like_torch(request, backend):
+    """h = x + residual used without y: the parameters get no gradient (None, not zeros: an
+    optimizer's weight decay treats the two apart), and h changed in place before the backward
+    is no error, as for torch's x + residual. h does not require grad when only the
+    parameters do."""
+    if backend == "kernels":
+        request.getfixturevalue("kernels")
+    x, r = torch.randn(2, 3, 16, requires_grad=True), torch.randn(2, 3, 16)
+    w, b = torch.ones(16, requires_grad=True), torch.zeros(16, requires_grad=True)
+    with normbook.backend(backend):
+        y, h = normbook.add_layer_norm(x, r, w, b)
+        h.add_(1)
+        h.sum().backward()
+        assert w.grad is None and b.grad is None and torch.equal(x.grad, torch.ones_like(x))
+        with pytest.raises(RuntimeError, match="not have been used in the graph"):
+            torch.autograd.grad(normbook.add_rms_norm(x, r, w)[1].sum(), [w])
+        assert torch.autograd.grad(normbook.add_rms_norm(x, r, w)[1].sum(), [w],
+                                   allow_unused=True) == (None,)
+        y, h = normbook.add_rms_norm(x.detach(), r, w)
+        assert y.requires_grad and not h.requires_grad and h.grad_fn is None
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+@pytest.mark.parametrize("shape", [(2, 3, 16), (16,), (5, 16)])
+def test_outputs_are_tensors_of_their_own_like_torch(request, backend, shape):
+    """Outputs of every shape come from the Function itself, not as views of it (as torch's
+    do): ``detach_`` works on them, and their grad_fn is the Function's."""
+    if backend == "kernels":
+        request.getfixturevalue("kernels")
+    x, r = torch.randn(shape, requires_grad=True), torch.randn(shape, requires_grad=True)
+    with normbook.backend(backend):
+        outs = [normbook.layer_norm(x, (16,)), normbook.rms_norm(x, (16,)),
+                normbook.LayerNorm(16)(x), normbook.RMSNorm(16)(x),
+                *normbook.add_layer_norm(x, r), *normbook.add_rms_norm(x, r)]
+    for out in outs:
+        assert out.shape == x.shape and not out._is_view()
+        assert type(out.grad_fn).__name__ == "NormFunctionBackward"
+        out.detach_()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_half_rows_on_the_torch_backend_are_as_accurate_as_torch(norm, dtype):

@@ -217,35 +217,41 @@ class NormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, cfg):
         eps, is_rms, kernels, _, _ = cfg
-        shape = None
-        if kernels == _LAUNCH and residual is not None and x.dim() != 2:
-            shape = x.shape                   # the fused add's (..., D): see _apart
-            x, residual = _rows(x), _rows(residual)
         if kernels == _LAUNCH:   # the commonest case without a call more (see _forward_rows)
-            y, h, stats = _K[0](x, residual, weight, bias, eps, is_rms)
+            if x.dim() == 2:
+                y, h, stats = _K[0](x, residual, weight, bias, eps, is_rms)
+            else:                # (..., D) (see _whole): the launchers take (M, D) rows
+                y, h, stats = _K[0](_rows(x), None if residual is None else _rows(residual),
+                                    weight, bias, eps, is_rms)
+                y = _shaped(y, x.shape)
+                h = None if h is None else _shaped(h, x.shape)
         else:
             y, h, stats = _forward_rows(x, residual, weight, bias, eps, is_rms, kernels)
-        if shape is not None:
-            y, h = _shaped(y, shape), _shaped(h, shape)
-        ctx.save_for_backward(x if residual is None else h, weight, stats)
         ctx.cfg = cfg
         if residual is None:
+            ctx.save_for_backward(x, weight, stats)
             return y
+        ctx.save_for_backward(h, weight, stats)
         ctx.set_materialize_grads(False)      # no zeros for whichever of y and h is unused
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            ctx.mark_non_differentiable(h)    # h = x + residual: a constant, as in torch
         return y, h
 
     @staticmethod
     def backward(ctx, dy, *rest):
-        x, weight, stats = ctx.saved_tensors
         eps, is_rms, kernels, bias_dtype, has_residual = ctx.cfg
-        dh, shape = None, None
-        if has_residual:
-            dh = rest[0]
-            if kernels == _LAUNCH and x.dim() != 2:       # h (..., D), see forward
-                shape = x.shape
-                x, dy, dh = (None if t is None else _rows(t) for t in (x, dy, dh))
-            if dy is None:                   # only h was used downstream
-                dy = torch.zeros_like(x)
+        dh = rest[0] if has_residual else None
+        if dy is None:
+            # only h was used downstream: nothing reaches the norm's inputs through y, and h =
+            # x + residual hands dh to both (the saved h, which may since have been changed
+            # in place, is not read, as torch's x + residual would not)
+            return dh, dh, None, None, None
+        x, weight, stats = ctx.saved_tensors
+        shape = None
+        if kernels == _LAUNCH and x.dim() != 2:          # (..., D), see forward
+            shape = x.shape
+            x, dy = _rows(x), _rows(dy)
+            dh = None if dh is None else _rows(dh)
         dual = _fwAD._current_level >= 0       # forward-over-reverse: tangents through it
         eager = kernels == _LAUNCH and not (_grad_enabled() or _transformed() or _compiling())
         if eager and not dual and not _legacy_batched(dy):
@@ -286,6 +292,8 @@ class _NormFunctionAD(NormFunction):
         saved = (x if residual is None else output[1], weight, stats)
         ctx.save_for_backward(*saved)
         ctx.save_for_forward(*saved)          # the jvp reads them too
+        # stats only: h stays differentiable here, where tangents of x and the residual flow
+        # into it whether or not they require grad (NormFunction marks a constant h)
         ctx.mark_non_differentiable(stats)
         ctx.set_materialize_grads(False)      # no zeros for unused outputs
         ctx.cfg = cfg
@@ -378,17 +386,17 @@ def _shaped(t: Tensor, shape) -> Tensor:
     return t.reshape(shape).clone()
 
 
-def _apart(input, residual) -> bool:
-    """Whether the fused add passes x and the residual to :class:`NormFunction` in their own
-    shape (..., D), not flattened by the door: the torch backend and the custom ops take
-    (..., D) as they are, and the launchers' forward flattens them. Two views made by the door would
-    receive two views of the one gradient, and autograd would give both to two leaves as their
-    ``.grad`` without a copy: one tensor, which the next backward would add into twice.
-    Given one tensor, autograd copies it for the second leaf, as for torch's ``x + residual``.
-    Not under torch.func transforms (which fill no ``.grad``, and whose generated vmap rule
-    sees (M, D) rows)."""
-    return (residual is not None and input.dim() != 2 and not _is_subclass(input)
-            and not _transformed())
+def _whole(input) -> bool:
+    """Whether the door passes input (and the fused add's residual) to :class:`NormFunction` in
+    its own shape (..., D) rather than flattened to (M, D) rows: the torch backend and the
+    custom ops take (..., D) as it is, and the launchers' forward flattens it. The outputs
+    then are tensors of their own, as torch's are, not views (``detach_`` works on them), and
+    the fused add's x and residual receive one gradient tensor. (Two views made by the door
+    received two views of it, which autograd made two leaves' ``.grad`` without a copy: one
+    tensor, which the next backward added into twice.) Not for a DTensor, whose leading dims
+    the custom ops keep anyway, nor under torch.func transforms (no ``.grad`` there; their
+    generated vmap rule sees (M, D) rows)."""
+    return input.dim() != 2 and not _is_subclass(input) and not _transformed()
 
 
 _INTERPRETED = None   # whether Triton's interpreter runs the kernels (known on the first kernel call)
@@ -496,10 +504,9 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
                         ok = False
             except AttributeError:
                 ok = False
-            if ok:
-                x = input if len(shape) == 2 else input.view(-1, D)
-                y = _eager_apply(x, None, weight, b, (eps, is_rms, mode, bias_dtype, False))
-                return (y if x is input else y.view(shape)), None
+            if ok:      # (..., D) as it is: see _whole
+                cfg = (eps, is_rms, mode, bias_dtype, False)
+                return _eager_apply(input, None, weight, b, cfg), None
     original = input
     fast = (D is not None and isinstance(input, Tensor) and input.dtype in _FLOAT_DTYPES
             and input.ndim and input.shape[-1] == D and type(eps) is float and eps == eps)
@@ -529,8 +536,8 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
         _check_kernel_args(input, weight, bias, name)
         kernels = _kernels_take(input, residual)
         _kernels()
-    if _apart(input, residual):
-        x, r = input, residual          # (..., D) as they are (see _apart)
+    if _whole(input):
+        x, r = input, residual          # (..., D) as they are (see _whole)
     else:
         x = input if input.ndim == 2 and (input.is_contiguous() or input.stride(1) == 1) else _rows(input)
         r = None if residual is None else _rows(residual)
@@ -649,7 +656,10 @@ def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None,
     x and the residual are each read once, h is written once (on the kernel backend). In
     backward, h forks into the norm and the next residual branch, so its gradient is the sum
     of both, and that sum is the gradient of x and of the residual alike ("Residual
-    connections").
+    connections"). The sum is formed inside the one backward: a hook on h, or ``h.grad``
+    after ``h.retain_grad()``, sees only the gradient arriving at h from downstream (None
+    where h is unused), not the part through y, where torch's ``h = x + residual`` followed
+    by the norm would show the sum. Hook x or the residual for the total.
 
     Args:
         x, residual: ``(..., D)``, of one dtype and device.
