@@ -366,6 +366,88 @@ def test_outputs_are_tensors_of_their_own_like_torch(request, backend, shape):
         out.detach_()
 
 
+# ----------------------------------------------------------------------------- autocast
+
+def _under_fake_autocast(device, fn):
+    """fn() under ``device``'s autocast (half dtype), on fake tensors of that device (no such
+    device needed: torch's dispatcher runs its autocast rule all the same), without grad."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    half = torch.float16 if device == "mps" else torch.bfloat16
+    was = torch.is_autocast_enabled(device)
+    torch.set_autocast_enabled(device, True)
+    torch.set_autocast_dtype(device, half)
+    try:
+        with FakeTensorMode(), torch.no_grad():
+            return fn(half)
+    finally:
+        torch.set_autocast_enabled(device, was)
+
+
+@pytest.mark.parametrize("device", ["cuda", "xpu", "mps"])
+def test_norms_under_autocast_return_what_torch_returns(request, device):
+    """Where torch's autocast runs F.layer_norm / F.rms_norm in float32 (CUDA, XPU; LayerNorm
+    on MPS too: normbook's table, which this checks against torch's dispatcher), normbook's
+    norms return float32 for half inputs, as torch's do; the fused add's h stays x + residual's
+    dtype. Elsewhere (MPS's RMSNorm) the input's dtype, as torch."""
+    import warnings
+
+    from normbook import functional as nf
+
+    def dtypes(half):
+        x, r = (torch.empty(2, 3, 16, device=device, dtype=half) for _ in range(2))
+        w = torch.empty(16, device=device)
+        y = [(F.layer_norm(x, (16,), w, w), normbook.layer_norm(x, (16,), w, w)),
+             (F.rms_norm(x, (16,), w), normbook.rms_norm(x, (16,), w)),
+             (torch.nn.LayerNorm(16, device=device)(x), normbook.LayerNorm(16, device=device)(x)),
+             (torch.nn.RMSNorm(16, device=device)(x), normbook.RMSNorm(16, device=device)(x)),
+             (F.layer_norm(x + r, (16,), w, w), normbook.add_layer_norm(x, r, w, w)[0]),
+             (F.rms_norm(x + r, (16,), w), normbook.add_rms_norm(x, r, w)[0]),
+             (x + r, normbook.add_layer_norm(x, r, w, w)[1])]
+        if device == "cuda" and importlib.util.find_spec("triton"):
+            import normbook.kernels as K
+            y += [(F.layer_norm(x, (16,), w, w), K.layer_norm(x, (16,), w, w)),
+                  (F.rms_norm(x + r, (16,), w), K.add_rms_norm(x, r, w)[0])]
+        return [(a.dtype, b.dtype) for a, b in y]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")        # torch's mixed-dtype rms_norm note
+        try:
+            got = _under_fake_autocast(device, dtypes)
+        except (RuntimeError, AssertionError) as e:     # a build without that device's type
+            pytest.skip(f"no fake {device} tensors here: {e}")
+    assert all(ours == theirs for theirs, ours in got), got
+    assert (got[0][0] == torch.float32) == (device in nf._AUTOCAST_FP32[0])
+    assert (got[1][0] == torch.float32) == (device in nf._AUTOCAST_FP32[1])
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_the_autocast_float32_rule_computes_the_norm_of_the_fp32_input(monkeypatch, norm):
+    """The rule itself, on the CPU (whose autocast has no such rule for the norms: the table
+    is extended for the test): y is the norm of the fp32-cast input, bitwise, and gradients
+    flow back in the input's dtype; the fused add's h is x + residual in theirs."""
+    from normbook import functional as nf
+
+    monkeypatch.setattr(nf, "_AUTOCAST_FP32", ({"cpu"}, {"cpu"}))
+    g = torch.Generator().manual_seed(3)
+    x, r = (torch.randn(2, 3, 16, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    w = torch.randn(16, generator=g, requires_grad=True)
+    fn = normbook.layer_norm if norm == "layer" else normbook.rms_norm
+    add = (lambda x, r: normbook.add_layer_norm(x, r, w)) if norm == "layer" else (
+        lambda x, r: normbook.add_rms_norm(x, r, w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fn(x, (16,), w)
+        yh, h = add(x, r)
+    assert y.dtype == torch.float32 and torch.equal(y, fn(x.float(), (16,), w))
+    assert h.dtype == torch.bfloat16 and torch.equal(h, x + r)
+    assert torch.equal(yh, fn((x + r).float(), (16,), w))
+    dy = torch.randn(2, 3, 16, generator=g)
+    (gx,) = torch.autograd.grad(y, x, dy)
+    x32 = x.detach().float().requires_grad_()
+    (gx32,) = torch.autograd.grad(fn(x32, (16,), w), x32, dy)
+    assert gx.dtype == torch.bfloat16 and torch.equal(gx, gx32.bfloat16())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_half_rows_on_the_torch_backend_are_as_accurate_as_torch(norm, dtype):

@@ -458,6 +458,36 @@ def _kernels_take(x, residual) -> bool:
     return False
 
 
+# Where torch's autocast runs F.layer_norm / F.rms_norm in float32 (its inputs cast to fp32,
+# so its output fp32), by device type; index 0 LayerNorm, 1 RMSNorm. Read from torch's
+# dispatcher (2.13), each op on bf16/fp16 fake tensors of the device under its autocast:
+# tests/test_functional.py checks the table against torch whenever the suite runs. No CPU:
+# there torch's autocast leaves both norms in the input's dtype.
+_AUTOCAST_FP32 = ({"cuda", "xpu", "mps"}, {"cuda", "xpu"})
+_any_autocast = torch._C._is_any_autocast_enabled   # (not MPS's: the fast path leaves it)
+
+
+def _fp32(t):
+    """What autocast's float32 policy does to an argument: a floating tensor other than
+    float64 in float32 (a differentiable cast); anything else as it is."""
+    if t is None or not t.is_floating_point() or t.dtype in (torch.float32, torch.float64):
+        return t
+    return t.float()
+
+
+def _autocast_fp32(original, input, D, weight, bias, eps, is_rms, residual, name, kernels):
+    """The norm as torch computes it under autocast on a device whose policy for it is float32
+    (see :data:`_AUTOCAST_FP32`): its arguments in fp32, autocast off inside, a float32 y. The
+    fused add is torch's composition there: h = x + residual (which autocast leaves alone), y
+    the fp32 norm of h; h and y are then not formed in one pass."""
+    h = input if residual is None else input + residual
+    with torch.autocast(input.device.type, enabled=False):
+        y, _ = _norm(_fp32(h), D, _fp32(weight), _fp32(bias), eps, is_rms, None, name, kernels)
+    if y.shape != original.shape:
+        y = y.view(original.shape)
+    return y, None if residual is None else h
+
+
 def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, name="input",
           kernels=None):
     """Validate and flatten once, choose the backend, apply :class:`NormFunction`; returns
@@ -478,7 +508,7 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
     if (type(input) is Tensor and type(eps) is float and eps == eps and type(D) is int and D
             and residual is None
             and not _compiling() and _fwAD._current_level < 0
-            and not _transformed()):
+            and not _transformed() and not _any_autocast()):
         shape, dtype = input.shape, input.dtype
         if kernels is None:     # backend(): see _use_kernels
             kernels = _backend == "kernels" or (_backend == "auto" and input.is_cuda
@@ -487,8 +517,8 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
             mode, dtypes = _LAUNCH, _KERNEL_DTYPES
             ok = (D <= _FUSED_D and _K is not None and not _tracing()
                   and (input.is_cuda or (_INTERPRETED and input.is_cpu)))
-        else:
-            mode, dtypes, ok = _TORCH, _FLOAT_DTYPES, True
+        else:   # (autocast on an MPS device is not in _any_autocast: the checks see it)
+            mode, dtypes, ok = _TORCH, _FLOAT_DTYPES, input.is_cpu or input.is_cuda
         if ok and shape and shape[-1] == D and dtype in dtypes and input.is_contiguous():
             device = input.device
             b, bias_dtype = None, None
@@ -530,6 +560,10 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
                                      and residual.dtype == input.dtype
                                      and residual.device == input.device):
         _check_residual(residual, input)
+    device = input.device.type
+    if device in _AUTOCAST_FP32[is_rms] and torch.is_autocast_enabled(device):
+        return _autocast_fp32(original, input, D, weight, bias, eps, is_rms, residual, name,
+                              kernels)
     if kernels is None:
         kernels = _use_kernels(input)
     if kernels:
@@ -595,7 +629,8 @@ def layer_norm(input: Tensor, normalized_shape: int | Sequence[int],
         Tensor of input's shape and dtype, computed by the backend :func:`backend` chooses
         (by default the Triton kernels for CUDA tensors when Triton is installed, torch ops
         with fp32 reductions for bf16/fp16 otherwise). Double backward, forward-mode AD,
-        torch.func, torch.compile and torch.export work on both.
+        torch.func, torch.compile and torch.export work on both. Under autocast on CUDA,
+        XPU or MPS, as torch's: half inputs cast to float32, a float32 result.
 
     Differs from torch on purpose: weight and bias may have another floating dtype than the
     input (torch's CPU kernel refuses that); rows whose variance overflows (fp32 values past
@@ -624,7 +659,8 @@ def rms_norm(input: Tensor, normalized_shape: int | Sequence[int],
             bfloat16 and float32 inputs (measured: not the input dtype's), fp64's for float64.
 
     Returns:
-        Tensor of input's shape and dtype.
+        Tensor of input's shape and dtype; under autocast on CUDA or XPU, as torch's, float32
+        (half inputs cast to float32 first).
 
     Differs from torch on purpose: complex inputs are refused (torch accepts them); the weight
     may have another floating dtype than the input; rows whose mean square overflows give the
@@ -656,7 +692,9 @@ def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None,
     x and the residual are each read once, h is written once (on the kernel backend). In
     backward, h forks into the norm and the next residual branch, so its gradient is the sum
     of both, and that sum is the gradient of x and of the residual alike ("Residual
-    connections"). The sum is formed inside the one backward: a hook on h, or ``h.grad``
+    connections"). Under autocast on CUDA, XPU or MPS it is torch's composition: h = x +
+    residual in their dtype, y the float32 norm of h (not one pass). The sum is formed inside
+    the one backward: a hook on h, or ``h.grad``
     after ``h.retain_grad()``, sees only the gradient arriving at h from downstream (None
     where h is unused), not the part through y, where torch's ``h = x + residual`` followed
     by the norm would show the sum. Hook x or the residual for the total.
