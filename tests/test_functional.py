@@ -275,6 +275,21 @@ def test_add_norm_on_the_torch_backend_is_the_norm_of_the_sum(norm):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+def test_a_wrong_shape_is_a_runtime_error_as_in_torch_and_a_value_error():
+    """torch's norms raise RuntimeError for a mismatched shape; normbook's message names the
+    argument, and its exception is both, so code written against either catches it."""
+    calls = [lambda: normbook.layer_norm(torch.randn(3, 8), (4,)),
+             lambda: normbook.RMSNorm(4)(torch.randn(3, 8)),
+             lambda: normbook.layer_norm(torch.randn(3, 8), (8,), torch.ones(4)),
+             lambda: normbook.add_rms_norm(torch.randn(3, 8), torch.randn(3, 4))]
+    for call in calls:
+        with pytest.raises(RuntimeError) as info:
+            call()
+        assert isinstance(info.value, ValueError) and "expected" in str(info.value)
+    with pytest.raises(RuntimeError):
+        F.layer_norm(torch.randn(3, 8), (4,))
+
+
 def test_add_norm_refuses_a_mismatched_residual():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match=r"residual: expected x's shape \(2, 8\), got \(2, 4\)"):
@@ -364,6 +379,26 @@ def test_outputs_are_tensors_of_their_own_like_torch(request, backend, shape):
         assert out.shape == x.shape and not out._is_view()
         assert type(out.grad_fn).__name__ == "NormFunctionBackward"
         out.detach_()
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_permuted_inputs_give_contiguous_outputs_like_torch(request, backend, dtype):
+    """A transposed or permuted input (ConvNeXt's channels-last norm, say): the output is
+    contiguous, as torch's is, so ``.view`` works on it; and it is no view itself."""
+    if backend == "kernels":
+        request.getfixturevalue("kernels")
+    x = torch.randn(2, 3, 16, dtype=dtype).transpose(0, 1).requires_grad_()
+    x4 = torch.randn(2, 16, 4, 8, dtype=dtype).permute(0, 2, 3, 1)
+    r = torch.randn(3, 2, 16, dtype=dtype)
+    with normbook.backend(backend):
+        outs = [normbook.LayerNorm(16, dtype=dtype)(x), normbook.RMSNorm(16, dtype=dtype)(x),
+                normbook.layer_norm(x4, (16,)), normbook.rms_norm(x4, (16,)),
+                *normbook.add_layer_norm(x, r)]
+    for out in outs:
+        assert out.is_contiguous() and not out._is_view()
+    torch.testing.assert_close(outs[0], F.layer_norm(x, (16,)))
+    torch.testing.assert_close(outs[2], F.layer_norm(x4, (16,)))
 
 
 # ----------------------------------------------------------------------------- autocast

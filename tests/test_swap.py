@@ -176,6 +176,44 @@ def test_llama_norm_maps_weight_and_eps_and_keeps_hooks():
     assert calls == [1]
 
 
+def test_a_swapped_llama_norm_keeps_its_own_attributes_and_survives_init_weights():
+    """The replacement keeps the attributes the Hugging Face module carried
+    (``_is_hf_initialized``, ``variance_epsilon``): without the first, ``init_weights`` reset a
+    trained norm weight to ones after the swap."""
+    model = tiny("llama")
+    normbook.swap_norms(model)
+    norm = model.model.norm
+    assert norm.variance_epsilon == norm.eps
+    with torch.no_grad():
+        norm.weight.fill_(5.0)
+    model.init_weights()
+    assert torch.equal(norm.weight, torch.full_like(norm.weight, 5.0))
+
+
+def test_norms_with_an_instance_forward_or_a_parametrization_are_left_with_the_reason():
+    """A forward replaced on the instance (as accelerate's hooks do) would still run instead
+    of normbook's, and a parametrized weight is computed where it is read: such norms are left
+    as they are, with a warning that says so; normbook's own parametrized norms stay silent."""
+    from torch.nn.utils import parametrize
+
+    class Scale(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    hooked = torch.nn.LayerNorm(8)
+    hooked.forward = lambda x: torch.nn.LayerNorm.forward(hooked, x)
+    param = torch.nn.LayerNorm(8)
+    parametrize.register_parametrization(param, "weight", Scale())
+    ours = normbook.RMSNorm(8)
+    parametrize.register_parametrization(ours, "weight", Scale())
+    model = torch.nn.Sequential(hooked, param, ours)
+    with pytest.warns(UserWarning) as record:
+        assert normbook.swap_norms(model) == 0
+    messages = " ".join(str(w.message) for w in record)
+    assert "replaced on the instance" in messages and "parametrized" in messages
+    assert len(record) == 2 and type(hooked) is torch.nn.LayerNorm
+
+
 def test_an_optimizer_built_before_the_swap_still_trains_the_norms():
     model = tiny("llama")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -1,7 +1,8 @@
 """Argument checks shared by the public API and the kernels.
 
 Each check raises a ValueError or TypeError that names the argument and shows what was
-expected against what was given.
+expected against what was given (a wrong shape: :class:`ShapeError`, also a RuntimeError, as
+torch's norms raise).
 """
 
 from __future__ import annotations
@@ -9,6 +10,12 @@ from __future__ import annotations
 import numbers
 
 import torch
+
+
+class ShapeError(ValueError, RuntimeError):
+    """A tensor argument of the wrong shape. A ValueError, as the rest of normbook's checks
+    raise, and a RuntimeError, as torch's norms raise for the same mistake, so that code written
+    against either catches it."""
 
 
 def as_shape(normalized_shape) -> tuple[int, ...]:
@@ -48,7 +55,7 @@ def check_input(input: torch.Tensor, name: str = "input") -> None:
 def check_normalized_shape(input: torch.Tensor, shape: tuple[int, ...]) -> None:
     """The trailing dims of ``input`` must equal ``normalized_shape``."""
     if input.dim() < len(shape) or tuple(input.shape[input.dim() - len(shape):]) != shape:
-        raise ValueError(
+        raise ShapeError(
             f"normalized_shape: expected the trailing dims of input, input.shape[-{len(shape)}:] "
             f"= {tuple(input.shape[-len(shape):])}, to equal normalized_shape = {shape}; "
             f"input has shape {tuple(input.shape)}"
@@ -68,7 +75,7 @@ def check_param(param, name: str, input: torch.Tensor, shape: tuple[int, ...], d
         names = [str(d).removeprefix("torch.") for d in dtypes]
         raise TypeError(f"{name}: expected {', '.join(names[:-1])} or {names[-1]}, got {param.dtype}")
     if tuple(param.shape) != shape:
-        raise ValueError(
+        raise ShapeError(
             f"{name}: expected shape {shape} (normalized_shape), got {tuple(param.shape)}"
         )
     if param.device != input.device:

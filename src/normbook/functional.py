@@ -430,7 +430,7 @@ def _check_kernel_args(input, weight, bias, name):
 def _check_residual(residual, input) -> None:
     _validate.check_input(residual, "residual")
     if residual.shape != input.shape:
-        raise ValueError(f"residual: expected x's shape {tuple(input.shape)}, got {tuple(residual.shape)}")
+        raise _validate.ShapeError(f"residual: expected x's shape {tuple(input.shape)}, got {tuple(residual.shape)}")
     if residual.dtype != input.dtype:
         raise TypeError(f"residual: expected x's dtype {input.dtype}, got {residual.dtype}")
     if residual.device != input.device:
@@ -572,6 +572,11 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
         _kernels()
     if _whole(input):
         x, r = input, residual          # (..., D) as they are (see _whole)
+        if not kernels and not x.is_contiguous():
+            # torch's norms give a contiguous result whatever the input's layout, and the
+            # formulas would keep a permuted one (the launchers' outputs are fresh rows)
+            x = x.contiguous()
+            r = None if r is None else r.contiguous()
     else:
         x = input if input.ndim == 2 and (input.is_contiguous() or input.stride(1) == 1) else _rows(input)
         r = None if residual is None else _rows(residual)
@@ -580,7 +585,7 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     y, h = _apply(x, r, weight, bias, eps, is_rms, kernels)
-    if x is not original:
+    if y.shape != original.shape:       # rows, or trailing dims normalized as one
         y = y.view(original.shape)
         h = None if h is None else h.view(original.shape)
     return y, h

@@ -105,16 +105,30 @@ def _entry(cls: type) -> HFNorm | None:
 
 
 def _replacement(old: torch.nn.Module, entry: HFNorm) -> RMSNorm:
-    """A normbook.RMSNorm holding ``old``'s weight Parameter itself, its training flag and its
-    hooks (the same dicts, so handles registered on ``old`` still remove them)."""
+    """A normbook.RMSNorm holding ``old``'s weight Parameter itself, its training flag, its
+    hooks (the same dicts, so handles registered on ``old`` still remove them) and every other
+    attribute of its own (Hugging Face's ``_is_hf_initialized``, without which ``init_weights``
+    would reset a trained weight; ``variance_epsilon``, read by code that knows the class)."""
     weight = getattr(old, entry.weight)
     new = RMSNorm(tuple(weight.shape), eps=float(getattr(old, entry.eps)), device="meta")
     new.weight = weight                          # the Parameter itself: device, dtype, optimizer
     new.training = old.training
     for key, value in vars(old).items():
-        if (key.startswith("_") and "hooks" in key) or key == "_is_full_backward_hook":
+        if (key.startswith("_") and "hooks" in key) or key == "_is_full_backward_hook" or (
+                key not in new.__dict__ and key != entry.weight):
             new.__dict__[key] = value
     return new
+
+
+def _why_not(module: torch.nn.Module) -> str | None:
+    """Why a norm of a known class must still be left as it is, or None."""
+    if torch.nn.utils.parametrize.is_parametrized(module):
+        return ("parametrized (its weight is computed where it is read): swap before "
+                "registering the parametrization")
+    if "forward" in vars(module):
+        return ("its forward is replaced on the instance (accelerate's hooks, say), which would "
+                "still run instead: swap before dispatching the model or adding such hooks")
+    return None
 
 
 def _looks_like_a_norm(cls: type) -> bool:
@@ -139,8 +153,16 @@ def swap_norms(model: torch.nn.Module, *, strict: bool = True) -> int:
     not normbook's (their forward may differ); other classes named ``*LayerNorm`` or
     ``*RMSNorm`` that the registry does not know.
 
+    Also left alone, with the reason: a norm whose forward was replaced on the instance
+    (accelerate's hooks: theirs would still run, so swap before dispatching the model) and a
+    parametrized one (swap before registering the parametrization).
+
     "Exact" means the same operations in the same precision, for inputs in the weight's dtype
-    (the one dtype known when swapping). The forward of a swapped fp32 Llama-style norm gives
+    (the one dtype known when swapping). ``strict`` judges the dtype at the swap: swap after
+    casting the model (``model.bfloat16()`` after a swap in float32 is not refused). An input
+    of another dtype than the weight (a bf16 input to a float32 Llama norm, as autocast on a
+    CPU gives Qwen3's q/k norms) returns normbook's y in the input's dtype where Hugging Face's
+    promotes to float32 (under autocast on CUDA both return float32). The forward of a swapped fp32 Llama-style norm gives
     the same bits; the backward is normbook's (rms-dx), not autograd's
     chain through the forward's ops, so gradients agree to rounding, as do torch's LayerNorm
     and normbook's (a different order of the same sums).
@@ -158,7 +180,11 @@ def swap_norms(model: torch.nn.Module, *, strict: bool = True) -> int:
     for module in list(model.modules()):
         cls = type(module)
         where = f"{cls.__module__}.{cls.__qualname__}"
-        if cls in (LayerNorm, RMSNorm):
+        if isinstance(module, (LayerNorm, RMSNorm)):   # normbook's already (parametrized too)
+            continue
+        if (isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)) or _looks_like_a_norm(cls)
+                ) and (why := _why_not(module)) is not None:
+            left[where] = why
             continue
         if cls is torch.nn.LayerNorm:
             module.__class__ = LayerNorm
