@@ -107,6 +107,47 @@ def test_custom_ops_are_registered():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def test_an_exported_kernel_program_trains_and_loads_after_import_normbook(tmp_path):
+    """torch.export of a model on the kernel backend holds the custom op itself (no Function
+    around it): its gradient is norm_forward's own formula, equal to the torch backend's to
+    rounding; saved, the program loads in a fresh process after ``import normbook`` alone
+    (which defines the ops without importing triton) and runs there, backward included."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = normbook.LayerNorm(16)
+
+        def forward(self, x, r):
+            y, h = normbook.add_rms_norm(x, r)
+            return self.norm(y) * 2 + h
+
+    torch.manual_seed(5)
+    m, args = Block().to(DEVICE), (torch.randn(4, 16, device=DEVICE), torch.randn(4, 16, device=DEVICE))
+    with normbook.backend("kernels"):
+        ep = torch.export.export(m, args, dynamic_shapes=({0: torch.export.Dim("b")}, {0: torch.export.Dim("b")}))
+    assert "normbook.norm_forward" in str(ep.graph)
+    for rows in (4, 7):
+        xs = [torch.randn(rows, 16, device=DEVICE, requires_grad=True) for _ in range(2)]
+        got = ep.module()(*xs)
+        grads = torch.autograd.grad(got.sum(), [*xs, *m.parameters()])
+        with normbook.backend("torch"):
+            want = m(*xs)
+        wants = torch.autograd.grad(want.sum(), [*xs, *m.parameters()])
+        torch.testing.assert_close(got, want)
+        for g, w in zip(grads, wants):
+            torch.testing.assert_close(g, w)
+    path = tmp_path / "block.pt2"
+    torch.export.save(ep, str(path))
+    code = ("import sys, torch, normbook\n"
+            "assert 'triton' not in sys.modules\n"
+            f"ep = torch.export.load({str(path)!r})\n"
+            f"x, r = (torch.randn(3, 16, device={DEVICE!r}, requires_grad=True) for _ in range(2))\n"
+            "ep.module()(x, r).sum().backward()\n"
+            "print('ran', tuple(x.grad.shape))\n")
+    out = _python(code, **({} if DEVICE == "cuda" else {"TRITON_INTERPRET": "1"}))
+    assert "ran (3, 16)" in out.stdout, out.stdout + out.stderr
+
+
 # ----------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("call,error,words", [

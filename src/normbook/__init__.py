@@ -8,6 +8,7 @@ The package behind the normbook textbook. Public names mirror ``torch.nn.functio
 
 from __future__ import annotations
 
+from normbook import _ops  # noqa: F401  (the custom ops, for exported programs)
 from normbook.functional import add_layer_norm, add_rms_norm, backend, layer_norm, rms_norm
 from normbook.modules import LayerNorm, RMSNorm
 from normbook.swap import swap_norms

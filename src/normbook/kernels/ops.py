@@ -7,22 +7,23 @@ kernel backend calls the launchers (``_forward.norm_forward``, ``_backward.norm_
 directly in eager mode.
 
 Under ``torch.compile``, and for a DTensor, that Function calls the launchers through the custom
-ops ``torch.ops.normbook.norm_forward`` and ``norm_backward`` defined here: each has a fake
+ops ``torch.ops.normbook.norm_forward`` and ``norm_backward`` (defined in :mod:`normbook._ops`,
+without Triton, and named here too): each has a fake
 (shape-only) implementation, so Dynamo traces the Function through them without a graph break,
 and sharding rules (:mod:`normbook.kernels._dtensor`), so that DTensor runs them on each rank's
-rows. Autograd is the Function's; the ops themselves have none.
+rows. Autograd is the Function's; ``norm_forward``'s own formula serves graphs that hold the
+op itself (an exported program).
 """
 
 from __future__ import annotations
-
-import math
-from typing import Optional
 
 import torch
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from normbook import functional as _F
+# the custom ops: defined by import normbook, without Triton (see normbook._ops)
+from normbook._ops import _rows, norm_backward, norm_forward  # noqa: F401
 from normbook.kernels import _backward, _forward
 
 __all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "norm_forward", "norm_backward"]
@@ -36,58 +37,6 @@ _INTERPRETED = isinstance(_forward.norm_fwd_rows_kernel, InterpretedFunction)
 def interpreted() -> bool:
     """True when TRITON_INTERPRET=1 was set before triton was imported: kernels run on the CPU."""
     return _INTERPRETED
-
-
-def _rows(t: Tensor) -> Tensor:
-    """(..., D) -> (M, D) with a unit stride along D. Row strides are kept (a slice of a wider
-    tensor is read in place); only a non-contiguous last dim is copied."""
-    if t.dim() != 2:
-        D = t.shape[-1]
-        t = t.reshape(-1, D) if D else t.reshape(math.prod(t.shape[:-1]), 0)
-    return t.contiguous() if t.stride(-1) != 1 and t.shape[-1] > 1 else t
-
-
-# ----------------------------------------------------------------------------- custom ops
-
-@torch.library.custom_op("normbook::norm_forward", mutates_args=())
-def norm_forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
-                 bias: Optional[Tensor], eps: float, is_rms: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(ln-y) or (rms-y) over the last dim of x, (..., D): returns y, h (empty without
-    residual) and the fp32 stats, (2, ...) mean and rstd, or (1, ...) rstd for RMSNorm.
-    The public functions pass (M, D) rows; a DTensor keeps its leading dims (its sharding
-    rules, ``_dtensor``, keep each token's row whole on one rank)."""
-    lead = x.shape[:-1]
-    y, h, stats = _forward.norm_forward(_rows(x), None if residual is None else _rows(residual),
-                                        weight, bias, eps, is_rms)
-    if len(lead) != 1:
-        y, h, stats = y.view(x.shape), None if h is None else h.view(x.shape), stats.view(-1, *lead)
-    return y, x.new_empty((0,)) if h is None else h, stats   # an op returns tensors, never None
-
-
-@norm_forward.register_fake
-def _(x, residual, weight, bias, eps, is_rms):
-    return (x.new_empty(x.shape), x.new_empty(x.shape if residual is not None else (0,)),
-            x.new_empty((1 if is_rms else 2, *x.shape[:-1]), dtype=torch.float32))
-
-
-@torch.library.custom_op("normbook::norm_backward", mutates_args=())
-def norm_backward(dy: Tensor, dh: Optional[Tensor], x: Tensor, weight: Optional[Tensor], stats: Tensor,
-                  bias_dtype: Optional[torch.dtype], is_rms: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(ln-dx) or (rms-dx), (ln-dparams) and the (fork-rule): dx (x's shape, (..., D)),
-    dweight, dbias (empty if absent)."""
-    dx, dweight, dbias = _backward.norm_backward(
-        _rows(dy), None if dh is None else _rows(dh), _rows(x), weight,
-        stats.reshape(stats.shape[0], -1), bias_dtype, is_rms)
-    empty = x.new_empty((0,))
-    return (dx if x.dim() == 2 else dx.view(x.shape), empty.clone() if dweight is None else dweight,
-            empty if dbias is None else dbias)
-
-
-@norm_backward.register_fake
-def _(dy, dh, x, weight, stats, bias_dtype, is_rms):
-    D = x.shape[-1]
-    return (x.new_empty(x.shape), x.new_empty((0,)) if weight is None else weight.new_empty((D,)),
-            x.new_empty((0,)) if bias_dtype is None else x.new_empty((D,), dtype=bias_dtype))
 
 
 # ----------------------------------------------------------------------------- public API

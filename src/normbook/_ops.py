@@ -1,0 +1,100 @@
+"""The kernels' custom ops, ``torch.ops.normbook.norm_forward`` and ``norm_backward``, defined
+without Triton.
+
+``import normbook`` defines them (it never imports triton): a program exported with
+``torch.export`` on the kernel backend names them, and ``torch.export.load`` finds them after
+``import normbook`` alone. Their implementations import the launchers
+(:mod:`normbook.kernels`, and so Triton) when first run. Each op has a fake (shape-only)
+implementation, so that ``torch.compile`` traces through it, and sharding rules for DTensor
+(:mod:`normbook.kernels._dtensor`). In eager mode and under ``torch.compile`` autograd is
+:class:`normbook.functional.NormFunction`'s, which calls these ops inside its forward and
+backward; ``norm_forward`` also has a formula of its own (``norm_backward``), for graphs that
+hold the op itself: an exported program run with gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["norm_forward", "norm_backward"]
+
+
+def _rows(t: Tensor) -> Tensor:
+    """(..., D) -> (M, D) with a unit stride along D. Row strides are kept (a slice of a wider
+    tensor is read in place); only a non-contiguous last dim is copied."""
+    if t.dim() != 2:
+        D = t.shape[-1]
+        t = t.reshape(-1, D) if D else t.reshape(math.prod(t.shape[:-1]), 0)
+    return t.contiguous() if t.stride(-1) != 1 and t.shape[-1] > 1 else t
+
+
+@torch.library.custom_op("normbook::norm_forward", mutates_args=())
+def norm_forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
+                 bias: Optional[Tensor], eps: float, is_rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(ln-y) or (rms-y) over the last dim of x, (..., D): returns y, h (empty without
+    residual) and the fp32 stats, (2, ...) mean and rstd, or (1, ...) rstd for RMSNorm.
+    The public functions pass (M, D) rows; a DTensor keeps its leading dims (its sharding
+    rules, ``_dtensor``, keep each token's row whole on one rank)."""
+    from normbook.kernels import _forward
+
+    lead = x.shape[:-1]
+    y, h, stats = _forward.norm_forward(_rows(x), None if residual is None else _rows(residual),
+                                        weight, bias, eps, is_rms)
+    if len(lead) != 1:
+        y, h, stats = y.view(x.shape), None if h is None else h.view(x.shape), stats.view(-1, *lead)
+    return y, x.new_empty((0,)) if h is None else h, stats   # an op returns tensors, never None
+
+
+@norm_forward.register_fake
+def _(x, residual, weight, bias, eps, is_rms):
+    return (x.new_empty(x.shape), x.new_empty(x.shape if residual is not None else (0,)),
+            x.new_empty((1 if is_rms else 2, *x.shape[:-1]), dtype=torch.float32))
+
+
+@torch.library.custom_op("normbook::norm_backward", mutates_args=())
+def norm_backward(dy: Tensor, dh: Optional[Tensor], x: Tensor, weight: Optional[Tensor], stats: Tensor,
+                  bias_dtype: Optional[torch.dtype], is_rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(ln-dx) or (rms-dx), (ln-dparams) and the (fork-rule): dx (x's shape, (..., D)),
+    dweight, dbias (empty if absent)."""
+    from normbook.kernels import _backward
+
+    dx, dweight, dbias = _backward.norm_backward(
+        _rows(dy), None if dh is None else _rows(dh), _rows(x), weight,
+        stats.reshape(stats.shape[0], -1), bias_dtype, is_rms)
+    empty = x.new_empty((0,))
+    return (dx if x.dim() == 2 else dx.view(x.shape), empty.clone() if dweight is None else dweight,
+            empty if dbias is None else dbias)
+
+
+@norm_backward.register_fake
+def _(dy, dh, x, weight, stats, bias_dtype, is_rms):
+    D = x.shape[-1]
+    return (x.new_empty(x.shape), x.new_empty((0,)) if weight is None else weight.new_empty((D,)),
+            x.new_empty((0,)) if bias_dtype is None else x.new_empty((D,), dtype=bias_dtype))
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, bias, _, is_rms = inputs
+    _, h, stats = output
+    ctx.save_for_backward(x if residual is None else h, weight, stats)
+    ctx.cfg = (residual is not None, None if bias is None else bias.dtype, is_rms)
+
+
+def _backward_formula(ctx, dy, dh, dstats):
+    """norm_forward's gradient: (ln-dx) / (rms-dx) and (ln-dparams) by ``norm_backward``, the
+    fork rule's dh added to dx, which x and the residual both receive."""
+    has_residual, bias_dtype, is_rms = ctx.cfg
+    saved, weight, stats = ctx.saved_tensors
+    dh = dh if has_residual else None
+    if dy is None:                       # only h was used: nothing flows through y
+        return dh, dh, None, None, None, None
+    dx, dweight, dbias = norm_backward(dy, dh, saved, weight, stats, bias_dtype, is_rms)
+    return (dx, dx if has_residual else None, None if weight is None else dweight,
+            None if bias_dtype is None else dbias, None, None)
+
+
+norm_forward.register_autograd(_backward_formula, setup_context=_setup_context)
