@@ -9,7 +9,7 @@ a kernel launch, the same equations in torch ops):
 - :func:`add_layer_norm`, :func:`add_rms_norm`: the residual add fused in front, -> (y, h).
 
 Each is :func:`normbook.layer_norm` (and its kin) with the kernel backend forced: the same
-front door, validating and flattening once, and the same autograd Function
+front door, validating once, and the same autograd Function
 (``normbook.functional.NormFunction``). In eager mode it calls the launchers directly (host
 cost near torch's own, see ``python -m normbook.bench host``); under ``torch.compile`` and for
 a DTensor it calls them through the custom ops ``torch.ops.normbook.norm_forward`` and
@@ -17,8 +17,9 @@ a DTensor it calls them through the custom ops ``torch.ops.normbook.norm_forward
 Triton 3.6 and 3.9.
 
 Modules, one topic each: ``_forward`` and ``_backward`` (kernels and launchers), ``_config``
-(block sizes, rows per program, persistent grid, cached launch options), ``ops`` (the
-custom ops and these public functions), ``report``
+(block sizes, rows per program, persistent grid, cached launch options), ``ops`` (these
+public functions; the custom ops themselves are defined in :mod:`normbook._ops`, without
+Triton, so that an exported program loads after ``import normbook``), ``report``
 (``python -m normbook.kernels.report``: the static compile report).
 """
 
