@@ -18,7 +18,7 @@ Triton 3.6 and 3.9.
 
 Modules, one topic each: ``_forward`` and ``_backward`` (kernels and launchers), ``_config``
 (block sizes, rows per program, persistent grid, cached launch options), ``ops`` (these
-public functions; the custom ops themselves are defined in :mod:`normbook._ops`, without
+public functions; the custom ops themselves are defined in ``normbook._ops``, without
 Triton, so that an exported program loads after ``import normbook``), ``report``
 (``python -m normbook.kernels.report``: the static compile report).
 """

@@ -7,7 +7,7 @@ kernel backend calls the launchers (``_forward.norm_forward``, ``_backward.norm_
 directly in eager mode.
 
 Under ``torch.compile``, and for a DTensor, that Function calls the launchers through the custom
-ops ``torch.ops.normbook.norm_forward`` and ``norm_backward`` (defined in :mod:`normbook._ops`,
+ops ``torch.ops.normbook.norm_forward`` and ``norm_backward`` (defined in ``normbook._ops``,
 without Triton, and named here too): each has a fake
 (shape-only) implementation, so Dynamo traces the Function through them without a graph break,
 and sharding rules (:mod:`normbook.kernels._dtensor`), so that DTensor runs them on each rank's
