@@ -25,8 +25,9 @@ __all__ = ["norm_forward", "norm_backward"]
 
 def _rows(t: Tensor) -> Tensor:
     """(..., D) -> (M, D) with a unit stride along D. Row strides are kept (a slice of a wider
-    tensor is read in place); only a non-contiguous last dim is copied."""
-    if t.dim() != 2:
+    tensor is read in place); only a non-contiguous last dim is copied. A tensor subclass (a
+    DTensor) keeps its leading dims (flattening (B, T) sharded over T would all-gather it)."""
+    if t.dim() != 2 and (type(t) is Tensor or not isinstance(t, Tensor)):
         D = t.shape[-1]
         t = t.reshape(-1, D) if D else t.reshape(math.prod(t.shape[:-1]), 0)
     return t.contiguous() if t.stride(-1) != 1 and t.shape[-1] > 1 else t

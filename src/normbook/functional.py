@@ -32,7 +32,7 @@ import torch
 import torch.autograd.forward_ad as _fwAD
 from torch import Tensor
 
-from normbook import _math, _validate
+from normbook import _math, _ops, _validate
 
 __all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "backend", "NormFunction"]
 
@@ -367,14 +367,7 @@ _SEQUENCES = (tuple, list, torch.Size)   # what normalized_shape may be besides 
 _warned_wide: set[int] = set()
 
 
-def _rows(t: Tensor) -> Tensor:
-    """(..., D) -> (M, D) with a unit stride along D. Row strides are kept (a slice of a wider
-    tensor is read in place); only a non-contiguous last dim is copied. A DTensor keeps its
-    leading dims (flattening (B, T) sharded over T would all-gather it)."""
-    if t.dim() != 2 and not _is_subclass(t):
-        D = t.shape[-1]
-        t = t.reshape(-1, D) if D else t.reshape(math.prod(t.shape[:-1]), 0)
-    return t.contiguous() if t.stride(-1) != 1 and t.shape[-1] > 1 else t
+_rows = _ops._rows   # (..., D) -> (M, D) rows; a DTensor keeps its leading dims
 
 
 def _shaped(t: Tensor, shape) -> Tensor:
