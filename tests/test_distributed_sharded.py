@@ -263,7 +263,12 @@ def test_merge_stats_any_split(sizes, big, seed):
 
 
 def _note_pid(pid_dir, rank):
-    Path(pid_dir, f"{rank}.pid").write_text(str(os.getpid()))
+    """Write the rank's pid whole before the file appears under its name: the test signals the
+    parent as soon as both files exist, and a rank stopped between creating a file and
+    writing it left an empty one (seen once in a fresh clone's make test)."""
+    part = Path(pid_dir, f"{rank}.part")
+    part.write_text(str(os.getpid()))
+    os.replace(part, Path(pid_dir, f"{rank}.pid"))
 
 
 def _wait_for(paths, limit_s):
