@@ -174,43 +174,52 @@ def _backward_eager(dy, x, weight, mean, rstd, has_bias: bool):
     dx = torch.empty_like(X)                                           # (N, D), x's dtype
     rows = max(1, _BLOCK_PER_THREAD * torch.get_num_threads() // max(D, 1))
     n0 = min(rows, X.shape[0])
+    # a block's buffers, and the views of them each pass takes, made once: a block takes a
+    # dozen small ops besides its passes, and each op's overhead counts
     p = X.new_empty(n0, D, dtype=ct)                                   # g * xc, then the bracket
     xbuf = X.new_empty(n0, D, dtype=ct) if low else None               # x, then xc, in fp32
     gbuf = X.new_empty(n0, D, dtype=ct) if low else None               # dy in fp32
     ones = X.new_ones(n0, dtype=ct)                                    # sums over rows
+    coef, c1 = X.new_empty(n0, dtype=ct), X.new_empty(n0, dtype=ct)    # per row, (ln-c)
     dweight = X.new_zeros(D, dtype=ct)
     dbias = X.new_zeros(D, dtype=ct) if has_bias else None
-    # the blocks as views made in one call each: a block takes a dozen small ops besides its
-    # passes, and each op's overhead counts (slicing in the loop cost 2-8% of the backward)
-    blocks = zip(X.split(rows), G.split(rows), R.split(rows), R.view(-1).split(rows),
-                 nR.split(rows), dx.split(rows),
+    # the blocks as views made in one call each (slicing in the loop cost 2-8% of the
+    # backward); dy's transposed blocks serve the sum over rows
+    blocks = zip(X.split(rows), G.split(rows), G.t().split(rows, 1), R.split(rows),
+                 R.view(-1).split(rows), nR.split(rows), dx.split(rows),
                  Mu.split(rows) if Mu is not None else itertools.repeat(None))
-    for xb, gb, rb, rv, nb, db, mb in blocks:
-        n = xb.shape[0]
-        pb = p if n == n0 else p[:n]                                   # the last may be short
+    pt, coef_c, c1_c = p.t(), coef.unsqueeze(-1), c1.unsqueeze(-1)
+    for xb, gb, gt, rb, rv, nb, db, mb in blocks:
+        if xb.shape[0] != n0:                                          # the last, short block
+            n = xb.shape[0]
+            p, ones, coef, c1 = p[:n], ones[:n], coef[:n], c1[:n]
+            pt, coef_c, c1_c = p.t(), coef.unsqueeze(-1), c1.unsqueeze(-1)
+            xbuf, gbuf = (xbuf[:n], gbuf[:n]) if low else (None, None)
         if low:
-            xc, gb = xbuf[:n].copy_(xb), gbuf[:n].copy_(gb)
+            xc, gb = xbuf.copy_(xb), gbuf.copy_(gb)
+            gt = gb.t()
             if mb is not None:
                 xc.sub_(mb)
         else:
             xc = xb if mb is None else torch.sub(xb, mb, out=db)       # in dx's block
-        pb = torch.mul(gb, xc, out=pb)                                 # g * xc
-        dweight.addmv_(pb.t(), rv)                                     # (ln-dparams)
+        torch.mul(gb, xc, out=p)                                       # g * xc
+        dweight.addmv_(pt, rv)                                         # (ln-dparams)
         # -c2 * rstd, (ln-c), one factor rstd at a time (rstd^2 of a row near 1e20 would be
         # subnormal in fp32)
-        coef = torch.mv(pb, w_d).unsqueeze_(-1).mul_(rb).mul_(nb)
+        torch.mv(p, w_d, out=coef)
+        coef_c.mul_(rb).mul_(nb)
         if dbias is not None:
-            dbias.addmv_(gb.t(), ones if n == n0 else ones[:n])        # (ln-dparams)
+            dbias.addmv_(gt, ones)                                     # (ln-dparams)
         if mb is None:
-            bracket = torch.mul(gb, weight, out=pb)                    # ghat
+            torch.mul(gb, weight, out=p)                               # ghat
         else:
-            c1 = torch.mv(gb, nw_d).unsqueeze_(-1)                     # -c1 in (ln-c)
-            bracket = torch.addcmul(c1, gb, weight, out=pb)            # ghat - c1
-        bracket.addcmul_(xc, coef)                                     # ... - c2 * xhat
+            torch.mv(gb, nw_d, out=c1)                                 # -c1 in (ln-c)
+            torch.addcmul(c1_c, gb, weight, out=p)                     # ghat - c1
+        p.addcmul_(xc, coef_c)                                         # ... - c2 * xhat
         if low:
-            db.copy_(bracket.mul_(rb))                                 # times rstd: (ln-dx)
+            db.copy_(p.mul_(rb))                                       # times rstd: (ln-dx)
         else:
-            torch.mul(bracket, rb, out=db)                             # times rstd: (ln-dx)
+            torch.mul(p, rb, out=db)                                   # times rstd: (ln-dx)
     return dx.reshape(x.shape), dweight, dbias
 
 
