@@ -169,6 +169,36 @@ def test_a_nan_stays_in_its_own_row():
         assert x.grad.isnan().any(-1).tolist() == [False, False, True, False]
 
 
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_call_no_backward_follows_gives_the_functions_y_bitwise(norm, dtype):
+    """Where nothing requires grad, the torch backend computes y without the autograd Function
+    (no context, no statistics): the same y, bit for bit, as the Function's forward, on rows
+    that torch's fused kernel finishes and on those that fall back to the formulas (a NaN, a
+    row whose variance overflows fp32, an empty batch)."""
+    x = torch.randn(5, 3, 16).to(dtype)
+    x[1, 2, 4] = float("nan")
+    if dtype != torch.float64:
+        x[3, 0] = torch.linspace(-1, 1, 16) * 3e19
+    w, b = torch.randn(16).to(dtype), torch.randn(16).to(dtype)
+    def run(x, w, b):
+        if norm == "layer":
+            return normbook.layer_norm(x, (16,), w, b)
+        return normbook.rms_norm(x, (16,), w)
+    with normbook.backend("torch"):
+        for inp in (x, x[:0]):
+            plain = run(inp, w, b)                         # nothing requires grad
+            with torch.no_grad():
+                unrecorded = run(inp, w.requires_grad_(), b.requires_grad_())
+            recorded = run(inp, w, b)                      # through the Function
+            w.requires_grad_(False), b.requires_grad_(False)
+            assert recorded.grad_fn is not None and plain.grad_fn is None
+            for y in (plain, unrecorded):
+                assert y.dtype == recorded.dtype and y.shape == recorded.shape
+                assert torch.equal(y.isnan(), recorded.isnan())
+                assert torch.equal(y.nan_to_num(), recorded.detach().nan_to_num())
+
 # Bad input: a clear error naming the argument, with expected against given.
 @pytest.mark.parametrize("call,exc,pattern", [
     (lambda: normbook.layer_norm(torch.randn(2, 5), (5,), torch.ones(4)), ValueError, r"weight: expected shape \(5,\).*got \(4,\)"),

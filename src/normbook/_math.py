@@ -45,9 +45,18 @@ def _has_values(t: torch.Tensor) -> bool:
     under torch.compile or torch.export (a branch would guard on data or break the graph), nor
     torch.func transforms, nor for meta or fake tensors (no values), nor a subclass, nor a
     tensor batched by the legacy vmap that autograd's batched gradients use."""
-    return not (type(t) is not torch.Tensor or t.is_meta or torch.compiler.is_compiling()
-                or torch._C._are_functorch_transforms_active() or torch.jit.is_tracing()
-                or _is_legacy_batched(t))
+    return not (_traced() or not _plain(t))
+
+
+def _traced() -> bool:
+    """Whether a tracer or a torch.func transform sees the ops (see :func:`_has_values`)."""
+    return (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch.jit.is_tracing())
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A plain tensor with data: not a subclass, not meta, not legacy-batched."""
+    return type(t) is torch.Tensor and not t.is_meta and not _is_legacy_batched(t)
 
 
 _is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda t: False)
@@ -58,10 +67,18 @@ def _eager(*ts) -> bool:
     every tensor given has values at hand (:func:`_has_values`) and autograd records no graph
     of the call (double backward does, through these formulas), nor forward-mode AD, whose
     tangents the ``out=`` and in-place steps would not carry. Traced, transformed, recorded
-    and dual calls keep the plain formulas."""
-    ts = [t for t in ts if t is not None]
-    return (all(_has_values(t) for t in ts) and _fwAD._current_level < 0
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts)))
+    and dual calls keep the plain formulas. (The conditions that hold for the whole call are
+    asked once, not per tensor: this runs on every call of the torch backend.)"""
+    if _fwAD._current_level >= 0 or _traced():
+        return False
+    grad = torch.is_grad_enabled()
+    return all(t is None or (_plain(t) and not (grad and t.requires_grad)) for t in ts)
+
+
+def _all_positive(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is > 0; False where one is NaN (the smallest is then NaN).
+    One reduction and one read: about 3 us less than ``(t > 0).all()`` per call."""
+    return not t.numel() or t.amin().item() > 0
 
 
 def stats(x: torch.Tensor, eps, is_rms: bool):
@@ -91,7 +108,7 @@ def forward(x, weight, bias, eps, is_rms: bool):
             and _eager(x, weight, bias)
             and all(p is None or (p.dim() == 1 and p.dtype == x.dtype) for p in (weight, bias))):
         y, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
-        if (rstd > 0).all():                             # False for NaN: those rows fall back
+        if _all_positive(rstd):                          # False for NaN: those rows fall back
             return y, mean, rstd
     mean, rstd = stats(x, eps, is_rms)
     y = xhat(x, mean, rstd)                              # (..., D), fresh

@@ -130,9 +130,10 @@ def _is_subclass(t) -> bool:
     return type(t) is not Tensor and isinstance(t, Tensor)
 
 
-def _torch_forward(x, residual, weight, bias, eps, is_rms):
+def _torch_forward(x, residual, weight, bias, eps, is_rms, with_stats=True):
     """The torch backend's forward: h = x + residual (in x's dtype), then (ln-y) / (rms-y) of h
-    in the compute dtype; returns (y, h, stats), h None without a residual, stats (k, ...)."""
+    in the compute dtype; returns (y, h, stats), h None without a residual, stats (k, ...)
+    (None without ``with_stats``: a call that no backward will follow)."""
     h = x if residual is None else x + residual
     ct = _compute_dtype(h.dtype)
     if not is_rms and h.dtype in _HALF and h.shape[-1] and _math._eager(h, weight, bias):
@@ -142,12 +143,17 @@ def _torch_forward(x, residual, weight, bias, eps, is_rms):
         w = h.new_ones(D, dtype=ct) if weight is None else weight.to(ct)
         b = h.new_zeros(D, dtype=ct) if bias is None else bias.to(ct)
         y, mean, rstd = torch.native_layer_norm(h, (D,), w, b, eps)
-        if (rstd > 0).all():                    # False for NaN: those rows take the formulas
-            stats = torch.cat([mean, rstd], -1).movedim(-1, 0)
+        if _math._all_positive(rstd):           # False for NaN: those rows take the formulas
+            stats = torch.cat([mean, rstd], -1).movedim(-1, 0) if with_stats else None
             return y, None if residual is None else h, stats
     y, mean, rstd = _math.forward(h.to(ct), None if weight is None else weight.to(ct),
                                   None if bias is None else bias.to(ct), eps, is_rms)
-    stats = rstd.movedim(-1, 0) if is_rms else torch.cat([mean, rstd], -1).movedim(-1, 0)
+    if not with_stats:
+        stats = None
+    elif is_rms:
+        stats = rstd.movedim(-1, 0)
+    else:
+        stats = torch.cat([mean, rstd], -1).movedim(-1, 0)
     return y.to(x.dtype), None if residual is None else h, stats
 
 
@@ -528,6 +534,12 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
             except AttributeError:
                 ok = False
             if ok:      # (..., D) as it is: see _whole
+                if mode == _TORCH and not _tracing() and not (_grad_enabled() and (
+                        input.requires_grad or (weight is not None and weight.requires_grad)
+                        or (b is not None and b.requires_grad))):
+                    # no backward will follow: the Function's forward without the Function
+                    # (its context, and the statistics it would save), the same y
+                    return _torch_forward(input, None, weight, b, eps, is_rms, False)[0], None
                 cfg = (eps, is_rms, mode, bias_dtype, False)
                 return _eager_apply(input, None, weight, b, cfg), None
     original = input
