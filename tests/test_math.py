@@ -58,6 +58,15 @@ def native_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture(params=["blocked", "formulas"])
+def backward_path(request, monkeypatch):
+    """Each backward test twice: through the blocked eager backward (``_backward_eager``, which
+    calls of at least ``_BLOCKED_MIN`` values take) and through the plain formulas (which
+    smaller calls take), whatever the test's shape."""
+    monkeypatch.setattr(_math, "_BLOCKED_MIN", 0 if request.param == "blocked" else 1 << 62)
+    return request.param
+
+
 # ---- forward: torch's fused kernel against the formulas ----------------------------------------
 
 # fp32 tolerance: the fused kernel sums each row in another order than torch's mean (both
@@ -144,7 +153,7 @@ def test_float64_and_recorded_calls_keep_the_formulas(native_calls):
 
 @pytest.mark.parametrize("is_rms", [False, True])
 @pytest.mark.parametrize("shape", [(1,), (5,), (3, 1), (4, 3), (2, 3, 760), (64, 1000), (3, 4097)])
-def test_backward_within_twice_the_formulas_error(shape, is_rms):
+def test_backward_within_twice_the_formulas_error(shape, is_rms, backward_path):
     """The eager backward (blocks of rows, c2 as a matrix-vector product) against the float64
     reference: within twice the error of the plain formulas on the same fp32 inputs, plus 2 ulps
     of the scale of the terms (either may round a borderline value the other way). dx is the
@@ -203,7 +212,7 @@ def test_backward_blocks_add_up_to_one_block(monkeypatch, is_rms, dtype):
 
 
 @pytest.mark.parametrize("is_rms", [False, True])
-def test_backward_of_rows_near_the_fp32_limits(is_rms):
+def test_backward_of_rows_near_the_fp32_limits(is_rms, backward_path):
     """Rows near 1e20 and 1e36 (their squares overflow fp32; rstd near 1e-20 and 1e-36) beside
     ordinary ones: the eager backward stays finite and within the formulas' error of float64
     (xhat is formed before any product, so nothing of size x^2 or rstd^2 appears)."""
@@ -231,7 +240,23 @@ def test_backward_of_rows_near_the_fp32_limits(is_rms):
     assert err <= 2 * err0 + 4 * F32 * scale, (err, err0)
 
 
-def test_backward_of_one_token_returns_its_own_dweight():
+def test_small_calls_keep_the_formulas_and_large_ones_take_blocks(monkeypatch):
+    """The blocked backward's dozens of small ops cost a small call more host time than the
+    formulas' passes: calls below ``_BLOCKED_MIN`` values keep the formulas, larger ones take
+    the blocks (both directly and through the half-precision route of the torch backend)."""
+    taken = []
+    real = _math._backward_eager
+    monkeypatch.setattr(_math, "_backward_eager", lambda *a: taken.append(a[1].numel()) or real(*a))
+    D = 256
+    for rows in (_math._BLOCKED_MIN // D - 1, _math._BLOCKED_MIN // D):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, D, dtype=dtype, requires_grad=True)
+            with normbook.backend("torch"):
+                normbook.layer_norm(x, (D,), torch.ones(D, requires_grad=True)).sum().backward()
+    assert taken == [_math._BLOCKED_MIN] * 2
+
+
+def test_backward_of_one_token_returns_its_own_dweight(backward_path):
     """A 1-D x is one token: dweight = dy * xhat itself, which must not share the buffer that
     becomes dx."""
     x, w, _, dy = _inputs((9,), seed=6)
@@ -242,7 +267,7 @@ def test_backward_of_one_token_returns_its_own_dweight():
     assert dweight.data_ptr() != dx.data_ptr()
 
 
-def test_backward_does_not_write_its_inputs():
+def test_backward_does_not_write_its_inputs(backward_path):
     x, w, _, dy = _inputs((4, 50), seed=7)
     mean, rstd = _math.stats(x, EPS, False)
     before = [t.clone() for t in (dy, x, w, mean, rstd)]

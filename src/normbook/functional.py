@@ -33,6 +33,7 @@ import torch.autograd.forward_ad as _fwAD
 from torch import Tensor
 
 from normbook import _math, _ops, _validate
+_cast = _math._cast
 
 __all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "backend", "NormFunction"]
 
@@ -140,21 +141,20 @@ def _torch_forward(x, residual, weight, bias, eps, is_rms, with_stats=True):
         # torch's fused kernel reads bf16/fp16 rows as they are and reduces in fp32, the
         # statistics (ln-mean), (ln-rstd) in fp32 given fp32 parameters: no fp32 copy of the rows
         D = h.shape[-1]
-        w = h.new_ones(D, dtype=ct) if weight is None else weight.to(ct)
-        b = h.new_zeros(D, dtype=ct) if bias is None else bias.to(ct)
+        w = h.new_ones(D, dtype=ct) if weight is None else _cast(weight, ct)
+        b = h.new_zeros(D, dtype=ct) if bias is None else _cast(bias, ct)
         y, mean, rstd = torch.native_layer_norm(h, (D,), w, b, eps)
         if _math._all_positive(rstd):           # False for NaN: those rows take the formulas
             stats = torch.cat([mean, rstd], -1).movedim(-1, 0) if with_stats else None
             return y, None if residual is None else h, stats
-    y, mean, rstd = _math.forward(h.to(ct), None if weight is None else weight.to(ct),
-                                  None if bias is None else bias.to(ct), eps, is_rms)
+    y, mean, rstd = _math.forward(_cast(h, ct), _cast(weight, ct), _cast(bias, ct), eps, is_rms)
     if not with_stats:
         stats = None
     elif is_rms:
         stats = rstd.movedim(-1, 0)
     else:
         stats = torch.cat([mean, rstd], -1).movedim(-1, 0)
-    return y.to(x.dtype), None if residual is None else h, stats
+    return _cast(y, x.dtype), None if residual is None else h, stats
 
 
 def _torch_backward(dy, dh, x, weight, stats, eps, is_rms, bias_dtype, recompute):
@@ -162,28 +162,28 @@ def _torch_backward(dy, dh, x, weight, stats, eps, is_rms, bias_dtype, recompute
     the statistics are taken again from x, inside the graph autograd is building of this
     backward, so that a second derivative sees how they depend on x."""
     ct = _compute_dtype(x.dtype)
-    w = None if weight is None else weight.to(ct)
+    w = _cast(weight, ct)
     if (x.dtype in _HALF and dy.dtype == x.dtype and w is not None and not recompute
-            and _math._eager(dy, x, w, stats)):
+            and x.numel() >= _math._BLOCKED_MIN and _math._eager(dy, x, w, stats)):
         # bf16/fp16 rows read a block at a time into fp32 (no fp32 copy of the whole rows)
         dx, dweight, dbias = _math._backward_eager(
             dy, x, w, None if is_rms else stats[0].unsqueeze(-1), stats[-1].unsqueeze(-1),
             bias_dtype is not None)
         if dh is not None:
             dx = dx + dh                                    # fork rule
-        return (dx, dweight.to(weight.dtype),
-                None if bias_dtype is None else dbias.to(bias_dtype))
-    xc = x.to(ct)
+        return (dx, _cast(dweight, weight.dtype),
+                None if bias_dtype is None else _cast(dbias, bias_dtype))
+    xc = _cast(x, ct)
     if recompute:
         mean, rstd = _math.stats(xc, eps, is_rms)
     else:
-        rstd = stats[-1].unsqueeze(-1).to(ct)
-        mean = None if is_rms else stats[0].unsqueeze(-1).to(ct)
-    dx, dweight, dbias = _math.backward(dy.to(ct), xc, w, mean, rstd, bias_dtype is not None)
+        rstd = _cast(stats[-1].unsqueeze(-1), ct)
+        mean = None if is_rms else _cast(stats[0].unsqueeze(-1), ct)
+    dx, dweight, dbias = _math.backward(_cast(dy, ct), xc, w, mean, rstd, bias_dtype is not None)
     if dh is not None:
         dx = dx + dh                                        # fork rule
-    return (dx.to(x.dtype), None if weight is None else dweight.to(weight.dtype),
-            None if bias_dtype is None else dbias.to(bias_dtype))
+    return (_cast(dx, x.dtype), None if weight is None else _cast(dweight, weight.dtype),
+            None if bias_dtype is None else _cast(dbias, bias_dtype))
 
 
 def _forward_rows(x, residual, weight, bias, eps, is_rms, kernels):
