@@ -133,7 +133,8 @@ def backward(dy, x, weight, mean, rstd, has_bias: bool):
 
     dweight and dbias sum over every leading dim; dbias is None without a bias, dweight None
     without a weight. Where no graph records (the usual backward, see :func:`_eager`), in fp32,
-    the same terms are taken in fewer passes by :func:`_backward_eager`; float64, the precision
+    a call of at least ``_BLOCKED_MIN`` values takes the same terms in fewer passes over memory
+    by :func:`_backward_eager` (a smaller one fits in cache anyway); float64, the precision
     other code compares against (the feature-sharded norms to 1e-12, say), keeps the formulas.
     """
     # float64 keeps the formulas, as forward; so do rows of D = 0 (no blocks to take), and
