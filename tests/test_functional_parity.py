@@ -294,12 +294,14 @@ def test_torch_jit_script_of_the_modules():
 def test_torch_jit_trace_of_the_modules(backend, kernels, device):
     """A trace records torch's ops, not a Triton launch: under torch.jit.trace the door takes
     the torch backend (a traced kernel call would leave the graph an empty output), so the
-    traced module computes the norm on inputs it was not traced with."""
+    traced module computes the norm on inputs it was not traced with. The door's checks of the
+    arguments raise no TracerWarning (they hold for the trace, as the tracer keeps them)."""
     for m, ref in ((normbook.LayerNorm(8), torch.nn.LayerNorm(8)),
                    (normbook.RMSNorm(8), torch.nn.RMSNorm(8))):
         m, ref = m.to(device), ref.to(device)
         with normbook.backend(backend), warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("error", torch.jit.TracerWarning)
             traced = torch.jit.trace(m, torch.randn(4, 8, device=device))
         x = torch.randn(6, 8, device=device)
         torch.testing.assert_close(traced(x), ref(x))

@@ -507,14 +507,14 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
     if (type(input) is Tensor and type(eps) is float and eps == eps and type(D) is int and D
             and residual is None
             and not _compiling() and _fwAD._current_level < 0
-            and not _transformed() and not _any_autocast()):
+            and not _transformed() and not _any_autocast() and not _tracing()):
         shape, dtype = input.shape, input.dtype
         if kernels is None:     # backend(): see _use_kernels
             kernels = _backend == "kernels" or (_backend == "auto" and input.is_cuda
                                                 and dtype in _KERNEL_DTYPES and _triton_installed())
         if kernels:             # what the kernels take without a word (else: the checks below)
             mode, dtypes = _LAUNCH, _KERNEL_DTYPES
-            ok = (D <= _FUSED_D and _K is not None and not _tracing()
+            ok = (D <= _FUSED_D and _K is not None
                   and (input.is_cuda or (_INTERPRETED and input.is_cpu)))
         else:   # (autocast on an MPS device is not in _any_autocast: the checks see it)
             mode, dtypes, ok = _TORCH, _FLOAT_DTYPES, input.is_cpu or input.is_cuda
@@ -534,7 +534,7 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
             except AttributeError:
                 ok = False
             if ok:      # (..., D) as it is: see _whole
-                if mode == _TORCH and not _tracing() and not (_grad_enabled() and (
+                if mode == _TORCH and not (_grad_enabled() and (
                         input.requires_grad or (weight is not None and weight.requires_grad)
                         or (b is not None and b.requires_grad))):
                     # no backward will follow: the Function's forward without the Function
@@ -542,6 +542,22 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
                     return _torch_forward(input, None, weight, b, eps, is_rms, False)[0], None
                 cfg = (eps, is_rms, mode, bias_dtype, False)
                 return _eager_apply(input, None, weight, b, cfg), None
+    if torch.jit.is_tracing():   # (torch.compile knows this one; not _tracing, a C builtin)
+        # torch.jit.trace: the checks below compare shapes, which the tracer holds as values
+        # and warns about each time one decides a branch. They are checks of this call's
+        # arguments, constant for the trace as the tracer says it will keep them, so its
+        # warnings are silenced here (a trace computes with torch's ops: see _kernels_take)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            return _checked(input, normalized_shape, weight, bias, eps, is_rms, residual, name,
+                            kernels, D)
+    return _checked(input, normalized_shape, weight, bias, eps, is_rms, residual, name, kernels,
+                    D)
+
+
+def _checked(input, normalized_shape, weight, bias, eps, is_rms, residual, name, kernels, D):
+    """:func:`_norm` past its shorter path: the full checks, then :func:`_apply`. ``D``: the
+    normalized size when ``normalized_shape`` names one dim, else None."""
     original = input
     fast = (D is not None and isinstance(input, Tensor) and input.dtype in _FLOAT_DTYPES
             and input.ndim and input.shape[-1] == D and type(eps) is float and eps == eps)
