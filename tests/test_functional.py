@@ -199,6 +199,24 @@ def test_a_call_no_backward_follows_gives_the_functions_y_bitwise(norm, dtype):
                 assert torch.equal(y.isnan(), recorded.isnan())
                 assert torch.equal(y.nan_to_num(), recorded.detach().nan_to_num())
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_one_tokens_gradients_are_tensors_of_their_own(dtype, with_weight):
+    """A 1-D input is one token: the bias gradient is dy summed over no tokens, which must be a
+    new tensor, as torch's is, not dy itself (zeroing it zeroed the caller's dy) nor an
+    expanded view of it (clipping it in place raised)."""
+    D = 8
+    x, b = torch.randn(D, dtype=dtype, requires_grad=True), torch.randn(D, dtype=dtype, requires_grad=True)
+    w = torch.randn(D, dtype=dtype, requires_grad=True) if with_weight else None
+    with normbook.backend("torch"):
+        dy = torch.randn(D, dtype=dtype)
+        grads_ = torch.autograd.grad(normbook.layer_norm(x, (D,), w, b), (x, b, *([w] if w is not None else [])), dy)
+        assert all(g.data_ptr() != dy.data_ptr() for g in grads_)
+        expanded = torch.autograd.grad(normbook.layer_norm(x, (D,), w, b).sum(), (x, b))
+        for g in expanded:
+            g.mul_(0.5)                      # writable, as torch's gradients are
+
 # Bad input: a clear error naming the argument, with expected against given.
 @pytest.mark.parametrize("call,exc,pattern", [
     (lambda: normbook.layer_norm(torch.randn(2, 5), (5,), torch.ones(4)), ValueError, r"weight: expected shape \(5,\).*got \(4,\)"),

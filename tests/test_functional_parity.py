@@ -307,6 +307,36 @@ def test_torch_jit_trace_of_the_modules(backend, kernels, device):
         torch.testing.assert_close(traced(x), ref(x))
 
 
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+def test_torch_jit_trace_of_the_functions(backend, kernels, device):
+    """The functions trace too, the fused adds included (their door reads x's last size, which
+    the tracer gives as a tensor: it refused it as normalized_shape before), and a size taken
+    from the input: each trace computes torch's result on inputs of another shape, without a
+    TracerWarning. Over several dims the trace keeps this call's rank, and the tracer's
+    warnings say so: they are not silenced."""
+    w = torch.randn(8, device=device)
+    calls = {
+        "add_layer_norm": (lambda x, r: normbook.add_layer_norm(x, r, w),
+                           lambda x, r: (F.layer_norm(x + r, (8,), w), x + r)),
+        "add_rms_norm": (lambda x, r: normbook.add_rms_norm(x, r, w),
+                         lambda x, r: (F.rms_norm(x + r, (8,), w), x + r)),
+        "layer_norm": (lambda x, r: normbook.layer_norm(x, (x.size(-1),), w),
+                       lambda x, r: F.layer_norm(x, (8,), w)),
+    }
+    example = (torch.randn(3, 8, device=device), torch.randn(3, 8, device=device))
+    for name, (ours, theirs) in calls.items():
+        with normbook.backend(backend), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("error", torch.jit.TracerWarning)
+            traced = torch.jit.trace(ours, example)
+        x, r = torch.randn(2, 5, 8, device=device), torch.randn(2, 5, 8, device=device)
+        torch.testing.assert_close(traced(x, r), theirs(x, r), msg=name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.jit.trace(normbook.LayerNorm((2, 8)).to(device), torch.randn(3, 2, 8, device=device))
+    assert any(w.category is torch.jit.TracerWarning for w in caught)
+
+
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_nested_jagged_tensors(norm):
     parts = [torch.randn(3, 8), torch.randn(5, 8)]

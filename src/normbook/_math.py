@@ -259,9 +259,13 @@ def _backward_eager(dy, x, weight, mean, rstd, has_bias: bool):
 
 
 def _sum_tokens(t):
-    """(..., D) -> (D,): the sum over every leading dim ("nd->d"); a 1-D t is one token.
-    (``sum(())`` would reduce over every dim, hence the special case.)"""
-    return t.sum(tuple(range(t.dim() - 1))) if t.dim() > 1 else t
+    """(..., D) -> (D,): the sum over every leading dim ("nd->d"); a 1-D t is one token, whose
+    sum is a copy of it: a gradient handed back must be a tensor of its own, not dy (which the
+    caller holds, and which may be an expanded view no one can write to). (``sum(())`` would
+    reduce over every dim, hence the special case.)"""
+    if t.dim() > 1:
+        return t.sum(tuple(range(t.dim() - 1)))
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def jvp(tx, tw, tb, x, weight, mean, rstd):

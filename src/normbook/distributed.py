@@ -37,6 +37,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from normbook._math import _sum_tokens
+
 __all__ = ["merge_stats", "layer_norm_sharded", "rms_norm_sharded", "all_reduce_param_grads",
            "launch", "sequence_parallel_experiment", "feature_parallel_experiment",
            "dtensor_experiment", "fsdp_experiment"]
@@ -168,11 +170,6 @@ def _rescued_rstd(xc: torch.Tensor, D: torch.Tensor, group) -> torch.Tensor:
     _, e = torch.frexp(_all_reduce(local, group, dist.ReduceOp.MAX))
     u = torch.ldexp(xc, -e[..., None])                     # |u| < 1 on every rank
     return torch.ldexp(torch.rsqrt(_all_reduce((u * u).sum(-1), group) / D), -e)
-
-
-def _sum_tokens(t: torch.Tensor) -> torch.Tensor:
-    """(..., D_local) -> (D_local,): the sum over every leading dim; a 1-D t is one token."""
-    return t.sum(tuple(range(t.dim() - 1))) if t.dim() > 1 else t
 
 
 class _ShardedNorm(torch.autograd.Function):

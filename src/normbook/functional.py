@@ -542,11 +542,12 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
                     return _torch_forward(input, None, weight, b, eps, is_rms, False)[0], None
                 cfg = (eps, is_rms, mode, bias_dtype, False)
                 return _eager_apply(input, None, weight, b, cfg), None
-    if torch.jit.is_tracing():   # (torch.compile knows this one; not _tracing, a C builtin)
-        # torch.jit.trace: the checks below compare shapes, which the tracer holds as values
-        # and warns about each time one decides a branch. They are checks of this call's
-        # arguments, constant for the trace as the tracer says it will keep them, so its
-        # warnings are silenced here (a trace computes with torch's ops: see _kernels_take)
+    if torch.jit.is_tracing() and D is not None:   # (torch.compile knows is_tracing)
+        # torch.jit.trace holds sizes as values, and warns each time one decides a branch.
+        # Over one dim, the checks below only check this call's arguments: the traced
+        # Function normalizes the last dim whatever its size, so nothing the trace keeps
+        # depends on them, and their warnings are silenced. (Over several dims the trace
+        # keeps a reshape to this call's rank, and the tracer's warnings stay.)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             return _checked(input, normalized_shape, weight, bias, eps, is_rms, residual, name,
@@ -707,6 +708,10 @@ def _add_norm(x, residual, weight, bias, eps, is_rms, kernels=None):
         raise ValueError("x: expected a tensor of shape (..., D) with at least one dim, "
                          "got a 0-d tensor")
     D = x.shape[-1] if isinstance(x, Tensor) else 0
+    if type(D) is not int:   # torch.jit.trace gives sizes as tensors: only the checks read D
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            D = int(D)
     return _norm(x, D, weight, bias, eps, is_rms, residual, "x", kernels)
 
 
