@@ -15,6 +15,7 @@ Three parts:
 
 from __future__ import annotations
 
+import io
 import warnings
 
 import pytest
@@ -295,7 +296,8 @@ def test_torch_jit_trace_of_the_modules(backend, kernels, device):
     """A trace records torch's ops, not a Triton launch: under torch.jit.trace the door takes
     the torch backend (a traced kernel call would leave the graph an empty output), so the
     traced module computes the norm on inputs it was not traced with. The door's checks of the
-    arguments raise no TracerWarning (they hold for the trace, as the tracer keeps them)."""
+    arguments raise no TracerWarning (they hold for the trace, as the tracer keeps them). The
+    trace holds torch's ops only, no Python Function: it saves, loads and trains like torch's."""
     for m, ref in ((normbook.LayerNorm(8), torch.nn.LayerNorm(8)),
                    (normbook.RMSNorm(8), torch.nn.RMSNorm(8))):
         m, ref = m.to(device), ref.to(device)
@@ -305,6 +307,15 @@ def test_torch_jit_trace_of_the_modules(backend, kernels, device):
             traced = torch.jit.trace(m, torch.randn(4, 8, device=device))
         x = torch.randn(6, 8, device=device)
         torch.testing.assert_close(traced(x), ref(x))
+        assert "PythonOp" not in traced.graph.str()
+        saved = io.BytesIO()
+        torch.jit.save(traced, saved)
+        saved.seek(0)
+        loaded = torch.jit.load(saved, map_location=device)
+        x = torch.randn(2, 3, 8, device=device, requires_grad=True)
+        (dx,) = torch.autograd.grad(loaded(x).square().sum(), x)
+        (dx_ref,) = torch.autograd.grad(ref(x).square().sum(), x)
+        torch.testing.assert_close(dx, dx_ref)
 
 
 @pytest.mark.parametrize("backend", ["kernels", "torch"])

@@ -348,7 +348,12 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
     transforms (which wrap tensors no kernel can read), torch's apply of
     :class:`_NormFunctionAD` on the torch backend; under forward-mode AD, the C++ apply of
     :class:`_NormFunctionAD`; otherwise that of :class:`NormFunction`, with the custom ops for
-    a DTensor and the launchers for the rest."""
+    a DTensor and the launchers for the rest. Under torch.jit.trace, the formulas in torch's
+    own ops, no Function: a trace holds what it records, and a Python Function in its graph
+    could neither be saved (``torch.jit.save``) nor run where normbook is not imported."""
+    if torch.jit.is_tracing():
+        y, h, _ = _torch_forward(x, residual, weight, bias, eps, is_rms, False)
+        return y, h
     if torch.compiler.is_compiling():
         out = NormFunction.apply(x, residual, weight, bias,
                                  _cfg(eps, is_rms, _OPS if kernels else _TORCH, bias, residual))
