@@ -186,6 +186,12 @@ def test_a_call_no_backward_follows_gives_the_functions_y_bitwise(norm, dtype):
         if norm == "layer":
             return normbook.layer_norm(x, (16,), w, b)
         return normbook.rms_norm(x, (16,), w)
+
+    def run_add(x, w, b):       # the fused add, and (2, 3, 16) rows where x is (5, 3, 16)
+        r = x.flip(0)
+        if norm == "layer":
+            return normbook.add_layer_norm(x, r, w, b)
+        return normbook.add_rms_norm(x, r, w)
     with normbook.backend("torch"):
         for inp in (x, x[:0]):
             plain = run(inp, w, b)                         # nothing requires grad
@@ -198,6 +204,15 @@ def test_a_call_no_backward_follows_gives_the_functions_y_bitwise(norm, dtype):
                 assert y.dtype == recorded.dtype and y.shape == recorded.shape
                 assert torch.equal(y.isnan(), recorded.isnan())
                 assert torch.equal(y.nan_to_num(), recorded.detach().nan_to_num())
+            plain = run_add(inp, w, b)
+            with torch.no_grad():
+                unrecorded = run_add(inp, w.requires_grad_(), b.requires_grad_())
+            recorded = run_add(inp, w, b)
+            w.requires_grad_(False), b.requires_grad_(False)
+            for out in (plain, unrecorded):
+                for y, ref in zip(out, recorded):
+                    assert y.dtype == ref.dtype and y.shape == ref.shape
+                    assert torch.equal(y.nan_to_num(), ref.detach().nan_to_num())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -362,6 +362,12 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
         out = _NormFunctionAD.apply(x, residual, weight, bias,
                                     _cfg(eps, is_rms, _TORCH, bias, residual))
         return out[0], None if residual is None else out[1]
+    if not kernels and not (_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, residual, weight, bias))) \
+            and _fwAD._current_level < 0:
+        # no backward will follow: the Function's forward without the Function (see _norm)
+        y, h, _ = _torch_forward(x, residual, weight, bias, eps, is_rms, False)
+        return y, h
     cfg = _cfg(eps, is_rms, (_OPS if _is_subclass(x) else _LAUNCH) if kernels else _TORCH, bias,
                residual)
     if _fwAD._current_level >= 0:
