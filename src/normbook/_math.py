@@ -137,10 +137,9 @@ def backward(dy, x, weight, mean, rstd, has_bias: bool):
     by :func:`_backward_eager` (a smaller one fits in cache anyway); float64, the precision
     other code compares against (the feature-sharded norms to 1e-12, say), keeps the formulas.
     """
-    # float64 keeps the formulas, as forward; so do rows of D = 0 (no blocks to take), and
-    # small calls (see _BLOCKED_MIN)
+    # float64 keeps the formulas, as forward
     if (weight is not None and dy.dtype == x.dtype == weight.dtype == torch.float32
-            and x.numel() >= _BLOCKED_MIN and x.shape[-1] and _eager(dy, x, weight, mean, rstd)):
+            and _takes_blocks(dy, x, weight, mean, rstd)):
         return _backward_eager(dy, x, weight, mean, rstd, has_bias)
     xh = xhat(x, mean, rstd)                                   # (..., D)
     ghat = dy if weight is None else dy * weight               # (ln-ghat)
@@ -167,6 +166,14 @@ _BLOCK_PER_THREAD = 1 << 17
 # LayerNorm fp32, 1 and 2 threads: 4 x 64 takes 22 us by the formulas and 42 blocked, 64 x 256
 # 39 and 53; 64 x 1024 (65536 values) 88-119 and 92; 256 x 1024 351-2204 and 257-416.
 _BLOCKED_MIN = 1 << 15
+
+
+def _takes_blocks(dy, x, *ts) -> bool:
+    """Whether a backward of these tensors takes :func:`_backward_eager`: nothing records a
+    graph of it (:func:`_eager`), it holds at least ``_BLOCKED_MIN`` values, and its rows are
+    not of D = 0 (no blocks to take). The callers add what they require of the dtypes.
+    (:func:`_eager` first: a traced call, whose sizes may be symbolic, reads none of them.)"""
+    return _eager(dy, x, *ts) and x.numel() >= _BLOCKED_MIN and bool(x.shape[-1])
 
 
 def _backward_eager(dy, x, weight, mean, rstd, has_bias: bool):

@@ -164,7 +164,7 @@ def _torch_backward(dy, dh, x, weight, stats, eps, is_rms, bias_dtype, recompute
     ct = _compute_dtype(x.dtype)
     w = _cast(weight, ct)
     if (x.dtype in _HALF and dy.dtype == x.dtype and w is not None and not recompute
-            and x.numel() >= _math._BLOCKED_MIN and _math._eager(dy, x, w, stats)):
+            and _math._takes_blocks(dy, x, w, stats)):
         # bf16/fp16 rows read a block at a time into fp32 (no fp32 copy of the whole rows)
         dx, dweight, dbias = _math._backward_eager(
             dy, x, w, None if is_rms else stats[0].unsqueeze(-1), stats[-1].unsqueeze(-1),
@@ -365,7 +365,8 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
     if not kernels and not (_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, residual, weight, bias))) \
             and _fwAD._current_level < 0:
-        # no backward will follow: the Function's forward without the Function (see _norm)
+        # no backward will follow: the Function's forward without the Function (its context,
+        # and the statistics it would save), the same y and h
         y, h, _ = _torch_forward(x, residual, weight, bias, eps, is_rms, False)
         return y, h
     cfg = _cfg(eps, is_rms, (_OPS if _is_subclass(x) else _LAUNCH) if kernels else _TORCH, bias,
@@ -545,12 +546,8 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
             except AttributeError:
                 ok = False
             if ok:      # (..., D) as it is: see _whole
-                if mode == _TORCH and not (_grad_enabled() and (
-                        input.requires_grad or (weight is not None and weight.requires_grad)
-                        or (b is not None and b.requires_grad))):
-                    # no backward will follow: the Function's forward without the Function
-                    # (its context, and the statistics it would save), the same y
-                    return _torch_forward(input, None, weight, b, eps, is_rms, False)[0], None
+                if mode == _TORCH:      # (with or without the Function: _apply decides)
+                    return _apply(input, None, weight, b, eps, is_rms, False)
                 cfg = (eps, is_rms, mode, bias_dtype, False)
                 return _eager_apply(input, None, weight, b, cfg), None
     if torch.jit.is_tracing() and D is not None:   # (torch.compile knows is_tracing)
