@@ -421,6 +421,26 @@ def test_host_refuses_a_count_below_one(argv, monkeypatch, capsys):
     assert f"argument {argv[0]}: expected a positive integer" in capsys.readouterr().err
 
 
+def test_host_stub_launches_nothing_and_enters_no_python_frame():
+    """The stand-in for a kernel costs nothing of its own: ``kernel[grid](*args, **meta)``
+    under ``stub_launches`` returns without running Python code (a profiler sees C calls only),
+    whatever the arguments, and the kernels are back afterwards."""
+    from normbook.kernels import _forward
+
+    kernel = _forward.norm_fwd_rows_kernel
+    events = []
+    with host.stub_launches():
+        stub = _forward.norm_fwd_rows_kernel
+        assert stub is not kernel
+        sys.setprofile(lambda frame, event, arg: events.append(event))
+        try:
+            stub[(3,)](1, None, 2.5, ROWS=4, num_warps=8)
+        finally:
+            sys.setprofile(None)
+    assert "call" not in events and "c_call" in events
+    assert _forward.norm_fwd_rows_kernel is kernel
+
+
 def test_cpu_benchmark_writes_every_ratio(tmp_path):
     """python -m normbook.bench cpu: both norms x fwd/fwd_bwd x fp32/bf16 x D = 1024, 4096, each
     a positive ratio of two positive timings (one repeat: a smoke test, not a measurement)."""

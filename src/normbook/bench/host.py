@@ -32,6 +32,8 @@ module wrapper as normbook's. Its keys are ``floor_<op>_<mode>_us`` and its rati
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import json
 import os
 import subprocess
@@ -48,15 +50,20 @@ D = 64
 ENTRY = "normbook.LayerNorm / normbook.RMSNorm modules, kernel backend"
 
 
+# The stub must cost nothing of its own: what is timed is normbook's code around the launch
+# (the arguments it gathers and passes), not the stand-in. A Python ``__getitem__`` and a Python
+# no-op function cost two frames, some 1-1.5 us per launch on a 2-core VM, which a real launch
+# spends inside Triton and which the benchmark leaves out anyway (see above). Both are
+# C functions here: ``str.format`` of the empty string takes any positional and keyword
+# arguments and returns ''; ``next`` on an endless ``repeat`` returns it for any grid.
+_noop = "".format
+
+
 class _NoLaunch:
-    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **meta)`` does nothing."""
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **meta)`` does nothing,
+    in C (no Python frame is entered)."""
 
-    def __getitem__(self, grid):
-        return _noop
-
-
-def _noop(*args, **kwargs):
-    return None
+    __getitem__ = staticmethod(functools.partial(next, itertools.repeat(_noop)))
 
 
 @contextlib.contextmanager
