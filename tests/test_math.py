@@ -1,7 +1,8 @@
 """normbook._math: its eager shortcuts against its own formulas and the float64 reference.
 
 Where no graph records a call, ``_math.forward`` takes ``torch.native_layer_norm`` for an fp32
-LayerNorm and ``_math.backward`` reuses two buffers in place; a recorded call (double backward,
+LayerNorm, and ``_math.backward`` hands a LayerNorm's centred rows to torch's fused backward
+kernel or reuses two buffers in place; a recorded call (double backward,
 torch.func, torch.compile) keeps the plain formulas. Each test compares the two, or the eager
 path against :mod:`normbook.reference` in float64, and the double-backward tests check that a
 graph through ``_math.backward`` still gives torch's second derivatives.
@@ -58,12 +59,20 @@ def native_calls(monkeypatch):
     return calls
 
 
-@pytest.fixture(params=["blocked", "formulas"])
+@pytest.fixture(params=["fused", "fused-blocks", "blocked", "formulas"])
 def backward_path(request, monkeypatch):
-    """Each backward test twice: through the blocked eager backward (``_backward_eager``, which
-    calls of at least ``_BLOCKED_MIN`` values take) and through the plain formulas (which
-    smaller calls take), whatever the test's shape."""
-    monkeypatch.setattr(_math, "_BLOCKED_MIN", 0 if request.param == "blocked" else 1 << 62)
+    """Each backward test through each eager path, whatever the test's shape: LayerNorm's fused
+    kernel on the centred rows (``_backward_fused``, which an fp32 LayerNorm takes where every
+    rstd is moderate), all rows at once and a block of 3 rows (one thread; 6 on two) at a time;
+    the blocked formulas (``_backward_eager``, which other calls of at least ``_BLOCKED_MIN``
+    values take); and the plain formulas (which smaller calls take). RMSNorm has no fused path:
+    its "fused" runs take the blocked formulas."""
+    fused = request.param.startswith("fused")
+    monkeypatch.setattr(_math, "_takes_fused", _math._takes_fused if fused else lambda *a: False)
+    monkeypatch.setattr(_math, "_BLOCKED_MIN", 1 << 62 if request.param == "formulas" else 0)
+    if request.param == "fused-blocks":
+        monkeypatch.setattr(_math, "_FUSED_MAX", 0)
+        monkeypatch.setattr(_math, "_BLOCK_PER_THREAD", 3 * 4097 // torch.get_num_threads())
     return request.param
 
 
@@ -187,20 +196,24 @@ def test_backward_within_twice_the_formulas_error(shape, is_rms, backward_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("is_rms", [False, True])
-def test_backward_blocks_add_up_to_one_block(monkeypatch, is_rms, dtype):
+@pytest.mark.parametrize("path", ["blocked LayerNorm", "blocked RMSNorm", "fused LayerNorm"])
+def test_backward_blocks_add_up_to_one_block(monkeypatch, path, dtype):
     """Rows taken a few at a time (blocks of 3 rows on one thread, 6 on two, the last one
     short: 67 rows) give what one block of every row gives, within rounding: each row's c1
     and c2 are its own (a matrix-vector product over a block of another height may add in
     another order: ulps of rstd * ghat), and dweight and dbias add the blocks in another order.
-    The test shapes above fit in one block; this one crosses 12 or more of them."""
+    The test shapes above fit in one block; this one crosses 12 or more of them. The fused
+    path's one block is, in fp32, all rows at once (no buffer, no copy)."""
+    is_rms = path.endswith("RMSNorm")
+    fn = _math._backward_fused if path.startswith("fused") else _math._backward_eager
     x, w, b, dy = _inputs((67, 300), seed=11)
     x, dy = x.to(dtype), dy.to(dtype)
     mean, rstd = _math.stats(x.float(), EPS, is_rms)
     with torch.no_grad():
-        one = _math._backward_eager(dy, x, w, mean, rstd, not is_rms)
+        one = fn(dy, x, w, mean, rstd, not is_rms)
         monkeypatch.setattr(_math, "_BLOCK_PER_THREAD", 3 * 300 // torch.get_num_threads() + 1)
-        blocks = _math._backward_eager(dy, x, w, mean, rstd, not is_rms)
+        monkeypatch.setattr(_math, "_FUSED_MAX", 0)
+        blocks = fn(dy, x, w, mean, rstd, not is_rms)
     terms = (rstd * dy.float() * w).abs().max().item()              # scale of rstd * ghat
     assert (blocks[0].float() - one[0].float()).abs().max().item() <= 4 * F32 * terms + (
         0 if dtype == torch.float32 else torch.finfo(dtype).eps * one[0].abs().max().item())
@@ -240,20 +253,88 @@ def test_backward_of_rows_near_the_fp32_limits(is_rms, backward_path):
     assert err <= 2 * err0 + 4 * F32 * scale, (err, err0)
 
 
+def _ln_reference(x, w, dy):
+    """dx, dweight, dbias of a LayerNorm of x in float64 (the reference's own statistics)."""
+    x64, w64, dy64 = x.double(), w.double(), dy.double()
+    _, m64, r64 = reference.layer_norm_forward(x64, w64, None, EPS)
+    return reference.layer_norm_backward(dy64, x64, w64, m64, r64)
+
+
+def _rel_errors(got, ref):
+    return [((g.double() - r).abs().max() / r.abs().max()).item() for g, r in zip(got, ref)]
+
+
+def test_fused_backward_keeps_the_centred_precision():
+    """Rows whose mean is some 1500 standard deviations from 0: torch's fused kernel, handed the
+    centred rows, is as close to float64 as the book's formulas (within twice their error plus
+    an ulp), while the same kernel handed x itself and the mean (torch's own form, which
+    centres inside a difference of two row sums) is not: the bound the test sets is one that
+    form fails."""
+    x, w, _, dy = _inputs((256, 1000), seed=12, offset=3000.0)
+    mean, rstd = _math.stats(x, EPS, False)
+    assert _math._takes_fused(dy, x, w, mean, rstd)
+    ref = _ln_reference(x, w, dy)
+    fused = _rel_errors(_math._backward_fused(dy, x, w, mean, rstd, True), ref)
+    formulas = _rel_errors(_recorded(lambda x_, *a: _math.backward(dy, x_, *a),
+                                     x, w, mean, rstd, True), ref)
+    uncentred = _rel_errors(_math._native_backward(dy, x, (1000,), mean, rstd, w, w,
+                                                   [True, True, True]), ref)
+    for name, f, b in zip(("dx", "dweight", "dbias"), fused, formulas):
+        assert f <= 2 * b + F32, (name, f, b)
+    assert uncentred[0] > 2 * formulas[0] + F32, (uncentred[0], formulas[0])
+
+
+@pytest.mark.parametrize("bad", ["near 1e20", "NaN"])
+def test_extreme_or_nan_rstd_keeps_the_fused_kernel_out(bad):
+    """A row whose rstd^3 would not be a normal fp32 number (values near 1e20: rstd near 1e-20),
+    or a NaN row, sends the whole call to the paths that form no power of rstd; ordinary rows
+    take the fused kernel."""
+    x, w, _, dy = _inputs((64, 1000), seed=13)
+    mean, rstd = _math.stats(x, EPS, False)
+    assert _math._takes_fused(dy, x, w, mean, rstd)
+    if bad == "NaN":
+        x[5, 7] = float("nan")
+    else:
+        x[5] *= 1e20
+    mean, rstd = _math.stats(x, EPS, False)
+    assert not _math._takes_fused(dy, x, w, mean, rstd)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_bf16_sums_the_parameters_in_fp32(dtype):
+    """bf16 rows: the fused path copies each block into fp32 before the kernel, so dweight and
+    dbias sum in fp32 (torch's kernel on the bf16 rows themselves sums dweight in bf16, some
+    1e-1 of its largest value at this size): within 1e-5 of float64 on the same bf16 values,
+    and dx within an ulp of bf16."""
+    x, w, _, dy = _inputs((2048, 1024), seed=14, offset=30.0)
+    x, dy = x.to(dtype), dy.to(dtype)
+    mean, rstd = _math.stats(x.float(), EPS, False)
+    got = _math._backward_fused(dy, x, w, mean, rstd, True)
+    assert got[0].dtype == dtype and got[1].dtype == got[2].dtype == torch.float32
+    dx, dweight, dbias = _rel_errors(got, _ln_reference(x, w, dy))
+    assert dweight <= 1e-5 and dbias <= 1e-5, (dweight, dbias)
+    assert dx <= 2 * torch.finfo(dtype).eps, dx
+
+
 def test_small_calls_keep_the_formulas_and_large_ones_take_blocks(monkeypatch):
     """The blocked backward's dozens of small ops cost a small call more host time than the
-    formulas' passes: calls below ``_BLOCKED_MIN`` values keep the formulas, larger ones take
-    the blocks (both directly and through the half-precision route of the torch backend)."""
-    taken = []
-    real = _math._backward_eager
-    monkeypatch.setattr(_math, "_backward_eager", lambda *a: taken.append(a[1].numel()) or real(*a))
+    formulas' passes: RMSNorm calls below ``_BLOCKED_MIN`` values keep the formulas, larger
+    ones take the blocks (both directly and through the half-precision route of the torch
+    backend). A LayerNorm takes the fused kernel at either size (a handful of ops)."""
+    taken = {"blocks": [], "fused": []}
+    for name, path in (("blocks", "_backward_eager"), ("fused", "_backward_fused")):
+        real = getattr(_math, path)
+        monkeypatch.setattr(_math, path, lambda *a, real=real, name=name:
+                            taken[name].append(a[1].numel()) or real(*a))
     D = 256
     for rows in (_math._BLOCKED_MIN // D - 1, _math._BLOCKED_MIN // D):
         for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(rows, D, dtype=dtype, requires_grad=True)
-            with normbook.backend("torch"):
-                normbook.layer_norm(x, (D,), torch.ones(D, requires_grad=True)).sum().backward()
-    assert taken == [_math._BLOCKED_MIN] * 2
+            for norm in (normbook.rms_norm, normbook.layer_norm):
+                x = torch.randn(rows, D, dtype=dtype, requires_grad=True)
+                with normbook.backend("torch"):
+                    norm(x, (D,), torch.ones(D, requires_grad=True)).sum().backward()
+    assert taken["blocks"] == [_math._BLOCKED_MIN] * 2
+    assert taken["fused"] == [_math._BLOCKED_MIN - D] * 2 + [_math._BLOCKED_MIN] * 2
 
 
 def test_backward_of_one_token_returns_its_own_dweight(backward_path):
