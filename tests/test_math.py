@@ -316,6 +316,47 @@ def test_fused_bf16_sums_the_parameters_in_fp32(dtype):
     assert dx <= 2 * torch.finfo(dtype).eps, dx
 
 
+def test_fused_scratch_is_reused_per_thread_and_never_returned():
+    """The fp32 CPU call centres its rows in its thread's scratch buffer, kept from call to
+    call: a larger call grows it, a smaller one uses a part of it; no gradient handed back
+    shares its memory; another thread has its own; a default dtype of float64 changes
+    nothing. Each result is the formulas' to rounding."""
+    import threading
+
+    def check(shape, seed):
+        x, w, _, dy = _inputs(shape, seed=seed)
+        mean, rstd = _math.stats(x, EPS, False)
+        got = _math._backward_fused(dy, x, w, mean, rstd, True)
+        want = _recorded(lambda x_, *a: _math.backward(dy, x_, *a), x, w, mean, rstd, True)
+        for g, t in zip(got, want):
+            torch.testing.assert_close(g, t, rtol=16 * F32, atol=16 * F32 * t.abs().max().item())
+        return got
+
+    check((8, 100), 20)
+    first = _math._scratch.rows
+    got = check((64, 300), 21)                               # grows it
+    scratch = _math._scratch.rows
+    assert scratch.numel() == 64 * 300 and scratch.data_ptr() != first.data_ptr()
+    check((5, 7), 22)                                        # a part of it
+    assert _math._scratch.rows is scratch
+    lo, hi = scratch.data_ptr(), scratch.data_ptr() + scratch.numel() * 4
+    assert all(not lo <= g.data_ptr() < hi for g in got)
+    seen = []
+    thread = threading.Thread(target=lambda: (check((32, 300), 23),
+                                              seen.append(_math._scratch.rows)))
+    thread.start()
+    thread.join()
+    assert seen and seen[0].data_ptr() != scratch.data_ptr()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        del _math._scratch.rows
+        check((16, 50), 24)
+        assert _math._scratch.rows.dtype == torch.float32
+    finally:
+        torch.set_default_dtype(default)
+
+
 def test_small_calls_keep_the_formulas_and_large_ones_take_blocks(monkeypatch):
     """The blocked backward's dozens of small ops cost a small call more host time than the
     formulas' passes: RMSNorm calls below ``_BLOCKED_MIN`` values keep the formulas, larger

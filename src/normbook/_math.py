@@ -14,6 +14,7 @@ Shapes: x, dy (..., D); weight, bias (D,) or None; mean, rstd (..., 1).
 from __future__ import annotations
 
 import itertools
+import threading
 
 import torch
 import torch.autograd.forward_ad as _fwAD
@@ -160,15 +161,11 @@ def backward(dy, x, weight, mean, rstd, has_bias: bool):
     return dx, dweight, dbias
 
 
-# Values up to which :func:`_backward_fused` centres fp32 rows all at once, into one
-# temporary as large as x that the fused kernel reads, and hands back the kernel's dx as it
-# is. Larger calls, and bf16/fp16 rows (which the kernel is to read in fp32), are centred a
-# block at a time into a buffer that stays in cache, each block's dx copied into place: the
-# copy costs a pass, while past 2^22 values (16 MiB) the whole temporary no longer comes from
-# memory the allocator keeps (glibc maps 32 MiB and more afresh on each call), and its page
-# faults cost more. Measured on a 2-core machine, forward + backward through autograd, best of
-# 25, ms: at 4096 x 1024 whole 8.8, blocks 10.7 (the formulas' blocks 12.2, torch 6.1); at
-# 2048 x 4096 (32 MiB) whole 36.9, blocks 31.3 (34.2; 22.7).
+# Values up to which :func:`_backward_fused` centres fp32 CPU rows all at once, into this
+# thread's scratch buffer (:func:`_scratch_rows`), and hands back the kernel's dx as it is.
+# Larger calls, and bf16/fp16 rows (which the kernel is to read in fp32), are centred a block
+# at a time into a buffer that stays in cache, each block's dx copied into place (a pass more,
+# and a few small ops per block). The bound is what the scratch may hold on to: 16 MiB.
 _FUSED_MAX = 1 << 22
 
 # rstd within which the fused kernel's rstd^3 (times a row sum of g * xc, of the size of
@@ -189,6 +186,29 @@ def _takes_fused(dy, x, *ts) -> bool:
 
 
 _native_backward = torch.ops.aten.native_layer_norm_backward.default
+
+_scratch = threading.local()
+
+
+def _scratch_rows(n: int, D: int) -> torch.Tensor:
+    """An (n, D) fp32 CPU buffer of this thread's, for :func:`_backward_fused`'s centred rows:
+    kept from call to call (grown to at most ``_FUSED_MAX`` values), not allocated afresh.
+
+    A fresh temporary as large as x, on top of the forward's y and the backward's dx, made the
+    memory each call frees at the top of glibc's heap exceed its trim threshold (twice the
+    largest block it has mapped and freed, 32 MiB for 16 MiB rows): the heap went back to the
+    system, and the next call took its memory again in page faults, 4096-8192 at about a
+    microsecond each, in about a third of the calls at 4096 x 1024 fp32 (and in every call of
+    some runs: ``normbook-bench cpu`` gave 1.34-2.32x torch's forward + backward over ten
+    runs). With the scratch, a call frees what torch's own frees, y and dx: 1.32-1.43x in
+    five runs.
+    The kernel reads the buffer and returns before the backward does, and each thread has its
+    own, so no two calls share one."""
+    buf = getattr(_scratch, "rows", None)
+    if buf is None or buf.numel() < n * D:
+        _scratch.rows = None                       # the old one freed before the new is made
+        buf = _scratch.rows = torch.empty(n * D, dtype=torch.float32, device="cpu")
+    return buf[: n * D].view(n, D)
 
 
 def _backward_fused(dy, x, weight, mean, rstd, has_bias: bool):
@@ -221,7 +241,9 @@ def _backward_fused(dy, x, weight, mean, rstd, has_bias: bool):
     like = X.new_empty(D, dtype=ct) if weight is None else weight      # dbias's shape, dtype
     mask = [True, weight is not None, has_bias]
     if X.dtype == ct and X.numel() <= _FUSED_MAX:                      # all rows at once
-        dx, dweight, dbias = _native_backward(G, X - Mu, (D,), torch.zeros_like(R), R, weight,
+        scratch = X.is_cpu and ct == torch.float32         # (a GPU's allocator keeps memory)
+        xc = torch.sub(X, Mu, out=_scratch_rows(*X.shape)) if scratch else X - Mu
+        dx, dweight, dbias = _native_backward(G, xc, (D,), torch.zeros_like(R), R, weight,
                                               like, mask)
         return dx.view(x.shape), dweight, dbias
     low = X.dtype != ct                                                # bf16/fp16 rows
