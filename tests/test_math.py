@@ -359,6 +359,26 @@ def test_fused_scratch_is_reused_per_thread_and_never_returned():
         torch.set_default_dtype(default)
 
 
+def test_fused_scratch_made_in_inference_mode_serves_outside_it():
+    """A backward run under ``torch.inference_mode()`` (autograd allows it for a graph recorded
+    outside) may be the one that makes the scratch: it must be a normal tensor, which a later
+    backward outside inference mode can write (an inference tensor it could not)."""
+    if hasattr(_math._scratch, "rows"):
+        del _math._scratch.rows
+    x, w, _, dy = _inputs((16, 64), seed=25)
+    x.requires_grad_()
+    for inference in (True, False):
+        x.grad = None
+        with normbook.backend("torch"):
+            out = normbook.layer_norm(x, (64,), w)
+        with torch.inference_mode(inference):
+            out.backward(dy)
+        assert not _math._scratch.rows.is_inference()
+        want = _recorded(lambda x_, *a: _math.backward(dy, x_, *a),
+                         x.detach(), w, *_math.stats(x.detach(), EPS, False), False)[0]
+        torch.testing.assert_close(x.grad, want, rtol=16 * F32, atol=16 * F32)
+
+
 def test_small_calls_keep_the_formulas_and_large_ones_take_blocks(monkeypatch):
     """The blocked backward's dozens of small ops cost a small call more host time than the
     formulas' passes: RMSNorm calls below ``_BLOCKED_MIN`` values keep the formulas, larger

@@ -203,11 +203,15 @@ def _scratch_rows(n: int, D: int) -> torch.Tensor:
     runs). With the scratch, a call frees what torch's own frees, y and dx: 1.32-1.43x in
     five runs.
     The kernel reads the buffer and returns before the backward does, and each thread has its
-    own, so no two calls share one."""
+    own, so no two calls share one. It is made outside inference mode, so that a backward run
+    inside ``torch.inference_mode()`` and one run outside can use the same buffer."""
     buf = getattr(_scratch, "rows", None)
     if buf is None or buf.numel() < n * D:
         _scratch.rows = None                       # the old one freed before the new is made
-        buf = _scratch.rows = torch.empty(n * D, dtype=torch.float32, device="cpu")
+        # a normal tensor even when made under torch.inference_mode (a backward may run there):
+        # an inference tensor could not be written by a later call outside it
+        with torch.inference_mode(False):
+            buf = _scratch.rows = torch.empty(n * D, dtype=torch.float32, device="cpu")
     return buf[: n * D].view(n, D)
 
 
