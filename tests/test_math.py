@@ -63,7 +63,7 @@ def native_calls(monkeypatch):
 def backward_path(request, monkeypatch):
     """Each backward test through each eager path, whatever the test's shape: LayerNorm's fused
     kernel on the centred rows (``_backward_fused``, which an fp32 LayerNorm takes where every
-    rstd is moderate), all rows at once and a block of 3 rows (one thread; 6 on two) at a time;
+    rstd is moderate), all rows at once and in blocks (3 rows at D = 4097, more if narrower);
     the blocked formulas (``_backward_eager``, which other calls of at least ``_BLOCKED_MIN``
     values take); and the plain formulas (which smaller calls take). RMSNorm has no fused path:
     its "fused" runs take the blocked formulas."""
@@ -72,7 +72,7 @@ def backward_path(request, monkeypatch):
     monkeypatch.setattr(_math, "_BLOCKED_MIN", 1 << 62 if request.param == "formulas" else 0)
     if request.param == "fused-blocks":
         monkeypatch.setattr(_math, "_FUSED_MAX", 0)
-        monkeypatch.setattr(_math, "_BLOCK_PER_THREAD", 3 * 4097 // torch.get_num_threads())
+        monkeypatch.setattr(_math, "_BLOCK_PER_THREAD", 3 * 4097 // torch.get_num_threads() + 1)
     return request.param
 
 

@@ -175,13 +175,13 @@ _FUSED_MAX = 1 << 22
 _FUSED_RSTD = (2.0 ** -24, 2.0 ** 24)
 
 
-def _takes_fused(dy, x, *ts) -> bool:
+def _takes_fused(dy, x, weight, mean, rstd) -> bool:
     """Whether a LayerNorm backward of these tensors takes :func:`_backward_fused`: no graph
-    records it (:func:`_eager`), it has a value (D > 0), and every row's rstd (the last of
-    ``ts``) lies within ``_FUSED_RSTD``. The caller checks the dtypes."""
-    if not (_eager(dy, x, *ts) and x.numel()):
+    records it (:func:`_eager`), it has a value (D > 0), and every row's rstd lies within
+    ``_FUSED_RSTD``. The caller checks the dtypes."""
+    if not (_eager(dy, x, weight, mean, rstd) and x.numel()):
         return False
-    lo, hi = ts[-1].aminmax()
+    lo, hi = rstd.aminmax()
     return _FUSED_RSTD[0] <= lo.item() and hi.item() <= _FUSED_RSTD[1]   # False for NaN
 
 
@@ -208,9 +208,7 @@ def _scratch_rows(n: int, D: int) -> torch.Tensor:
     buf = getattr(_scratch, "rows", None)
     if buf is None or buf.numel() < n * D:
         _scratch.rows = None                       # the old one freed before the new is made
-        # a normal tensor even when made under torch.inference_mode (a backward may run there):
-        # an inference tensor could not be written by a later call outside it
-        with torch.inference_mode(False):
+        with torch.inference_mode(False):          # a normal tensor: see above
             buf = _scratch.rows = torch.empty(n * D, dtype=torch.float32, device="cpu")
     return buf[: n * D].view(n, D)
 

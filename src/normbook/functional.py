@@ -163,16 +163,16 @@ def _torch_backward(dy, dh, x, weight, stats, eps, is_rms, bias_dtype, recompute
     backward, so that a second derivative sees how they depend on x."""
     ct = _compute_dtype(x.dtype)
     w = _cast(weight, ct)
-    blocked = None
+    by_blocks = None
     if x.dtype in _HALF and dy.dtype == x.dtype and w is not None and not recompute:
         # bf16/fp16 rows read a block at a time into fp32 (no fp32 copy of the whole rows)
         mean, rstd = None if is_rms else stats[0].unsqueeze(-1), stats[-1].unsqueeze(-1)
         if not is_rms and _math._takes_fused(dy, x, w, mean, rstd):
-            blocked = _math._backward_fused
+            by_blocks = _math._backward_fused
         elif _math._takes_blocks(dy, x, w, stats):
-            blocked = _math._backward_eager
-    if blocked is not None:
-        dx, dweight, dbias = blocked(dy, x, w, mean, rstd, bias_dtype is not None)
+            by_blocks = _math._backward_eager
+    if by_blocks is not None:
+        dx, dweight, dbias = by_blocks(dy, x, w, mean, rstd, bias_dtype is not None)
         if dh is not None:
             dx = dx + dh                                    # fork rule
         return (dx, _cast(dweight, weight.dtype),
