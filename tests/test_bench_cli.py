@@ -545,6 +545,16 @@ def _cpu_data(worst: float) -> dict:
     return data
 
 
+def test_host_ratio_is_the_median_of_the_rounds_ratios():
+    """A round that slowed torch alone (its best) does not decide the ratio: each round's two
+    sides are compared, and the median of those ratios is the one reported."""
+    us = host.Timings(normbook_layer_norm_fwd_us=12.0, torch_layer_norm_fwd_us=5.0)
+    us.rounds = {"normbook_layer_norm_fwd_us": [12.0, 13.0, 12.5, 30.0],
+                 "torch_layer_norm_fwd_us": [10.0, 10.0, 5.0, 20.0]}
+    assert host.ratios(us) == {"layer_norm_fwd": pytest.approx((1.3 + 1.5) / 2)}
+    assert host.ratios(dict(us)) == {"layer_norm_fwd": pytest.approx(12.0 / 5.0)}   # no rounds
+
+
 def _host_us(fwd_ratio: float) -> dict:
     us = {f"torch_{op}_{mode}_us": 10.0 for op in ("layer_norm", "rms_norm")
           for mode in ("fwd", "fwd_bwd")}
