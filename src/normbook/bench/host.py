@@ -18,12 +18,13 @@ round (the one least disturbed by the rest of the machine). A ratio is the media
 rounds, of normbook's time over torch's in the same round: the two sides of each ratio are
 timed a few milliseconds apart, so what slows the machine for a while slows both. (On the
 2-core VM, 7 rounds of 2000 calls gave LayerNorm forward+backward ratios from 0.91 to 1.50
-in one afternoon, with the floor's from 1.00 to 1.47; 140 rounds of 100 calls, the same number
-of calls, gave 1.40 to 1.41 by the median of the rounds' ratios, the floor's 1.09 to 1.11.) JSON keys:
-``<provider>_<op>_<mode>_us`` for provider normbook and torch, op layer_norm and rms_norm, mode
-fwd and fwd_bwd; ``ratios`` (normbook over torch, op by op), ``goal`` (the reference goal,
-judged only with ``--goal``), ``entry`` (what was timed) and ``number``, ``repeat``. Needs
-Triton (the kernel backend is what is timed); without it the command refuses in one line.
+in one afternoon, with the floor's from 1.00 to 1.47; 140 rounds of 100 calls, as many calls,
+gave 1.36 to 1.40 in five runs by the median of the rounds' ratios, the floor's 1.10 to
+1.11.) JSON keys: ``<provider>_<op>_<mode>_us`` for provider normbook and torch, op
+layer_norm and rms_norm, mode fwd and fwd_bwd; ``ratios`` (normbook over torch, op by op),
+``goal`` (the reference goal, judged only with ``--goal``), ``entry`` (what was timed) and
+``number``, ``repeat``. Needs Triton (the kernel backend is what is timed); without it the
+command refuses in one line.
 
 The floor: any autograd Function written in Python pays a fixed cost that torch's own norms,
 dispatched in C++, do not: the Python forward and backward bodies, the context, the saved
