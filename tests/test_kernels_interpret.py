@@ -107,3 +107,19 @@ def test_install_is_idempotent_and_uninstall_restores():
         assert interp._patch_lang.__module__ == "triton.runtime.interpreter"
     finally:
         assert _interpret.install()
+
+
+def test_an_untested_triton_is_left_as_it_is(monkeypatch):
+    """On a Triton version it was not read against, install changes nothing."""
+    from triton.runtime import interpreter as interp
+
+    _interpret.uninstall()
+    try:
+        shipped = interp._patch_lang
+        monkeypatch.setattr(triton, "__version__", "3.10.0")
+        assert not _interpret.install() and not _interpret.installed()
+        assert interp._patch_lang is shipped
+    finally:
+        monkeypatch.undo()
+        assert _interpret.install()
+    assert triton.__version__.startswith(_interpret.TESTED)

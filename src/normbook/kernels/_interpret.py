@@ -20,9 +20,9 @@ bf16): 9.1 s as Triton ships, 4.3 s with :func:`install`, bitwise the same outpu
   kernel's own launch, a module not yet swapped) takes the original, whose scope the launch
   restores as before.
 
-It is installed by :mod:`normbook.kernels` when the interpreter runs the kernels, and only where
-Triton's interpreter has the functions it replaces (Triton 3.6 and 3.9 do); elsewhere it leaves
-Triton as it is. :func:`uninstall` puts the originals back (tests/test_kernels_interpret.py
+It is installed by :mod:`normbook.kernels` when the interpreter runs the kernels, and only on
+the Triton versions whose interpreter it was read against and is tested on (:data:`TESTED`:
+3.6, the GPU machine's, and 3.9, the pinned one); on any other it leaves Triton as it is. :func:`uninstall` puts the originals back (tests/test_kernels_interpret.py
 runs kernels both ways and compares them bit by bit).
 """
 
@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import inspect
 
-__all__ = ["install", "uninstall", "installed"]
+__all__ = ["install", "uninstall", "installed", "TESTED"]
+
+TESTED = ("3.6", "3.9")   # Triton's major.minor versions this was read against and is tested on
 
 _saved: dict = {}     # the originals while installed: {"_patch_builtin": f, "_patch_lang": g}
 
@@ -42,8 +44,10 @@ def installed() -> bool:
 
 def install() -> bool:
     """Replace the interpreter's two scanning functions (see the module docstring); True when
-    installed (now or before), False where this Triton lacks what it replaces."""
+    installed (now or before), False on a Triton not in :data:`TESTED` or one that lacks what
+    it replaces."""
     try:
+        import triton
         from triton.runtime import interpreter as interp
         tl = interp.tl
         is_builtin = tl.core.is_builtin
@@ -51,6 +55,8 @@ def install() -> bool:
         original_builtin, original_lang = interp._patch_builtin, interp._patch_lang
         packages = (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base)
     except (ImportError, AttributeError):
+        return False
+    if ".".join(triton.__version__.split(".")[:2]) not in TESTED:
         return False
     if _saved:
         return True
