@@ -18,13 +18,21 @@ KERNEL_TESTS := tests/test_kernels_launchers.py tests/test_kernels_ops.py tests/
   tests/test_kernels_gpu.py tests/test_functional_parity.py tests/test_kernels_minimal.py \
   tests/test_kernels_interpret.py
 
-.PHONY: book test quick pytest triton36 gpu-dry-run gpu-wheels nbval notebooks pdf browser-check serve clean
+.PHONY: book test quick pytest triton36 gpu-dry-run gpu-wheels nbval notebooks pdf browser-check test-book test-kernels serve clean
 
+## The pins are installed by uv (itself pinned, into the venv by pip): under a minute where pip
+## took three. Bytecode is compiled at install, as pip does: left to the first imports, it slowed
+## the first test processes (a rank importing torch took over 15 s). uv reads none of pip's
+## settings, so pip's find-links (the folder where this machine keeps its CPU wheel of torch) are
+## passed on to it: without them torch 2.13.0 would come from the index as a CUDA build of GBs.
+UV := $(VENV)/bin/uv
+UV_LINKS = $(addprefix --find-links ,$(sort $(shell $(PYTHON) -m pip config list 2>/dev/null \
+  | sed -n "s/.*find-links='\(.*\)'/\1/p")))
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -m pip install --quiet uv==0.13.9
+	$(UV) pip install --quiet --compile-bytecode --python $(PY) $(UV_LINKS) -r requirements.txt
+	$(UV) pip install --quiet --python $(PY) --no-deps -e .
 	touch $(STAMP)
 
 ## Gate 3: the warnings-as-errors book build. --all re-reads (and so re-executes) every page:
@@ -48,7 +56,7 @@ quick: $(STAMP)
 ## interpreter kernel tests pass under 3.6 too. numpy 2.2.6 goes with it: 3.6's interpreter breaks
 ## on numpy 2.4. Both live in $(TRITON36), first on PYTHONPATH, apart from the venv.
 $(TRITON36)/.installed: $(STAMP)
-	$(PY) -m pip install --quiet --target $(TRITON36) --no-deps triton==3.6.0 numpy==2.2.6
+	$(UV) pip install --quiet --compile-bytecode --python $(PY) --target $(TRITON36) --no-deps triton==3.6.0 numpy==2.2.6
 	touch $@
 
 triton36: $(TRITON36)/.installed
@@ -109,13 +117,21 @@ serve:
 	@echo "Serving $(HTML_DIR) at http://localhost:$(PORT)/ (Ctrl-C stops)"
 	$(PYTHON) -m http.server $(PORT) --bind 127.0.0.1 --directory $(HTML_DIR)
 
-## The gates in order, each only after the one before passed (also under make -j).
+## The gates: the package's tests first (a failure there stops everything); then two lines side
+## by side, each in order: the book build and its browser check; Triton 3.6 and the GPU dry run.
+## The book executes one chapter at a time, a core at most, so alone it leaves the other core
+## idle; the dry run's step caps assume a core of its own, which it has once Triton 3.6 is done.
+## Each target's output is printed whole when it ends (--output-sync), and make starts nothing
+## new once one has failed.
 test:
 	$(MAKE) pytest
-	$(MAKE) triton36
-	$(MAKE) gpu-dry-run
-	$(MAKE) book
+	$(MAKE) -j2 --output-sync=target test-book test-kernels
+
+test-book: book
 	$(MAKE) browser-check
+
+test-kernels: triton36
+	$(MAKE) gpu-dry-run
 
 clean:
 	rm -rf build _build
