@@ -344,6 +344,10 @@ def _child(tmp: str, rank: int) -> None:
         dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "store"),
                                 rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
+        # every rank connected before any runs fn: a rank whose fn returns at once would
+        # otherwise close its sockets while a slower rank's gloo is still connecting to it
+        # ("Connection closed by peer" in connectFullMesh, seen on 2 loaded cores)
+        dist.barrier()
         record = pickle.dumps(("ok", fn(rank, world, *args)))
     except BaseException:
         code = 1
