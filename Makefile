@@ -25,14 +25,14 @@ KERNEL_TESTS := tests/test_kernels_launchers.py tests/test_kernels_ops.py tests/
 ## the first test processes (a rank importing torch took over 15 s). uv reads none of pip's
 ## settings, so pip's find-links (the folder where this machine keeps its CPU wheel of torch) are
 ## passed on to it: without them torch 2.13.0 would come from the index as a CUDA build of GBs.
-UV := $(VENV)/bin/uv
+UV_PIP := $(VENV)/bin/uv pip install --quiet --python $(PY)
 UV_LINKS = $(addprefix --find-links ,$(sort $(shell $(PYTHON) -m pip config list 2>/dev/null \
   | sed -n "s/.*find-links='\(.*\)'/\1/p")))
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet uv==0.13.9
-	$(UV) pip install --quiet --compile-bytecode --python $(PY) $(UV_LINKS) -r requirements.txt
-	$(UV) pip install --quiet --python $(PY) --no-deps -e .
+	$(UV_PIP) --compile-bytecode $(UV_LINKS) -r requirements.txt
+	$(UV_PIP) --no-deps -e .
 	touch $(STAMP)
 
 ## Gate 3: the warnings-as-errors book build. --all re-reads (and so re-executes) every page:
@@ -56,7 +56,7 @@ quick: $(STAMP)
 ## interpreter kernel tests pass under 3.6 too. numpy 2.2.6 goes with it: 3.6's interpreter breaks
 ## on numpy 2.4. Both live in $(TRITON36), first on PYTHONPATH, apart from the venv.
 $(TRITON36)/.installed: $(STAMP)
-	$(UV) pip install --quiet --compile-bytecode --python $(PY) --target $(TRITON36) --no-deps triton==3.6.0 numpy==2.2.6
+	$(UV_PIP) --compile-bytecode --target $(TRITON36) --no-deps triton==3.6.0 numpy==2.2.6
 	touch $@
 
 triton36: $(TRITON36)/.installed

@@ -437,9 +437,9 @@ def launch(fn: Callable[..., Any], *args: Any, world: int = 2,
     ``TRITON_INTERPRET=1`` in its environment before anything imports triton and
     ``torch.set_num_threads(1)``; the children join a gloo process group of ``world`` ranks
     through a file store in a temporary folder, their sockets on the loopback interface, and
-    meet at a barrier before any runs ``fn``; collectives in ``fn`` use that default group. ``fn`` must be importable by name in a new
-    process (defined at module level in a module, not in a notebook cell or ``__main__``);
-    ``args`` and the return values must pickle.
+    meet at a barrier before any runs ``fn``; collectives in ``fn`` use that default group.
+    ``fn`` must be importable by name in a new process (defined at module level in a module,
+    not in a notebook cell or ``__main__``); ``args`` and the return values must pickle.
 
     Nothing outlives the call: on a result, a failure, the deadline, KeyboardInterrupt or
     SIGTERM every child's process group is killed and the temporary folder removed; a child

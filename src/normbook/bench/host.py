@@ -196,7 +196,8 @@ def report(us: dict, goal: bool = False) -> tuple[str, bool]:
     :data:`GOAL`. Returns (text, every goal met)."""
     r = ratios(us)
     lines = [f"host time per call of the {ENTRY}, kernel launches stubbed, 1 x {D} fp32 on "
-             f"the CPU (us: the best round; ratios: the median of the rounds'; torch {torch.__version__})",
+             f"the CPU (us: the best round; ratios: the median of the rounds'; "
+             f"torch {torch.__version__})",
              f"{'':24}{'fwd us':>10}{'fwd+bwd us':>12}"]
     for provider in PROVIDERS:
         for op in ("layer_norm", "rms_norm"):
