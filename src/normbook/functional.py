@@ -44,10 +44,6 @@ _BACKENDS = ("auto", "kernels", "torch")
 _backend = "auto"          # see backend()
 _FUSED_D = 8192            # rows up to this wide always fit the kernels (kernels._config.kernels_take)
 
-try:   # DTensor inputs keep their leading dims: the custom ops' sharding rules see them
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:   # pragma: no cover - a torch built without torch.distributed
-    _DTensor = None  # type: ignore[assignment,misc]
 
 
 # ----------------------------------------------------------------------------- backends

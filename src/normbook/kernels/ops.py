@@ -115,5 +115,8 @@ def add_rms_norm(x, residual, weight=None, eps=None):
                         kernels=True)
 
 
-if _F._DTensor is not None:
+# DTensor's sharding rules, where torch has torch.distributed. Registered with the kernels, not
+# by ``import normbook``: torch.distributed.tensor takes a second to import (a third of
+# ``import normbook``), and the torch backend needs no rules (DTensor runs its torch ops).
+if torch.distributed.is_available():
     from normbook.kernels import _dtensor  # noqa: E402,F401  (registers the sharding rules)
