@@ -258,8 +258,9 @@ def test_bad_input_names_the_argument(call, exc, pattern):
         call()
 
 
-def test_import_does_not_import_triton():
-    """Nor DTensor, a second of import: normbook.kernels registers its sharding rules."""
+def test_import_imports_neither_triton_nor_dtensor():
+    """Triton only on demand; DTensor (a second of import) with normbook.kernels, which
+    registers its sharding rules."""
     import subprocess
     import sys
 

@@ -45,7 +45,6 @@ _backend = "auto"          # see backend()
 _FUSED_D = 8192            # rows up to this wide always fit the kernels (kernels._config.kernels_take)
 
 
-
 # ----------------------------------------------------------------------------- backends
 
 @functools.cache
