@@ -104,6 +104,16 @@ def test_export_runs_and_matches_eager(cls):
         torch.testing.assert_close(ep.module()(x), m(x), rtol=1e-6, atol=1e-6)
 
 
+def test_export_graph_has_no_promote_types_nodes():
+    """The compute dtype and RMSNorm's default eps are chosen in Python, not by
+    torch.promote_types, an aten op that torch.export records as a node computing nothing."""
+    m = torch.nn.Sequential(normbook.LayerNorm(8), normbook.RMSNorm(8, dtype=torch.bfloat16))
+    m[0].to(torch.bfloat16)
+    ep = torch.export.export(m, (torch.randn(3, 8, dtype=torch.bfloat16),))
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets and not [t for t in targets if "promote_types" in t], targets
+
+
 @pytest.mark.parametrize("cls", [normbook.LayerNorm, normbook.RMSNorm])
 def test_meta_tensors_give_shapes_forward_and_backward(cls):
     """A model built on the meta device (how large models are initialised) runs forward and

@@ -110,7 +110,8 @@ def default_eps(input, eps):
     """
     if (eps is None and isinstance(input, torch.Tensor) and input.is_floating_point()
             and input.dtype.itemsize > 1):                    # float8: check_input says no
-        return torch.finfo(torch.promote_types(input.dtype, torch.float32)).eps
+        # (not torch.promote_types, an aten op that torch.export would record as a graph node)
+        return torch.finfo(torch.float64 if input.dtype == torch.float64 else torch.float32).eps
     return eps
 
 

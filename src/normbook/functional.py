@@ -116,8 +116,10 @@ def _kernels():
 # ----------------------------------------------------------------------------- the Function
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Reductions run in at least fp32: bf16/fp16 inputs are upcast, fp64 stays fp64."""
-    return torch.promote_types(dtype, torch.float32)
+    """Reductions run in at least fp32: bf16/fp16 inputs are upcast, fp64 stays fp64.
+    (torch.promote_types(dtype, torch.float32) for the floating dtypes that reach here, but not
+    an aten op: torch.export records that one as a node of its graph, computing nothing.)"""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _is_subclass(t) -> bool:
