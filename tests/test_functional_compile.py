@@ -104,14 +104,36 @@ def test_export_runs_and_matches_eager(cls):
         torch.testing.assert_close(ep.module()(x), m(x), rtol=1e-6, atol=1e-6)
 
 
-def test_export_graph_has_no_promote_types_nodes():
-    """The compute dtype and RMSNorm's default eps are chosen in Python, not by
-    torch.promote_types, an aten op that torch.export records as a node computing nothing."""
-    m = torch.nn.Sequential(normbook.LayerNorm(8), normbook.RMSNorm(8, dtype=torch.bfloat16))
-    m[0].to(torch.bfloat16)
-    ep = torch.export.export(m, (torch.randn(3, 8, dtype=torch.bfloat16),))
-    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
-    assert targets and not [t for t in targets if "promote_types" in t], targets
+class _AddNorms(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.rms = normbook.LayerNorm(8), normbook.RMSNorm(8)
+
+    def forward(self, x, r):
+        y, h = normbook.add_rms_norm(self.ln(x), r, self.rms.weight)
+        return y, self.rms(h)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_export_graph_computes_nothing_it_discards(strict, dtype):
+    """torch.export keeps the norms' forward formulas and drops the Function's backward, so the
+    exported graph holds no statistics saved for it, and no torch.promote_types calls (an aten
+    op, recorded as a node): every node's result is used. The program trains as eager does."""
+    torch.manual_seed(0)
+    m = _AddNorms().to(dtype)
+    x, r = torch.randn(3, 8, dtype=dtype), torch.randn(3, 8, dtype=dtype)
+    ep = torch.export.export(m, (x, r), strict=strict)
+    unused = [str(n.target) for n in ep.graph.nodes if n.op == "call_function" and not n.users
+              and not str(n.target).startswith("aten._assert")]   # (export's own checks of .to())
+    assert not unused, unused
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    got = torch.autograd.grad(sum(t.float().pow(2).sum() for t in ep.module()(xs[0], r)),
+                              [xs[0], *ep.module().parameters()])
+    want = torch.autograd.grad(sum(t.float().pow(2).sum() for t in m(xs[1], r)),
+                               [xs[1], *m.parameters()])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("cls", [normbook.LayerNorm, normbook.RMSNorm])

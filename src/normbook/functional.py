@@ -356,6 +356,12 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
         y, h, _ = _torch_forward(x, residual, weight, bias, eps, is_rms, False)
         return y, h
     if torch.compiler.is_compiling():
+        if not kernels and torch.compiler.is_exporting():
+            # torch.export keeps the Function's forward and drops its backward (autograd of the
+            # exported program differentiates the recorded formulas): the forward without the
+            # Function and without the statistics, which only its backward would have read
+            y, h, _ = _torch_forward(x, residual, weight, bias, eps, is_rms, False)
+            return y, h
         out = NormFunction.apply(x, residual, weight, bias,
                                  _cfg(eps, is_rms, _OPS if kernels else _TORCH, bias, residual))
         return (out, None) if residual is None else out
