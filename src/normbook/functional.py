@@ -345,7 +345,9 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
     """:class:`NormFunction` on (M, D) rows by whichever ``apply`` the context needs, and the
     kernels by whichever route (``kernels`` True or False: the backend); returns (y, h), h None
     without a residual. Under torch.compile and torch.export, torch's apply of the jvp-free
-    class (their tracers see the Function) and the kernels' custom ops; under torch.func
+    class (their tracers see the Function) and the kernels' custom ops, except the torch
+    backend under torch.export, which records the formulas without the Function (export keeps
+    a Function's forward and drops its backward); under torch.func
     transforms (which wrap tensors no kernel can read), torch's apply of
     :class:`_NormFunctionAD` on the torch backend; under forward-mode AD, the C++ apply of
     :class:`_NormFunctionAD`; otherwise that of :class:`NormFunction`, with the custom ops for
