@@ -117,9 +117,11 @@ class _AddNorms(torch.nn.Module):
 @pytest.mark.parametrize("strict", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_export_graph_computes_nothing_it_discards(strict, dtype):
-    """torch.export keeps the norms' forward formulas and drops the Function's backward, so the
-    exported graph holds no statistics saved for it, and no torch.promote_types calls (an aten
-    op, recorded as a node): every node's result is used. The program trains as eager does."""
+    """On the torch backend torch.export records the norms' formulas without the Function, whose
+    backward no exported program keeps: the graph holds no statistics saved for it, and no
+    torch.promote_types calls (an aten op, recorded as a node by non-strict export), so every
+    node's result is used; and the program trains as eager does. (Strict export used to record
+    the Function's forward with grad mode off: its outputs had no gradient.)"""
     torch.manual_seed(0)
     m = _AddNorms().to(dtype)
     x, r = torch.randn(3, 8, dtype=dtype), torch.randn(3, 8, dtype=dtype)
@@ -127,9 +129,10 @@ def test_export_graph_computes_nothing_it_discards(strict, dtype):
     unused = [str(n.target) for n in ep.graph.nodes if n.op == "call_function" and not n.users
               and not str(n.target).startswith("aten._assert")]   # (export's own checks of .to())
     assert not unused, unused
+    em = ep.module()
     xs = [x.clone().requires_grad_() for _ in range(2)]
-    got = torch.autograd.grad(sum(t.float().pow(2).sum() for t in ep.module()(xs[0], r)),
-                              [xs[0], *ep.module().parameters()])
+    got = torch.autograd.grad(sum(t.float().pow(2).sum() for t in em(xs[0], r)),
+                              [xs[0], *em.parameters()])
     want = torch.autograd.grad(sum(t.float().pow(2).sum() for t in m(xs[1], r)),
                                [xs[1], *m.parameters()])
     for a, b in zip(got, want):

@@ -107,11 +107,14 @@ def test_custom_ops_are_registered():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_an_exported_kernel_program_trains_and_loads_after_import_normbook(tmp_path):
+@pytest.mark.parametrize("strict", [False, True], ids=["nonstrict", "strict"])
+def test_an_exported_kernel_program_trains_and_loads_after_import_normbook(tmp_path, strict):
     """torch.export of a model on the kernel backend holds the custom op itself (no Function
-    around it): its gradient is norm_forward's own formula, equal to the torch backend's to
-    rounding; saved, the program loads in a fresh process after ``import normbook`` alone
-    (which defines the ops without importing triton) and runs there, backward included."""
+    around it), strict or not: its gradient is norm_forward's own formula, equal to the torch
+    backend's to rounding. (Strict export used to record the Function's forward under grad
+    mode off, and the exported outputs had no gradient.) Saved, the program loads in a fresh
+    process after ``import normbook`` alone (which defines the ops without importing triton)
+    and runs there, backward included: checked once, for the non-strict program."""
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -124,7 +127,8 @@ def test_an_exported_kernel_program_trains_and_loads_after_import_normbook(tmp_p
     torch.manual_seed(5)
     m, args = Block().to(DEVICE), (torch.randn(4, 16, device=DEVICE), torch.randn(4, 16, device=DEVICE))
     with normbook.backend("kernels"):
-        ep = torch.export.export(m, args, dynamic_shapes=({0: torch.export.Dim("b")}, {0: torch.export.Dim("b")}))
+        ep = torch.export.export(m, args, dynamic_shapes=({0: torch.export.Dim("b")}, {0: torch.export.Dim("b")}),
+                                 strict=strict)
     assert "normbook.norm_forward" in str(ep.graph)
     for rows in (4, 7):
         xs = [torch.randn(rows, 16, device=DEVICE, requires_grad=True) for _ in range(2)]
@@ -136,6 +140,8 @@ def test_an_exported_kernel_program_trains_and_loads_after_import_normbook(tmp_p
         torch.testing.assert_close(got, want)
         for g, w in zip(grads, wants):
             torch.testing.assert_close(g, w)
+    if strict:
+        return
     path = tmp_path / "block.pt2"
     torch.export.save(ep, str(path))
     code = ("import sys, torch, normbook\n"

@@ -101,6 +101,13 @@ def check_eps(eps) -> None:
         raise ValueError(f"eps: expected a real number or a 0-d tensor, got {eps!r}")
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the norms reduce in, torch's "op-math" type: float64 for float64, float32 for
+    every other floating dtype (torch.promote_types(dtype, torch.float32) for those, but not
+    an aten op, which non-strict torch.export would record as a graph node computing nothing)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def default_eps(input, eps):
     """RMSNorm's eps: None means the machine epsilon of torch's compute ("op-math") type:
     fp32's for float16, bfloat16 and float32 inputs, fp64's for float64. (torch's docstring
@@ -110,8 +117,7 @@ def default_eps(input, eps):
     """
     if (eps is None and isinstance(input, torch.Tensor) and input.is_floating_point()
             and input.dtype.itemsize > 1):                    # float8: check_input says no
-        # (not torch.promote_types, an aten op that torch.export would record as a graph node)
-        return torch.finfo(torch.float64 if input.dtype == torch.float64 else torch.float32).eps
+        return torch.finfo(compute_dtype(input.dtype)).eps
     return eps
 
 

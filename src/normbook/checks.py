@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from normbook import reference
+from normbook import _validate, reference
 
 __all__ = [
     "shift_identity",
@@ -312,7 +312,7 @@ def check_norm_backward(
     if kind not in ("layer", "rms"):
         raise ValueError(f'kind must be "layer" or "rms", got {kind!r}')
     if eps is None:
-        eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
+        eps = torch.finfo(_validate.compute_dtype(x.dtype)).eps
     D = x.shape[-1]
     if atol is None:
         atol = _default_atol(x.dtype, D)

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from normbook import _validate
 from normbook._math import _sum_tokens
 
 __all__ = ["merge_stats", "layer_norm_sharded", "rms_norm_sharded", "all_reduce_param_grads",
@@ -122,7 +123,7 @@ def _gather(t: torch.Tensor, group) -> torch.Tensor:
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """float64 stays float64; half and single precision compute in float32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+    return _validate.compute_dtype(x.dtype)
 
 
 def _sharded_stats(xf: torch.Tensor, eps: float, is_rms: bool, group):

@@ -16,7 +16,9 @@ Both save the same statistics, ``stats`` of shape (k, M): (mean, rstd) for Layer
 rstd for RMSNorm (k = 1), in the compute dtype (at least fp32). Under torch.compile the kernel
 backend runs as the custom ops ``torch.ops.normbook.norm_forward`` / ``norm_backward``
 (:mod:`normbook.kernels.ops`, with their DTensor sharding rules beside them), which Dynamo
-traces through the Function without a graph break.
+traces through the Function without a graph break. Under torch.export, whose programs keep no
+autograd Function, the door records the torch backend's formulas (which autograd then
+differentiates) or the kernels' custom op (whose gradient formula is registered with it).
 """
 
 from __future__ import annotations
@@ -101,6 +103,8 @@ _transformed = torch._C._are_functorch_transforms_active
 _compiling = torch.compiler.is_compiling
 _legacy_batched = _math._is_legacy_batched   # autograd's batched gradients (is_grads_batched)
 _tracing = torch._C._is_tracing              # torch.jit.trace
+# torch.export (a torch without is_exporting exports by the torch.compile route)
+_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
 def _kernels():
@@ -115,11 +119,7 @@ def _kernels():
 
 # ----------------------------------------------------------------------------- the Function
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Reductions run in at least fp32: bf16/fp16 inputs are upcast, fp64 stays fp64.
-    (torch.promote_types(dtype, torch.float32) for the floating dtypes that reach here, but not
-    an aten op: torch.export records that one as a node of its graph, computing nothing.)"""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+_compute_dtype = _validate.compute_dtype   # reductions in at least fp32; fp64 stays fp64
 
 
 def _is_subclass(t) -> bool:
@@ -358,10 +358,16 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
         y, h, _ = _torch_forward(x, residual, weight, bias, eps, is_rms, False)
         return y, h
     if torch.compiler.is_compiling():
-        if not kernels and torch.compiler.is_exporting():
-            # torch.export keeps the Function's forward and drops its backward (autograd of the
-            # exported program differentiates the recorded formulas): the forward without the
-            # Function and without the statistics, which only its backward would have read
+        if _exporting():
+            # torch.export keeps no autograd.Function that its program can differentiate: strict
+            # export ran the Function's forward with grad mode off (the exported outputs had no
+            # gradient), non-strict keeps its forward's ops and drops its backward. So: the
+            # formulas in torch ops, which autograd differentiates, without the statistics only
+            # the Function would have read; or the kernels' custom op, whose gradient formula
+            # is registered with it (normbook._ops)
+            if kernels:
+                y, h, _ = _K[2].norm_forward(x, residual, weight, bias, eps, is_rms)
+                return y, None if residual is None else h
             y, h, _ = _torch_forward(x, residual, weight, bias, eps, is_rms, False)
             return y, h
         out = NormFunction.apply(x, residual, weight, bias,
