@@ -121,11 +121,6 @@ def _gather(t: torch.Tensor, group) -> torch.Tensor:
     return torch.stack(out)
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """float64 stays float64; half and single precision compute in float32."""
-    return _validate.compute_dtype(x.dtype)
-
-
 def _sharded_stats(xf: torch.Tensor, eps: float, is_rms: bool, group):
     """(D, mean, rstd) of whole rows split over the ranks: D the row length (a tensor), mean and
     rstd (...,), the same bits on every rank; mean is None for RMSNorm.
@@ -184,7 +179,7 @@ class _ShardedNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, is_rms, group):
-        cdt = _compute_dtype(x)
+        cdt = _validate.compute_dtype(x.dtype)
         xf = x.to(cdt)
         D, mean, rstd = _sharded_stats(xf, eps, is_rms, group)
         xhat = (xf if mean is None else xf - mean[..., None]) * rstd[..., None]
@@ -202,7 +197,7 @@ class _ShardedNorm(torch.autograd.Function):
     def backward(ctx, dy):
         is_rms, group, eps, D, bias_dtype = ctx.meta
         x, weight, rstd, *rest = ctx.saved_tensors
-        cdt = _compute_dtype(x)
+        cdt = _validate.compute_dtype(x.dtype)
         xf, g = x.to(cdt), dy.to(cdt)
         if torch.is_grad_enabled():   # a graph of the backward is being built: stats from x
             _, mean, rstd = _sharded_stats(xf, eps, is_rms, group)

@@ -119,9 +119,6 @@ def _kernels():
 
 # ----------------------------------------------------------------------------- the Function
 
-_compute_dtype = _validate.compute_dtype   # reductions in at least fp32; fp64 stays fp64
-
-
 def _is_subclass(t) -> bool:
     """A DTensor (or another tensor subclass), which takes the custom ops (their sharding rules
     keep each token's row on one rank) and keeps its leading dims."""
@@ -133,7 +130,7 @@ def _torch_forward(x, residual, weight, bias, eps, is_rms, with_stats=True):
     in the compute dtype; returns (y, h, stats), h None without a residual, stats (k, ...)
     (None without ``with_stats``: a call that no backward will follow)."""
     h = x if residual is None else x + residual
-    ct = _compute_dtype(h.dtype)
+    ct = _validate.compute_dtype(h.dtype)
     if not is_rms and h.dtype in _HALF and h.shape[-1] and _math._eager(h, weight, bias):
         # torch's fused kernel reads bf16/fp16 rows as they are and reduces in fp32, the
         # statistics (ln-mean), (ln-rstd) in fp32 given fp32 parameters: no fp32 copy of the rows
@@ -158,7 +155,7 @@ def _torch_backward(dy, dh, x, weight, stats, eps, is_rms, bias_dtype, recompute
     """(ln-dx) / (rms-dx) and (ln-dparams) in torch ops, plus the fork rule's dh. ``recompute``:
     the statistics are taken again from x, inside the graph autograd is building of this
     backward, so that a second derivative sees how they depend on x."""
-    ct = _compute_dtype(x.dtype)
+    ct = _validate.compute_dtype(x.dtype)
     w = _cast(weight, ct)
     by_blocks = None
     if x.dtype in _HALF and dy.dtype == x.dtype and w is not None and not recompute:
@@ -314,7 +311,7 @@ class _NormFunctionAD(NormFunction):
         th = tx
         if has_residual and tresidual is not None:
             th = tresidual if th is None else th + tresidual
-        ct = _compute_dtype(x.dtype)
+        ct = _validate.compute_dtype(x.dtype)
         rstd = stats[-1].unsqueeze(-1).to(ct)
         mean = None if is_rms else stats[0].unsqueeze(-1).to(ct)
         ty = _math.jvp(None if th is None else th.to(ct), None if tweight is None else tweight.to(ct),
@@ -344,10 +341,10 @@ def _cfg(eps, is_rms, kernels, bias, residual) -> tuple:
 def _apply(x, residual, weight, bias, eps, is_rms, kernels):
     """:class:`NormFunction` on (M, D) rows by whichever ``apply`` the context needs, and the
     kernels by whichever route (``kernels`` True or False: the backend); returns (y, h), h None
-    without a residual. Under torch.compile and torch.export, torch's apply of the jvp-free
-    class (their tracers see the Function) and the kernels' custom ops, except the torch
-    backend under torch.export, which records the formulas without the Function (export keeps
-    a Function's forward and drops its backward); under torch.func
+    without a residual. Under torch.compile, torch's apply of the jvp-free class (Dynamo
+    traces the Function) and the kernels' custom ops; under torch.export, no Function (no
+    exported program keeps one): the formulas in torch ops, or the kernels' custom op with
+    its own gradient formula; under torch.func
     transforms (which wrap tensors no kernel can read), torch's apply of
     :class:`_NormFunctionAD` on the torch backend; under forward-mode AD, the C++ apply of
     :class:`_NormFunctionAD`; otherwise that of :class:`NormFunction`, with the custom ops for
@@ -366,10 +363,8 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
             # the Function would have read; or the kernels' custom op, whose gradient formula
             # is registered with it (normbook._ops)
             if kernels:
-                y, h, _ = _K[2].norm_forward(x, residual, weight, bias, eps, is_rms)
-                return y, None if residual is None else h
-            y, h, _ = _torch_forward(x, residual, weight, bias, eps, is_rms, False)
-            return y, h
+                return _forward_rows(x, residual, weight, bias, eps, is_rms, _OPS)[:2]
+            return _torch_forward(x, residual, weight, bias, eps, is_rms, False)[:2]
         out = NormFunction.apply(x, residual, weight, bias,
                                  _cfg(eps, is_rms, _OPS if kernels else _TORCH, bias, residual))
         return (out, None) if residual is None else out
