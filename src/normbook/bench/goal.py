@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from normbook.bench.schema import measured
 
-__all__ = ["GOAL", "check_goal"]
+__all__ = ["GOAL", "check_goal", "need"]
 
 GOAL = {
     "dtype": "bf16",
@@ -25,7 +25,9 @@ GOAL = {
 }
 
 
-def _need(mode: str, D: int) -> float | None:
+def need(mode: str, D: int) -> float | None:
+    """The goal's fraction of copy bandwidth for ``mode`` ("fwd" or "bwd") at row length D
+    (bf16, M rows as :data:`GOAL` says), or None where the goal sets none."""
     lo, hi = GOAL["core"]
     t_lo, t_hi, t_frac = GOAL["tail"]
     if lo <= D <= hi:
@@ -68,10 +70,10 @@ def check_goal(results: list[dict], ops=GOAL_OPS, Ds=GOAL_DS) -> tuple[list[str]
     for op in ops:
         for mode in GOAL["frac"]:
             for D in Ds:
-                need = _need(mode, D)
-                if need is None:
+                frac = need(mode, D)
+                if frac is None:
                     continue
-                line, status = _judge(op, mode, D, need, best, skipped)
+                line, status = _judge(op, mode, D, frac, best, skipped)
                 ok_all &= status == "PASS"
                 lines.append(f"{op:<15}{mode:<4} D={D:<7} {line}  {status}")
     return lines, ok_all

@@ -1,16 +1,19 @@
 """Launch configuration as data: how a (M, D) problem maps onto Triton programs.
 
-One kernel per direction, its row split into S slices, plus the backward's small finish
-kernel. A :class:`Plan` is one launch as data: the kernel, its grid, its constexprs and
+Each direction splits a row into S slices, and one plan says how: S = 1 runs the rows kernel,
+S > 1 the sharing ("coop") kernel; the backward adds its small finish kernel. A :class:`Plan`
+is one launch as data: the kernel, its grid, its constexprs and
 launch options, and what the compile report needs to count its traffic.
 :func:`forward_plan` and :func:`backward_plan` build them (cached: a launch computes
 nothing); the launchers run them and ``python -m normbook.kernels.report`` compiles them and
 counts their bytes, so the dispatch exists once.
 
-D and the row strides are runtime arguments, so a new D does not recompile. Only the block
-shape is constexpr, and it is bucketed: BLOCK_D = next_power_of_2(D), so every D in
-(2^(k-1), 2^k] shares one compiled kernel. (Triton's JIT does specialize on D % 16 == 0 and
-on 16-byte-aligned pointers and strides: that is what lets the loads be 128 bits wide.)
+D and the row strides are runtime arguments, so a new D seldom recompiles. The constexprs are
+the flags (IS_RMS, HAS_*), the block shape, which is bucketed (BLOCK_D = next_power_of_2(D),
+so every D in (2^(k-1), 2^k] shares it), ROWS, NUM_STAGES and VEC, the alignment D and the
+strides share (:func:`vec`): a D of the same bucket and VEC reuses the compiled kernel.
+(Triton's JIT also specializes on D % 16 == 0 and on 16-byte-aligned pointers and strides:
+that is what lets the loads be 128 bits wide.)
 
 - S = 1, D <= MAX_FUSED_D_FWD (forward) or MAX_FUSED_D_BWD (backward): the whole row lives in
   registers; statistics take two passes over those registers and HBM is read once. When D is
@@ -27,7 +30,7 @@ on 16-byte-aligned pointers and strides: that is what lets the loads be 128 bits
   (:func:`shared_rows`), have no plan: :func:`kernels_take` says so, and the front door sends
   them to the torch-ops backend (see there why not a launch without the cooperative
   attribute).
-- The backward's cap is a quarter of the forward's because it keeps five row-sized fp32 tensors live
+- The backward's cap is half the forward's because it keeps five row-sized fp32 tensors live
   (x, dy, the weight and the dweight, dbias partials): at D = 16384 that is about 160 registers per thread
   at 16 warps, over the 128 available, and ptxas spills (see ``python -m normbook.kernels.report``).
 - Backward: a persistent grid of a fixed number of programs (groups of S programs), each
@@ -56,6 +59,7 @@ ELEMS_BWD = 32            # values per thread in the backward: 4 warps (8 at D =
                           # programs (one) share an SM and each pipelines its loads
 
 MAX_WARPS = 32            # 1024 threads, the most a program can have
+MAX_REGISTERS = 255       # the most registers a thread can have (sm_80, sm_90)
 COOP_BYTES = 8192         # slice of x per program of the wide-row backward: 4096 bf16 or 2048
                           # fp32 values; its x and dy for the next row (16 KB) are in flight
                           # while it waits for the row's sums, two programs per SM: 32 KB
@@ -189,7 +193,7 @@ def _config(M: int, D: int, max_fused: int, elems: int) -> Config:
 
 
 def maxnreg_for(num_warps: int) -> int:
-    return min(255, 65536 // (32 * num_warps))   # 64K registers per SM
+    return min(MAX_REGISTERS, 65536 // (32 * num_warps))   # 64K registers per SM
 
 
 @functools.lru_cache(maxsize=4096)

@@ -37,12 +37,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from normbook.bench import bytemodel, model  # noqa: E402
+from normbook.bench import bytemodel, goal, model  # noqa: E402
 from normbook.kernels import _backward, _forward, sass  # noqa: E402
 from normbook.kernels._config import (  # noqa: E402
     Device, Plan, backward_plan, forward_plan, narrow_loads, slot_words)
 
-M_REPORT = 32768                                   # the batch of the performance goal
+M_REPORT = goal.GOAL["M"]                          # the batch of the performance goal
 ARCHS = (80, 90)
 DTYPES = ("bf16", "fp32")
 # every power of two of the goal, and odd widths (760, 3000: D % 16 != 0; 12288: 3 x 4096)
@@ -338,12 +338,11 @@ def problems(row: dict) -> list[str]:
 
 
 def goal_need(p: dict) -> float | None:
-    """The goal's fraction of copy bandwidth for a path (sm_90, bf16, D >= 1024), or None."""
-    if p["arch"] != "sm_90" or p["dtype"] != "bf16" or p["D"] < 1024:
+    """The goal's fraction of copy bandwidth for a path (:func:`normbook.bench.goal.need`:
+    on sm_90, in the goal's dtype), or None where it sets none."""
+    if p["arch"] != "sm_90" or p["dtype"] != goal.GOAL["dtype"]:
         return None
-    if p["D"] <= 32768:
-        return 0.90 if p["direction"] == "fwd" else 0.80
-    return 0.70
+    return goal.need(p["direction"], p["D"])
 
 
 def _columns(head, lines, compact: bool) -> str:
