@@ -1,5 +1,7 @@
 """The README's equation -> function -> chapter table covers every labelled equation of the book."""
 
+import importlib.util
+import pkgutil
 import re
 from pathlib import Path
 
@@ -15,18 +17,21 @@ def book_labels():
     return labels
 
 
-def test_every_labelled_equation_is_in_the_readme_table():
+def table_rows() -> list[list[str]]:
+    """The README's equation table: its rows, each split into its cells."""
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("## Equation, function, chapter"):]
+    return [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| `")]
+
+
+def test_every_labelled_equation_is_in_the_readme_table():
+    table = "".join(cells[0] for cells in table_rows())
     missing = {label: ch for label, ch in book_labels().items() if f"`{label}`" not in table}
     assert not missing, f"README table lacks these equations (label: chapter): {missing}"
 
 
 def test_the_readme_names_only_real_labels():
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("## Equation, function, chapter"):]
-    rows = [line for line in table.splitlines() if line.startswith("| `")]
-    named = {m for row in rows for m in re.findall(r"`([a-z0-9-]+)`", row.split("|")[1])}
+    named = {m for cells in table_rows() for m in re.findall(r"`([a-z0-9-]+)`", cells[0])}
     assert named <= set(book_labels()), f"README names labels no chapter defines: {named - set(book_labels())}"
 
 
@@ -38,39 +43,20 @@ def test_every_label_is_unique_across_the_book():
             seen[label] = chapter.name
 
 
-def _resolve(dotted: str):
-    """``normbook.<dotted>``: the longest importable module prefix, then attributes."""
-    import importlib
-
-    parts = dotted.removeprefix("normbook.").split(".")
-    for cut in range(len(parts), -1, -1):
-        try:
-            obj = importlib.import_module(".".join(["normbook", *parts[:cut]]))
-        except ModuleNotFoundError:
-            continue
-        for name in parts[cut:]:
-            obj = getattr(obj, name)
-        return obj
-
-
 def test_every_name_in_the_readme_table_exists():
     """The table is how a newcomer finds an equation's code: each dotted name it gives in the
     code column (``reference.layer_norm_backward`` is ``normbook.reference.layer_norm_backward``)
     must resolve. (It once named a kernel removed two redesigns earlier.)"""
-    import importlib.util
-
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("## Equation, function, chapter"):]
-    rows = [line for line in table.splitlines() if line.startswith("| `")]
-    names = {m for row in rows for m in re.findall(r"`([A-Za-z_][\w.]*\.[\w.]+)`", row.split("|")[3])}
+    names = {m.removeprefix("normbook.") for cells in table_rows()
+             for m in re.findall(r"`([A-Za-z_][\w.]*\.[\w.]+)`", cells[2])}
     assert len(names) > 20
     have_triton = importlib.util.find_spec("triton") is not None
     missing = []
     for name in sorted(names):
-        if name.removeprefix("normbook.").startswith("kernels") and not have_triton:
+        if name.startswith("kernels") and not have_triton:
             continue
         try:
-            _resolve(name)
+            pkgutil.resolve_name(f"normbook.{name}")
         except (AttributeError, ImportError) as e:
             missing.append(f"{name} ({e})")
     assert not missing, f"README's table names what the package lacks: {missing}"

@@ -25,13 +25,15 @@ _STYLE = {"normbook": ("C3", "o"), "torch": ("C0", "s"), "compile": ("C2", "^"),
           "quack": ("C4", "P")}
 
 
-def recorded_gpu_results(folder) -> list[dict]:
-    """The real GPU runs recorded under ``folder`` (each run's ``results.json``, searched recursively).
+def recorded_gpu_results(folder=None) -> list[dict]:
+    """The real GPU runs recorded under ``folder`` (each run's ``results.json``, searched recursively);
+    by default the checkout's ``benchmarks/results`` (which an installed wheel does not have).
 
     CPU runs and synthetic test fixtures are left out, so that nothing but a measurement on a GPU
     is ever plotted as one. Returns [] when the folder does not exist or holds none.
     """
-    folder = Path(folder)
+    folder = Path(folder) if folder is not None else (
+        Path(__file__).resolve().parents[3] / "benchmarks" / "results")
     files = sorted(folder.rglob("results.json")) if folder.is_dir() else []
     return [r for r in load_results(files)
             if r["provenance"].get("device_type") == "cuda" and not r["provenance"].get("synthetic")]
