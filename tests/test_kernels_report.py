@@ -173,6 +173,13 @@ def test_report_progress_counts_every_configuration(capsys):
 
     items = list(range(25))
     assert list(report._progress(items, False)) == items
+    assert capsys.readouterr().err == ""
     assert list(report._progress(items, True)) == items
     err = capsys.readouterr().err
     assert "25/25" in err
+    # the default where stderr is no terminal (a log, CI): plain lines, never silent
+    assert list(report._progress(items, None)) == items
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "normbook-report: compiling 25 configurations"
+    assert [line.split(",")[0] for line in lines[1:]] == [
+        f"normbook-report: {i}/25 configurations" for i in (2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 25)]

@@ -60,3 +60,23 @@ def test_every_name_in_the_readme_table_exists():
         except (AttributeError, ImportError) as e:
             missing.append(f"{name} ({e})")
     assert not missing, f"README's table names what the package lacks: {missing}"
+
+
+def test_the_readmes_dotted_names_work_after_import_normbook_alone():
+    """A reader types what the README shows after ``import normbook`` and nothing else: each
+    dotted name it gives resolves by attribute (``normbook.checks`` is imported on first use),
+    except those under the kernels and the benchmarks, which are imported by name (they need
+    Triton, or are a command). In a fresh process, so that no other test's import helps."""
+    import subprocess
+    import sys
+
+    names = sorted({n.rstrip(".") for n in re.findall(r"normbook\.[A-Za-z_][A-Za-z0-9_.]*",
+                                                      (ROOT / "README.md").read_text())
+                    if not n.startswith(("normbook.kernels", "normbook.bench"))})
+    assert "normbook.checks.check_norm_backward" in names
+    code = ("import functools, sys, normbook\n"
+            "assert 'normbook.checks' not in sys.modules   # imported on first use, not before\n"
+            f"for name in {names!r}:\n"
+            "    functools.reduce(getattr, name.split('.')[1:], normbook)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -8,6 +8,8 @@ The package behind the normbook textbook. Public names mirror ``torch.nn.functio
 
 from __future__ import annotations
 
+import types as _types
+
 from normbook import _ops  # noqa: F401  (the custom ops, for exported programs)
 from normbook.functional import add_layer_norm, add_rms_norm, backend, layer_norm, rms_norm
 from normbook.modules import LayerNorm, RMSNorm
@@ -37,6 +39,26 @@ def _version() -> str:
 
 
 __version__ = _version()
+
+# Submodules a user reaches as attributes after ``import normbook`` alone
+# (``normbook.checks.check_norm_backward``, ``normbook.reference.layer_norm_forward``), imported
+# on first use (PEP 562), so that ``import normbook`` stays as light as it is. Not the kernels
+# (they import Triton, and say so when it is missing) nor the benchmarks: those are imported
+# by name, ``import normbook.kernels``.
+_SUBMODULES = frozenset({"reference", "checks", "batching", "blocks", "residual", "distributed",
+                         "booktools", "numpy_ref"})
+
+
+def __getattr__(name: str) -> _types.ModuleType:
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"normbook.{name}")
+    raise AttributeError(f"module 'normbook' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _SUBMODULES)
 
 __all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "LayerNorm", "RMSNorm", "backend",
            "swap_norms", "__version__"]

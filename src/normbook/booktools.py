@@ -80,23 +80,38 @@ def kernel_device() -> str:
 
 def triton_available() -> bool:
     """Whether a chapter's kernel cells can run here: Triton installed, and a CUDA GPU or
-    Triton's interpreter on.
+    Triton's interpreter on (``why_no_kernels() is None``; see there)."""
+    return why_no_kernels() is None
+
+
+def why_no_kernels() -> str | None:
+    """Why a chapter's kernel cells skip here, in a few words a cell prints, or None where they
+    run: Triton installed, and a CUDA GPU or Triton's interpreter on.
 
     Without a GPU, and before anything has imported Triton (which reads ``TRITON_INTERPRET``
     once), it turns the interpreter on, unless the environment already says otherwise: a
     downloaded chapter then runs its kernels on a laptop or a CPU-only notebook service, as
-    the book build does. Call it before the chapter imports :mod:`normbook.kernels`."""
+    the book build does. Call it before the chapter imports :mod:`normbook.kernels`.
+
+    The reasons: Triton is not installed; or there is no GPU and the interpreter is off,
+    because the environment sets ``TRITON_INTERPRET`` to something other than 1, or because
+    Triton was imported before it could be turned on."""
     import importlib.util
 
     if importlib.util.find_spec("triton") is None:
-        return False
+        return "Triton is not installed (Linux only: pip install 'normbook[kernels]')"
     import torch
 
     if torch.cuda.is_available():
-        return True
+        return None
     if "triton" not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    value = os.environ.get("TRITON_INTERPRET")
+    if value == "1":
+        return None
+    if value is None:
+        return "no GPU, and Triton was imported before TRITON_INTERPRET=1 was set"
+    return f"no GPU, and TRITON_INTERPRET={value!r} turns Triton's interpreter off"
 
 
 def check(name: str, yours, reference, *, x=None, dy=None, weight=None, eps: float = 1e-5,

@@ -256,22 +256,29 @@ def prefetched_loads(ptx: str) -> int:
 
 
 def _progress(items: list, progress):
-    """``items`` under a tqdm bar on stderr (``progress`` None: only on a terminal; False: never;
-    tqdm missing: a plain count every tenth of the way)."""
+    """``items`` with their progress on stderr. ``progress`` None (the default): a tqdm bar
+    when stderr is a terminal, else (a log, CI) one plain line every tenth of the way with
+    the seconds so far, so that a run of minutes is never silent; True: the bar (the plain
+    lines without tqdm); False: nothing."""
     if progress is False:
         return items
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        def counted():
-            step = max(1, len(items) // 10)
-            for i, item in enumerate(items, 1):
-                yield item
-                if (progress or sys.stderr.isatty()) and (i % step == 0 or i == len(items)):
-                    print(f"normbook-report: {i}/{len(items)} configurations", file=sys.stderr)
-        return counted()
-    return tqdm(items, desc="normbook-report: compiling", unit="config", file=sys.stderr,
-                disable=None if progress is None else not progress)
+    if progress or sys.stderr.isatty():
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            pass
+        else:
+            return tqdm(items, desc="normbook-report: compiling", unit="config", file=sys.stderr)
+
+    def counted():
+        step, start = max(1, len(items) // 10), time.perf_counter()
+        print(f"normbook-report: compiling {len(items)} configurations", file=sys.stderr, flush=True)
+        for i, item in enumerate(items, 1):
+            yield item
+            if i % step == 0 or i == len(items):
+                print(f"normbook-report: {i}/{len(items)} configurations, "
+                      f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return counted()
 
 
 def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None, progress=False) -> list[dict]:
@@ -402,14 +409,16 @@ def main(argv=None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
                "  normbook-report --quick                 # sm_90, bf16, two widths: a minute\n"
-               "  normbook-report --json report.json      # every configuration, sm_80 and sm_90\n"
+               "  normbook-report --json report.json      # every configuration, sm_80 and sm_90:\n"
+               "                                          # minutes (a line per tenth done)\n"
                "  python -m normbook.kernels.report --archs 90 --no-progress\n"
                "exit status: 0 when every configuration compiles without a problem, 1 otherwise")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     parser.add_argument("--quick", action="store_true", help="sm_90, bf16, D in (3000, 65536) only, the fused add at 3000")
     parser.add_argument("--archs", help="comma list of compute capabilities (default 80,90)")
     parser.add_argument("--no-progress", action="store_true",
-                        help="no progress bar (by default one on stderr when it is a terminal)")
+                        help="no progress on stderr (by default a bar on a terminal, else a line "
+                        "every tenth of the way)")
     args = parser.parse_args(argv)
     opts = dict(QUICK) if args.quick else {}
     if args.archs:
