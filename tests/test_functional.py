@@ -244,13 +244,15 @@ def test_one_tokens_gradients_are_tensors_of_their_own(dtype, with_weight):
     (lambda: normbook.layer_norm([1.0, 2.0], (2,)), TypeError, r"input: expected a torch.Tensor, got list"),
     (lambda: normbook.layer_norm(torch.randn(2, 5), (5,), torch.ones(5, device="meta")), ValueError, r"weight: expected a tensor on input's device cpu, got meta"),
     (lambda: normbook.rms_norm(torch.randn(2, 5), (5,), torch.ones(5, dtype=torch.int32)), TypeError, r"weight: expected a floating-point dtype, got torch.int32"),
-    (lambda: normbook.layer_norm(torch.randn(2, 5), (5,), eps="0.1"), ValueError, r"eps: expected a real number or a 0-d tensor, got '0.1'"),
+    (lambda: normbook.layer_norm(torch.randn(2, 5), (5,), eps="0.1"), TypeError, r"eps: expected a real number or a 0-d tensor, got '0.1'"),
+    (lambda: normbook.LayerNorm(5, True)(torch.randn(2, 5)), TypeError, r"eps: expected a real number or a 0-d tensor, got True"),
+    (lambda: normbook.rms_norm(torch.randn(2, 5), 5, eps=torch.ones(2)), TypeError, r"eps: expected a real number or a 0-d tensor, got tensor"),
     (lambda: normbook.layer_norm(torch.randn(2, 5), "5"), TypeError, r"normalized_shape: expected an int or a sequence of ints, got str"),
     # NaN is refused however normalized_shape is written (an int, a 1-tuple: the fast path)
-    (lambda: normbook.layer_norm(torch.randn(2, 5), (5,), eps=float("nan")), ValueError, r"eps: expected a real number .*got nan"),
-    (lambda: normbook.rms_norm(torch.randn(2, 5), 5, eps=float("nan")), ValueError, r"eps: expected a real number .*got nan"),
-    (lambda: normbook.layer_norm(torch.randn(2, 5), 5, eps=torch.tensor(float("nan"))), ValueError, r"eps: expected a real number .*got nan"),
-    (lambda: normbook.add_rms_norm(torch.randn(2, 5), torch.randn(2, 5), eps=float("nan")), ValueError, r"eps: expected a real number .*got nan"),
+    (lambda: normbook.layer_norm(torch.randn(2, 5), (5,), eps=float("nan")), ValueError, r"eps: expected a real number other than NaN, got nan"),
+    (lambda: normbook.rms_norm(torch.randn(2, 5), 5, eps=float("nan")), ValueError, r"eps: expected a real number other than NaN, got nan"),
+    (lambda: normbook.layer_norm(torch.randn(2, 5), 5, eps=torch.tensor(float("nan"))), ValueError, r"eps: expected a real number other than NaN, got nan"),
+    (lambda: normbook.add_rms_norm(torch.randn(2, 5), torch.randn(2, 5), eps=float("nan")), ValueError, r"eps: expected a real number other than NaN, got nan"),
     (lambda: normbook.add_layer_norm(torch.tensor(1.0), torch.tensor(1.0)), ValueError, r"x: expected a tensor of shape \(\.\.\., D\) with at least one dim, got a 0-d tensor"),
 ])
 def test_bad_input_names_the_argument(call, exc, pattern):

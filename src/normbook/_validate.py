@@ -95,10 +95,14 @@ def as_eps(eps):
 
 
 def check_eps(eps) -> None:
-    """A real number. Negative values are accepted, as torch accepts them (the result is NaN
-    where var + eps < 0)."""
-    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or eps != eps:
-        raise ValueError(f"eps: expected a real number or a 0-d tensor, got {eps!r}")
+    """A real number: another type is a TypeError, as torch's is (and so is a bool, which torch
+    takes as 1.0 or 0.0: ``LayerNorm(D, True)`` meant something else); NaN, which torch
+    accepts and returns NaN for, a ValueError. Negative values are accepted, as torch accepts
+    them (the result is NaN where var + eps < 0)."""
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
+        raise TypeError(f"eps: expected a real number or a 0-d tensor, got {eps!r}")
+    if eps != eps:
+        raise ValueError(f"eps: expected a real number other than NaN, got {eps!r}")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -680,7 +680,9 @@ def layer_norm(input: Tensor, normalized_shape: int | Sequence[int],
     Differs from torch on purpose: weight and bias may have another floating dtype than the
     input (torch's CPU kernel refuses that); rows whose variance overflows (fp32 values past
     about 1e19) give the finite, correct answer where torch gives zeros or NaN (measured on
-    the CPU, torch 2.13: zeros for [3e19, 1, 2, 0], NaN for [1e20, 2e20, 3e20, 4e20]).
+    the CPU, torch 2.13: zeros for [3e19, 1, 2, 0], NaN for [1e20, 2e20, 3e20, 4e20]); an eps
+    of NaN (ValueError) or a bool (TypeError) is refused, where torch returns NaN or takes
+    True as 1.0. Any other eps that is not a number is a TypeError, as in torch.
     """
     if type(input) is not Tensor and isinstance(input, Tensor) and input.is_nested:
         return _nested(layer_norm, input, normalized_shape, weight, bias, eps)
@@ -710,7 +712,7 @@ def rms_norm(input: Tensor, normalized_shape: int | Sequence[int],
     Differs from torch on purpose: complex inputs are refused (torch accepts them); the weight
     may have another floating dtype than the input; rows whose mean square overflows give the
     finite, correct answer where torch gives zeros (measured on the CPU, torch 2.13, for
-    [1e20, 2e20, 3e20, 4e20]).
+    [1e20, 2e20, 3e20, 4e20]); an eps of NaN or a bool is refused, as by :func:`layer_norm`.
     """
     if type(input) is not Tensor and isinstance(input, Tensor) and input.is_nested:
         return _nested(rms_norm, input, normalized_shape, weight, eps)
