@@ -168,3 +168,18 @@ def test_a_kernel_chapter_installs_triton_and_pins_the_commit(monkeypatch):
                         lambda name, *a: None if name == "normbook" else find_spec(name, *a))
     exec(cell, {})                                          # a fresh session: all of it, pinned
     assert calls[-1][-1] == "normbook[book,kernels] @ git+https://github.com/normbook/normbook@0123abc"
+
+
+def test_every_chapter_that_runs_a_kernel_installs_triton():
+    """The download's install cell follows KERNEL_CELLS: every chapter with a code cell that
+    puts tensors where the kernels run (``kernel_device()``) must be recognised by it, however
+    the cell asks whether the kernels are there, or its notebook would come without Triton and
+    skip the kernel."""
+    import jupytext
+
+    chapters = [*sorted((ROOT / "book").glob("[0-9][0-9]-*.md")), ROOT / "book" / "appendix-kernels.md"]
+    assert len(chapters) > 3
+    for path in chapters:
+        cells = [c.source for c in jupytext.read(path).cells if c.cell_type == "code"]
+        if any("kernel_device(" in c for c in cells):
+            assert any(notebooks.KERNEL_CELLS.search(c) for c in cells), path.name

@@ -80,7 +80,7 @@ if _pip:
 
 
 INSTALL_CELL = install_cell()
-KERNEL_CELLS = re.compile(r"triton_available\(|normbook\.kernels|import triton")   # its cells
+KERNEL_CELLS = re.compile(r"why_no_kernels\(|triton_available\(|normbook\.kernels|import triton")   # its cells
 
 
 # -------------------------------------------------------------------------- the book's index
