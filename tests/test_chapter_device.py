@@ -45,7 +45,7 @@ def test_kernel_device_follows_the_gpu(monkeypatch):
     assert booktools.kernel_device() == "cpu"            # no Triton: the cells skip
 
 
-def test_triton_available_turns_the_interpreter_on_without_a_gpu(monkeypatch):
+def test_why_no_kernels_turns_the_interpreter_on_without_a_gpu(monkeypatch):
     """A downloaded chapter on a machine with Triton and no GPU: the kernel cells run in the
     interpreter (set before Triton is imported), unless the environment turned it off or
     Triton was imported already (too late: it reads the switch once)."""
@@ -55,21 +55,17 @@ def test_triton_available_turns_the_interpreter_on_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delitem(sys.modules, "triton", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert booktools.triton_available() and booktools.kernel_device() == "cpu"
+    assert booktools.why_no_kernels() is None and booktools.kernel_device() == "cpu"
     assert __import__("os").environ["TRITON_INTERPRET"] == "1"
-    assert booktools.why_no_kernels() is None
     monkeypatch.setenv("TRITON_INTERPRET", "0")           # the reader's own choice stands
-    assert not booktools.triton_available()
     assert booktools.why_no_kernels() == "no GPU, and TRITON_INTERPRET='0' turns Triton's interpreter off"
     monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setitem(sys.modules, "triton", object())  # imported already, compiled mode
-    assert not booktools.triton_available()
     assert "imported before TRITON_INTERPRET=1" in booktools.why_no_kernels()
     assert "TRITON_INTERPRET" not in __import__("os").environ
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "triton" else real_find_spec(name, *a))
-    assert not booktools.triton_available()               # no Triton: the cells skip
-    assert booktools.why_no_kernels().startswith("Triton is not installed")
+    assert booktools.why_no_kernels().startswith("Triton is not installed")   # the cells skip
 
 
 def _notebooks():

@@ -80,7 +80,7 @@ if _pip:
 
 
 INSTALL_CELL = install_cell()
-KERNEL_CELLS = re.compile(r"why_no_kernels\(|triton_available\(|normbook\.kernels|import triton")   # its cells
+KERNEL_CELLS = re.compile(r"why_no_kernels\(|normbook\.kernels|import triton")   # its cells
 
 
 # -------------------------------------------------------------------------- the book's index
@@ -119,6 +119,13 @@ def toc_pages(root: Path = ROOT) -> list[Page]:
                 number += 1
             pages.append(Page(Path(m.group(1)).name, number if numbered else None))
     return pages
+
+
+def chapter_sources(root: Path = ROOT) -> list[Path]:
+    """The sources of the chapters and the appendix, in ``_toc.yml``'s order: what becomes a
+    notebook (the other pages are prose only)."""
+    return [root / "book" / f"{p.stem}.md" for p in toc_pages(root)
+            if re.match(r"\d\d-|appendix-", p.stem)]
 
 
 def _prefix(page: Page, k: int) -> str:
@@ -447,8 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(claims, indent=1, ensure_ascii=False))
         return 0
     index = build_index()
-    chapters = args.chapters or [ROOT / "book" / f"{p.stem}.md" for p in toc_pages()
-                                 if re.match(r"\d\d-|appendix-", p.stem)]
+    chapters = args.chapters or chapter_sources()
     import nbformat
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -67,7 +67,7 @@ def kernel_device() -> str:
     """Where a chapter's kernel cells put their tensors: ``"cuda"`` where a CUDA GPU and Triton
     are both present and Triton's interpreter is off (the kernels compile for that GPU), else
     ``"cpu"`` (with ``TRITON_INTERPRET=1`` set before Triton is imported the interpreter runs
-    them there; without Triton the cells skip, see :func:`triton_available`)."""
+    them there; without Triton the cells skip, see :func:`why_no_kernels`)."""
     import importlib.util
 
     import torch
@@ -76,12 +76,6 @@ def kernel_device() -> str:
             and os.environ.get("TRITON_INTERPRET") != "1"):
         return "cuda"
     return "cpu"
-
-
-def triton_available() -> bool:
-    """Whether a chapter's kernel cells can run here: Triton installed, and a CUDA GPU or
-    Triton's interpreter on (``why_no_kernels() is None``; see there)."""
-    return why_no_kernels() is None
 
 
 def why_no_kernels() -> str | None:
