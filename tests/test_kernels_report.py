@@ -183,3 +183,29 @@ def test_report_progress_counts_every_configuration(capsys):
     assert lines[0] == "normbook-report: compiling 25 configurations"
     assert [line.split(",")[0] for line in lines[1:]] == [
         f"normbook-report: {i}/25 configurations" for i in (2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 25)]
+
+
+def test_a_pool_of_processes_gives_the_rows_of_one_process():
+    """The full report compiles in a pool of processes (one per CPU); its rows, in order, are
+    those that compiling one configuration after another in the calling process gives."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = (
+        "import concurrent.futures as cf, os\n"
+        "from normbook.kernels import report\n"
+        "made = []\n"
+        "class Pool(cf.ProcessPoolExecutor):\n"
+        "    def __init__(self, *a, **k):\n"
+        "        made.append(a[0]); super().__init__(*a, **k)\n"
+        "cf.ProcessPoolExecutor = Pool\n"
+        "os.cpu_count = lambda: 2\n"
+        "kw = dict(archs=(90,), dtypes=('bf16',), ds=(3000,), residual_d=0)\n"
+        "report.POOL_FROM = 2\n"
+        "pooled = report.run(**kw)\n"
+        "assert made == [2], made\n"
+        "report.POOL_FROM = 10 ** 6\n"
+        "alone = report.run(**kw)\n"
+        "assert len(pooled) >= 4 and pooled == alone, (pooled, alone)\n"
+        "assert all('error' not in r and r['registers'] > 0 for r in pooled), pooled\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -284,41 +284,54 @@ def _progress(items: list, progress):
 def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None, progress=False) -> list[dict]:
     """Compile every configuration; one row per (kernel, arch, dtype, D, norm, residual), with
     what the kernel moves (:func:`traffic`). ``residual_d``: only that D with the fused add
-    (None: every D with and without it). The SASS of each kernel is disassembled in a pool
-    of threads while the next ones compile (cuobjdump takes about half a second to start;
-    the counts are cached, :func:`normbook.kernels.sass.serial_path_of`)."""
-    rows, pending = [], []
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1))
+    (None: every D with and without it). Many configurations are compiled in a pool of
+    processes, one per CPU (Triton's compiler holds the GIL for most of a compile: a pool of
+    threads ran them one at a time, about 0.8 s each on a 2-core VM); a few, in this one."""
     configs = [(arch, dtype, D, is_rms, residual) for arch in archs for dtype in dtypes for D in ds
                for is_rms in (False, True)
                for residual in ((False, True) if residual_d in (None, D) else (False,))]
-    for arch, dtype, D, is_rms, residual in _progress(configs, progress):
-        for plan in launches(D, is_rms, residual, dtype, arch):
-            row = dict(kernel=plan.kernel, direction=direction(plan),
-                       arch=f"sm_{arch}", dtype=dtype, D=D,
-                       norm="rms" if is_rms else "layer", residual=residual,
-                       num_warps=plan.options["num_warps"], ROWS=plan.rows,
-                       BLOCK_D=plan.constexprs["BLOCK_D"], slices=plan.slices,
-                       **({"WEIGHT_LOADS": plan.constexprs["WEIGHT_LOADS"]}
-                          if "WEIGHT_LOADS" in plan.constexprs else {}),
-                       per_sm=plan.per_sm, triton=triton.__version__,
-                       **traffic(plan, D, dtype))
-            try:
-                out, compiled = _compile(kernel_of(plan), plan.constexprs,
-                                         plan.options, dtype, arch, D)
-                row.update(out)
-                if "step_bytes" in row:      # a row step: its chain of waits
-                    pending.append((row, pool.submit(sass.serial_path_of,
-                                                     compiled)))
-            except Exception as e:  # noqa: BLE001 - reported, and the exit code says so
-                row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
-            rows.append(row)
-    for row, counted in pending:
+    workers = min(16, os.cpu_count() or 1, len(configs))
+    if workers < 2 or len(configs) < POOL_FROM:
+        return [row for config in _progress(configs, progress) for row in config_rows(config)]
+    import multiprocessing
+
+    # spawn: a fork of a process that has imported torch and triton (and their threads) is not safe
+    with concurrent.futures.ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        done = pool.map(config_rows, configs)   # in order, as they finish
+        return [row for _, rows in zip(_progress(configs, progress), done) for row in rows]
+
+
+POOL_FROM = 16   # fewer configurations than this compile in the calling process (--quick: 6)
+
+
+def config_rows(config: tuple) -> list[dict]:
+    """The report's rows of one configuration ``(arch, dtype, D, is_rms, residual)``: each
+    launch's kernel compiled, and a row step's chain of waits counted in its SASS."""
+    arch, dtype, D, is_rms, residual = config
+    rows = []
+    for plan in launches(D, is_rms, residual, dtype, arch):
+        row = dict(kernel=plan.kernel, direction=direction(plan),
+                   arch=f"sm_{arch}", dtype=dtype, D=D,
+                   norm="rms" if is_rms else "layer", residual=residual,
+                   num_warps=plan.options["num_warps"], ROWS=plan.rows,
+                   BLOCK_D=plan.constexprs["BLOCK_D"], slices=plan.slices,
+                   **({"WEIGHT_LOADS": plan.constexprs["WEIGHT_LOADS"]}
+                      if "WEIGHT_LOADS" in plan.constexprs else {}),
+                   per_sm=plan.per_sm, triton=triton.__version__,
+                   **traffic(plan, D, dtype))
+        rows.append(row)
         try:
-            row.update(serial_counts(counted.result()))
+            out, compiled = _compile(kernel_of(plan), plan.constexprs, plan.options, dtype, arch, D)
         except Exception as e:  # noqa: BLE001 - reported, and the exit code says so
-            row["error"] = f"serial path: {type(e).__name__}: {e}".splitlines()[0]
-    pool.shutdown()
+            row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+            continue
+        row.update(out)
+        if "step_bytes" in row:      # a row step: its chain of waits
+            try:
+                row.update(serial_counts(sass.serial_path_of(compiled)))
+            except Exception as e:  # noqa: BLE001 - reported, and the exit code says so
+                row["error"] = f"serial path: {type(e).__name__}: {e}".splitlines()[0]
     return rows
 
 
