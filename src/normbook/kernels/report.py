@@ -285,14 +285,18 @@ def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None, progress=False) -> l
     """Compile every configuration; one row per (kernel, arch, dtype, D, norm, residual), with
     what the kernel moves (:func:`traffic`). ``residual_d``: only that D with the fused add
     (None: every D with and without it). Many configurations are compiled in a pool of
-    processes, one per CPU (Triton's compiler holds the GIL for most of a compile: a pool of
-    threads ran them one at a time, about 0.8 s each on a 2-core VM); a few, in this one."""
+    processes, one per CPU (Triton's compiler holds the GIL for most of a compile: in threads
+    they ran one at a time, about 0.8 s each on a 2-core VM); a few, in this one. Either way
+    the SASS is disassembled in threads while the next kernels compile (cuobjdump takes about
+    half a second to start; the counts are cached, :func:`normbook.kernels.sass.serial_path_of`)."""
     configs = [(arch, dtype, D, is_rms, residual) for arch in archs for dtype in dtypes for D in ds
                for is_rms in (False, True)
                for residual in ((False, True) if residual_d in (None, D) else (False,))]
-    workers = min(16, os.cpu_count() or 1, len(configs))
+    workers = min(16, os.cpu_count() or 1)
     if workers < 2 or len(configs) < POOL_FROM:
-        return [row for config in _progress(configs, progress) for row in config_rows(config)]
+        with concurrent.futures.ThreadPoolExecutor(workers) as sass_pool:
+            started = [_started_rows(config, sass_pool) for config in _progress(configs, progress)]
+            return [row for rows, pending in started for row in _finished(rows, pending)]
     import multiprocessing
 
     # spawn: a fork of a process that has imported torch and triton (and their threads) is not safe
@@ -308,8 +312,15 @@ POOL_FROM = 16   # fewer configurations than this compile in the calling process
 def config_rows(config: tuple) -> list[dict]:
     """The report's rows of one configuration ``(arch, dtype, D, is_rms, residual)``: each
     launch's kernel compiled, and a row step's chain of waits counted in its SASS."""
+    with concurrent.futures.ThreadPoolExecutor(2) as sass_pool:
+        return _finished(*_started_rows(config, sass_pool))
+
+
+def _started_rows(config: tuple, sass_pool) -> tuple[list[dict], list]:
+    """:func:`config_rows`'s compiles, with each row step's SASS counting submitted to
+    ``sass_pool``: (rows, [(row, future)])."""
     arch, dtype, D, is_rms, residual = config
-    rows = []
+    rows, pending = [], []
     for plan in launches(D, is_rms, residual, dtype, arch):
         row = dict(kernel=plan.kernel, direction=direction(plan),
                    arch=f"sm_{arch}", dtype=dtype, D=D,
@@ -328,10 +339,17 @@ def config_rows(config: tuple) -> list[dict]:
             continue
         row.update(out)
         if "step_bytes" in row:      # a row step: its chain of waits
-            try:
-                row.update(serial_counts(sass.serial_path_of(compiled)))
-            except Exception as e:  # noqa: BLE001 - reported, and the exit code says so
-                row["error"] = f"serial path: {type(e).__name__}: {e}".splitlines()[0]
+            pending.append((row, sass_pool.submit(sass.serial_path_of, compiled)))
+    return rows, pending
+
+
+def _finished(rows: list[dict], pending: list) -> list[dict]:
+    """``rows`` with the SASS counts of :func:`_started_rows` waited for and added."""
+    for row, counted in pending:
+        try:
+            row.update(serial_counts(counted.result()))
+        except Exception as e:  # noqa: BLE001 - reported, and the exit code says so
+            row["error"] = f"serial path: {type(e).__name__}: {e}".splitlines()[0]
     return rows
 
 
