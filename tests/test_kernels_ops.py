@@ -62,6 +62,60 @@ def test_torch_compile_fullgraph_matches_eager():
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
 
 
+def _entry_points(D):
+    """(name, fn(x, r) -> a tensor to differentiate, parameters) for every public entry point:
+    the two modules, the two functions and the two fused adds."""
+    ln, rms = normbook.LayerNorm(D), normbook.RMSNorm(D)
+    w, b = torch.randn(D, requires_grad=True), torch.randn(D, requires_grad=True)
+    return [("LayerNorm", lambda x, r: ln(x), list(ln.parameters())),
+            ("RMSNorm", lambda x, r: rms(x), list(rms.parameters())),
+            ("layer_norm", lambda x, r: normbook.layer_norm(x, (D,), w, b), [w, b]),
+            ("rms_norm", lambda x, r: normbook.rms_norm(x, (D,), w), [w]),
+            ("add_layer_norm", lambda x, r: torch.cat(normbook.add_layer_norm(x, r, w, b)), [w, b]),
+            ("add_rms_norm", lambda x, r: torch.cat(normbook.add_rms_norm(x, r, w)), [w])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast-fp32-rule"])
+def test_every_entry_point_compiles_whole_on_the_cuda_route(monkeypatch, autocast):
+    """What a CUDA tensor meets, on the CPU: the kernel backend (forced, as CUDA tensors get it)
+    and, with ``autocast``, the float32 rule that torch applies to the norms only on CUDA, XPU
+    and MPS (the table extended to the CPU). Every entry point, forward and backward, compiles
+    with fullgraph=True, with no graph break (torch._dynamo.explain), and gives eager's
+    numbers. (The rule's branch indexed a tuple by a bool, which torch 2.11's Dynamo refuses:
+    the H200's fullgraph failure.)"""
+    from normbook import functional as nf
+
+    if autocast:
+        monkeypatch.setattr(nf, "_AUTOCAST_FP32", ({"cpu", "cuda", "xpu", "mps"}, {"cpu", "cuda", "xpu"}))
+    dtype = torch.bfloat16 if autocast else torch.float32
+    g = torch.Generator().manual_seed(5)
+    x0, r0 = (torch.randn(3, 16, generator=g).to(dtype) for _ in range(2))
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else normbook.backend
+    for name, fn, params in _entry_points(16):
+        results = []
+        for compiled in (False, True):
+            x, r = (t.clone().requires_grad_() for t in (x0, r0))
+            for p in params:
+                p.grad = None
+            torch._dynamo.reset()
+            with normbook.backend("kernels"), (ctx() if autocast else ctx("kernels")):
+                f = torch.compile(fn, backend="aot_eager", fullgraph=True) if compiled else fn
+                if compiled:
+                    explained = torch._dynamo.explain(fn)(x, r)
+                    assert explained.graph_break_count == 0, (name, explained.break_reasons)
+                out = f(x, r)
+                assert out.dtype == (torch.float32 if autocast else dtype), (name, compiled)
+                out.float().square().sum().backward()
+            results.append([out.detach().float(), x.grad, r.grad, *(p.grad for p in params)])
+        for got, want in zip(*results[::-1]):
+            if want is None:
+                assert got is None, name
+            else:
+                torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"{name}: {m}")
+
+
 def test_eager_route_is_the_function_and_compile_the_op():
     x, w, b, _ = make(3, 16, torch.float32)
     x.requires_grad_(True)

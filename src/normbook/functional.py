@@ -601,7 +601,9 @@ def _checked(input, normalized_shape, weight, bias, eps, is_rms, residual, name,
                                      and residual.device == input.device):
         _check_residual(residual, input)
     device = input.device.type
-    if device in _AUTOCAST_FP32[is_rms] and torch.is_autocast_enabled(device):
+    # (an int index: torch 2.11's Dynamo refuses to index a tuple by a bool, and fails
+    # fullgraph compiles of CUDA tensors here; 2.13's accepts it)
+    if device in _AUTOCAST_FP32[1 if is_rms else 0] and torch.is_autocast_enabled(device):
         return _autocast_fp32(original, input, D, weight, bias, eps, is_rms, residual, name,
                               kernels)
     if kernels is None:
