@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -348,14 +350,19 @@ class _RefusingKernel:
         return launch
 
 
+def _plan_of(flags):
+    """What launch_shared reads of a plan: its grid, flags and key."""
+    return SimpleNamespace(grid=(8,), flags=flags, key=("a kernel", *flags.items()))
+
+
 def test_a_refused_cooperative_launch_runs_without_it_once_warned(monkeypatch):
     monkeypatch.setattr(_config, "_cooperation_refused", False)
     kernel = _RefusingKernel()
     flags = dict(POLLS=_config.EXCHANGE_POLLS, launch_cooperative_grid=True)
     with pytest.warns(RuntimeWarning, match="refused a cooperative launch"):
-        _config.launch_shared(kernel, (8,), (), flags)
+        _config.launch_shared(kernel, _plan_of(flags), ())
     assert [f.get("launch_cooperative_grid") for f in kernel.launches] == [True, None]
-    _config.launch_shared(kernel, (8,), (), flags)          # no second try, no second warning
+    _config.launch_shared(kernel, _plan_of(flags), ())      # no second try, no second warning
     assert [f.get("launch_cooperative_grid") for f in kernel.launches] == [True, None, None]
     assert flags["launch_cooperative_grid"] is True          # the cached plan is left as it was
 
@@ -369,7 +376,7 @@ def test_other_launch_errors_are_not_swallowed(monkeypatch):
                 raise RuntimeError("Triton Error [CUDA]: an illegal memory access")
             return launch
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        _config.launch_shared(Broken(), (8,), (), dict(launch_cooperative_grid=True))
+        _config.launch_shared(Broken(), _plan_of(dict(launch_cooperative_grid=True)), ())
     assert not _config._cooperation_refused
 
 

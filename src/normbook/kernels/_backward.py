@@ -35,6 +35,7 @@ import triton.language as tl
 
 from normbook.kernels._config import (MAX_FUSED_D_BWD, backward_plan, launch_shared, narrow_loads,
                                       other_device, refusal, shared_rows, slot_words)
+from normbook.kernels._launch import launch
 from normbook.kernels._forward import (_agreed_start, _claim_words, _exchange, _pack, _publish,
                                        _ring, _slot_words, _unpack, multiple)
 
@@ -473,9 +474,7 @@ def norm_bwd_finish_kernel(
         tl.store(DB + cols, dbias, mask=col_mask)
 
 
-# the launchers look their kernels up by a plan's name here: the module's own namespace, read
-# at each launch (so that a kernel replaced in the module, as the host benchmark's stubs are,
-# is the one launched), without a call to globals()
+# the launchers look their kernels up by a plan's name here: the module's own namespace
 _KERNELS = globals()
 
 
@@ -548,8 +547,8 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     ow = stats if dweight is None else dweight
     ob = stats if dbias is None else dbias
     if plan.simple:     # the common case: one launch of whole rows, no finish
-        _KERNELS[plan.kernel][plan.grid](x, dy, dhp, dx, w, stats, ow, ob, stride_x, stride_dy,
-                                         stride_dh, M, D, **plan.flags)
+        launch(_KERNELS[plan.kernel], plan.grid, (x, dy, dhp, dx, w, stats, ow, ob, stride_x,
+                                                  stride_dy, stride_dh, M, D), plan.flags, plan.key)
         return dx, dweight, dbias
     if len(plans) == 1:   # one group writes the sums over rows itself
         pw, pb = ow, ob
@@ -568,11 +567,12 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
                 shared_rows(D)) is not None:
             return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)  # measured
     if plan.slices > 1:
-        launch_shared(kernel, plan.grid, args, plan.flags)
+        launch_shared(kernel, plan, args)
     else:
-        kernel[plan.grid](*args, **plan.flags)
+        launch(kernel, plan.grid, args, plan.flags, plan.key)
     if len(plans) > 1:
         # the one small reduction, (groups, D) -> (D,), in a fixed order: deterministic
         finish = plans[1]
-        _KERNELS[finish.kernel][finish.grid](pw, pb, ow, ob, plan.groups, D, **finish.flags)
+        launch(_KERNELS[finish.kernel], finish.grid, (pw, pb, ow, ob, plan.groups, D),
+               finish.flags, finish.key)
     return dx, dweight, dbias

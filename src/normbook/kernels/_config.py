@@ -183,6 +183,8 @@ class Plan(NamedTuple):
                            # interpreter); False: the launcher measures it at its first launch
     simple: bool = False   # the launchers' common case, one test: whole rows (S = 1), measured,
                            # and (the backward) no finish after it
+    key: tuple = ()        # (kernel, flags' items): the launch as a hashable value, under which
+                           # _launch keeps the compiled kernel
 
 
 def _config(M: int, D: int, max_fused: int, elems: int) -> Config:
@@ -294,17 +296,21 @@ def slot_words(plan) -> int:
     return plan.grid[0] // plan.slices * ring + plan.grid[0]
 
 
-def launch_shared(kernel, grid, args, flags: dict) -> None:
-    """Launch a kernel that exchanges sums (:func:`coop_flags`). Cooperatively first; should
-    the driver refuse (``too many blocks in cooperative launch``: a partitioned GPU under MPS
-    or green contexts, a sanitizer adding registers, a compiler change), plainly, now and for
-    every later launch, with one warning: the bounded wait and the computation of late slices
-    give the same answer, only more slowly where programs are not all resident."""
+def launch_shared(kernel, plan, args: tuple) -> None:
+    """Launch a kernel that exchanges sums (:func:`coop_flags`) by ``plan``. Cooperatively
+    first; should the driver refuse (``too many blocks in cooperative launch``: a partitioned
+    GPU under MPS or green contexts, a sanitizer adding registers, a compiler change), plainly,
+    now and for every later launch, with one warning: the bounded wait and the computation of
+    late slices give the same answer, only more slowly where programs are not all resident."""
     global _cooperation_refused
+    from normbook.kernels._launch import launch
+
+    flags, key = plan.flags, plan.key
     if _cooperation_refused and "launch_cooperative_grid" in flags:
         flags = {k: v for k, v in flags.items() if k != "launch_cooperative_grid"}
+        key = None      # (Triton's own path: not the plan's kept cooperative kernel)
     try:
-        kernel[grid](*args, **flags)
+        launch(kernel, plan.grid, args, flags, key)
     except RuntimeError as e:
         if "cooperative" not in str(e).lower() or "launch_cooperative_grid" not in flags:
             raise
@@ -312,7 +318,7 @@ def launch_shared(kernel, grid, args, flags: dict) -> None:
         warnings.warn(f"normbook: the GPU refused a cooperative launch ({e}); wide rows are "
                       "launched without it from now on (same results; slower if not every "
                       "program is resident)", RuntimeWarning, stacklevel=3)
-        launch_shared(kernel, grid, args, flags)
+        launch_shared(kernel, plan, args)
 
 
 def vec(D: int, itemsize: int, strides: int = 0) -> int:
@@ -358,8 +364,9 @@ def device(device_index) -> Device:
 
 def _plan(kernel: str, grid: int, constexprs: dict, options: dict, **counts) -> Plan:
     simple = counts["slices"] == 1 and counts.get("measured", True)
-    return Plan(kernel, (grid,), constexprs, options, dict(constexprs, **options), simple=simple,
-                **counts)
+    flags = dict(constexprs, **options)
+    return Plan(kernel, (grid,), constexprs, options, flags, simple=simple,
+                key=(kernel, *flags.items()), **counts)
 
 
 # programs per SM of compiled kernels, measured at their first launch on a GPU (:func:`measure`):

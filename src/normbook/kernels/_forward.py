@@ -25,6 +25,7 @@ import triton.language as tl
 
 from normbook.kernels._config import (MAX_FUSED_D_BWD, forward_plan, launch_shared, other_device,
                                       refusal, shared_rows, slot_words)
+from normbook.kernels._launch import launch
 
 FP32_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)   # torch.finfo(torch.float32).tiny
 FP32_MAX = tl.constexpr(3.4028234663852886e38)           # torch.finfo(torch.float32).max
@@ -581,9 +582,7 @@ def norm_fwd_coop_kernel(
                          HAS_BIAS)
 
 
-# the launchers look their kernels up by a plan's name here: the module's own namespace, read
-# at each launch (so that a kernel replaced in the module, as the host benchmark's stubs are,
-# is the one launched), without a call to globals()
+# the launchers look their kernels up by a plan's name here: the module's own namespace
 _KERNELS = globals()
 
 
@@ -625,8 +624,8 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     w = x if weight is None else weight  # placeholders: never read when absent
     b = x if bias is None else bias
     if plan.simple:     # the common case: one launch of whole rows
-        _KERNELS[plan.kernel][plan.grid](x, r, hy, y, w, b, stats, stride_x, stride_r, M, D, eps,
-                                         **plan.flags)
+        launch(_KERNELS[plan.kernel], plan.grid, (x, r, hy, y, w, b, stats, stride_x, stride_r,
+                                                  M, D, eps), plan.flags, plan.key)
         return y, h, stats
     kernel = _KERNELS[plan.kernel]
     args = (x, r, hy, y, w, b, stats, stride_x, stride_r, M, D, eps)
@@ -640,7 +639,7 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
                 bias is not None, (stride_x | stride_r) & 15, shared_rows(D)) is not None:
             return norm_forward(x, residual, weight, bias, eps, is_rms)   # the measured plan
     if plan.slices > 1:
-        launch_shared(kernel, plan.grid, args, plan.flags)
+        launch_shared(kernel, plan, args)
     else:
-        kernel[plan.grid](*args, **plan.flags)
+        launch(kernel, plan.grid, args, plan.flags, plan.key)
     return y, h, stats

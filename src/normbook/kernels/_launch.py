@@ -1,0 +1,209 @@
+"""Kernel launches without Triton's per-call work, and the one stub seam for measuring them.
+
+``kernel[grid](*args, **flags)`` (Triton's ``JITFunction.run``) does on every call: bind the
+arguments to the kernel's signature, specialize each one, build a cache key from the
+specializations and the options, look the compiled kernel up, and only then call its
+launcher. On the H200 that was half of normbook's host time per call (a cProfile of 2000
+forwards: 0.092 s of 0.167 s in ``JITFunction.run``; ../shared/measured/2026-12-04-h200).
+
+:func:`launch` does that work once per plan and specialization. The first launch goes through
+Triton's path, which compiles (or finds) the kernel and returns it; the compiled kernel is kept
+under (the plan's :attr:`~normbook.kernels._config.Plan.key`, the device, every argument's
+specialization). Triton specializes on each pointer's dtype and 16-byte alignment and on each integer's
+value 1, multiple of 16 and 32/64-bit range (``native_specialize_impl``, for Triton 3.6 and
+3.9 alike); a later launch looks the kernel up under the tensors' dtypes and the integers'
+values themselves, which decide all of that, when every pointer is 16-byte aligned, and on a
+hit calls the kept kernel's launcher as ``JITFunction.run`` does after its lookup
+(Inductor's static launcher does the same). Anything else takes Triton's path, which finds
+or compiles its variant.
+
+Triton's path is taken every time where the shortcut would skip something that matters:
+Triton's interpreter (no compiled kernel), launch hooks (a profiler's), a Triton this was not
+read against and tested on (:data:`TESTED`), and a caller's ``key=None`` (a refused
+cooperative launch, relaunched without it).
+
+:func:`stub_driver` replaces Triton's CUDA driver by one whose compiled kernels' launcher
+does nothing: on a machine without a GPU, kernels compile for sm_90 for real and every line of
+host code up to the launcher (normbook's; Triton's binding and lookup, or :func:`launch`'s)
+runs, on CPU tensors. ``normbook-bench host`` measures with it, and the tests compare the direct launch
+with Triton's, argument for argument.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Iterator, Optional
+
+import triton
+from triton import knobs
+from triton.runtime import driver as _drivers
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+__all__ = ["launch", "direct", "stub_driver", "TESTED", "compiled_variants"]
+
+TESTED = ("3.6", "3.9")   # Triton versions whose JITFunction.run this mirrors, and is tested on
+
+_VERSION = ".".join(triton.__version__.split(".")[:2])
+# (plan key, device, specializations) -> (launcher, function handle, packed metadata,
+# constexpr values in signature order): what JITFunction.run passes its launcher
+_compiled: dict = {}
+
+
+_DIRECT = _VERSION in TESTED
+
+
+def direct(kernel) -> bool:
+    """Whether :func:`launch` may call ``kernel``'s compiled launcher itself: a compiled
+    ``@triton.jit`` kernel (not the interpreter's, nor a stand-in) on a Triton in
+    :data:`TESTED`."""
+    return _DIRECT and type(kernel) is JITFunction
+
+
+def compiled_variants() -> int:
+    """How many compiled kernels :func:`launch` keeps (plan, device and specialization)."""
+    return len(_compiled)
+
+
+def launch(kernel, grid: tuple, args: tuple, flags: dict, key: Optional[tuple]) -> None:
+    """``kernel[grid](*args, **flags)``, without Triton's per-call binding and lookup once the
+    same plan has launched with the same specializations (see the module docstring).
+
+    Args:
+        kernel: the ``@triton.jit`` function.
+        grid: (programs,).
+        args: the runtime arguments, positionally, in the kernel's order: its pointers (tensors)
+            first, then its scalars; the constexprs and launch options come in ``flags``.
+        key: the plan's key (kernel name and flags, hashable), or None for Triton's path.
+
+    The kept kernel is looked up under the plan's key, the device, the tensors' dtypes and
+    the scalars' values (more than Triton specializes on: a new M adds an entry that finds
+    the same compiled kernel), for tensors that all sit at 16-byte-aligned addresses; any
+    other alignment takes Triton's path, which specializes on it pointer by pointer.
+    """
+    rt = knobs.runtime
+    if (key is None or type(kernel) is not JITFunction or not _DIRECT
+            or getattr(rt.launch_enter_hook, "calls", True) or getattr(rt.launch_exit_hook, "calls", True)):
+        kernel[grid](*args, **flags)     # (a hook that is not a HookChain is one that is set)
+        return
+    n = _pointers.get(kernel)
+    if n is None:
+        n = _pointers[kernel] = next(i for i, a in enumerate(args) if not hasattr(a, "data_ptr"))
+    active = _drivers.active
+    device = active.get_current_device()
+    address = 0
+    for t in args[:n]:
+        address |= t.data_ptr()
+    spec = (key, device, *[t.dtype for t in args[:n]], *args[n:])
+    hit = _compiled.get(spec) if not address & 15 else None
+    if hit is not None:
+        run, function, metadata, consts = hit
+        run(grid[0], 1, 1, active.get_current_stream(device), function, metadata, None, None,
+            None, *args, *consts)
+        return
+    compiled = kernel[grid](*args, **flags)
+    if compiled is not None and not address & 15:
+        if len(_compiled) >= MAX_KEPT:   # (many distinct M: start again rather than grow)
+            _compiled.clear()
+        consts = tuple(flags[name] for name in kernel.arg_names[len(args):])
+        _compiled[spec] = (compiled.run, compiled.function, compiled.packed_metadata, consts)
+
+
+MAX_KEPT = 4096          # entries of the kept kernels' table before it is cleared
+_pointers: dict = {}     # kernel -> how many of its arguments are pointers (they come first)
+
+
+# ----------------------------------------------------------------------------- the stub seam
+
+class _StubUtils:
+    """The driver utilities a compiled kernel needs to load, without a GPU."""
+
+    def __init__(self):
+        self.handles = itertools.count(1)
+
+    def load_binary(self, name, kernel, shared, device):
+        # (module, function, registers, spills, max threads): the handles stand in as ints,
+        # one per loaded kernel, so that a launch shows which compiled variant it runs
+        handle = next(self.handles)
+        return handle, handle, 0, 0, 1024
+
+    @staticmethod
+    def get_device_properties(device):
+        return {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536,
+                "warpSize": 32}
+
+    @staticmethod
+    def unload_module(module):
+        pass
+
+
+class _StubDriver:
+    """Triton's CUDA driver for an sm_90 device 0 with stream 0, on a machine without one.
+    A compiled kernel's launcher (Triton's ``CudaLauncher``, whose construction needs the CUDA
+    driver library) is the C function ``"".format``, which takes any arguments and does
+    nothing without entering Python, or a recorder of its arguments."""
+
+    def __init__(self, record: Optional[list]):
+        from triton.backends.compiler import GPUTarget
+
+        self.utils = _StubUtils()
+        launcher = "".format if record is None else (lambda *a: record.append(a))
+        self.launcher_cls = lambda src, metadata: launcher
+        self.target = GPUTarget("cuda", 90, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    @staticmethod
+    def get_current_device():
+        return 0
+
+    @staticmethod
+    def get_current_stream(device):
+        return 0
+
+    @staticmethod
+    def set_current_device(device):
+        pass
+
+    @staticmethod
+    def get_device_capability(device):
+        return 9, 0
+
+    def __getattr__(self, name):
+        raise AttributeError(f"normbook's stub Triton driver has no {name!r}: only launches "
+                             "are stubbed (normbook.kernels._launch.stub_driver)")
+
+
+@contextlib.contextmanager
+def stub_driver(record: Optional[list] = None) -> Iterator[None]:
+    """Run Triton's compiled-kernel path without a GPU for the duration: kernels compile for
+    sm_90 (device 0, stream 0), load as stand-in handles, and every launch runs Triton's
+    binding, specialization and lookup (or :func:`launch`'s) down to the compiled kernel's
+    launcher, which does nothing, or appends its arguments to ``record``. Only with Triton's interpreter off (TRITON_INTERPRET unset before
+    triton was imported); tensors may be CPU tensors (no kernel reads them). The kept compiled
+    kernels are forgotten on entry and on exit, as are Triton's own for device 0."""
+    stub = _StubDriver(record)
+    previous = _drivers._active
+    _forget()
+    _drivers.set_active(stub)
+    try:
+        yield
+    finally:
+        _forget()           # (the stand-in handles are unloaded by the stub, not a driver)
+        _drivers._active = previous
+
+
+def _forget() -> None:
+    """Drop the kept kernels, and Triton's compiled ones of normbook's kernels (whose
+    per-device caches would otherwise hand a stub's kernels to a real device 0, or the
+    reverse)."""
+    from normbook.kernels import _backward, _forward
+
+    _compiled.clear()
+    for module in (_forward, _backward):
+        for value in vars(module).values():
+            caches = getattr(value, "device_caches", None)
+            if caches is not None and not isinstance(value, InterpretedFunction):
+                caches.clear()

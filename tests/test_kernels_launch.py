@@ -1,0 +1,107 @@
+"""The direct launch (normbook.kernels._launch) against Triton's own, and its stub seam.
+
+Both need compiled kernels, so they run in a fresh process with Triton's interpreter off,
+under the stub driver: the kernels compile for sm_90 here, and the launcher each launch
+reaches records its arguments instead of calling the GPU. A direct launch must hand the
+launcher what Triton's ``JITFunction.run`` hands it (the same compiled variant, the same
+arguments), except the launch metadata and hooks, which only hooks read (None there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+_SCRIPT = r'''
+import json, sys, warnings
+warnings.simplefilter("ignore")
+import torch
+from normbook.kernels import _backward, _forward, _launch
+
+out = {}
+
+def calls(record, fn):
+    """The launcher calls fn makes: (function handle, grid, stream, then the arguments past
+    the metadata and hooks, a tensor as its dtype, shape and 16-byte alignment: outputs are
+    new allocations each call) and whether those three are None."""
+    n = len(record)
+    fn()
+    got = []
+    for a in record[n:]:
+        rest = [(str(t.dtype), list(t.shape), t.data_ptr() % 16 == 0) if isinstance(t, torch.Tensor)
+                else t for t in a[9:]]
+        got.append(([a[4], a[0], a[1], a[2], a[3], a[5], *rest], [a[6] is None, a[7] is None, a[8] is None]))
+    return got
+
+def cases():
+    g = torch.Generator().manual_seed(0)
+    for M, D, is_rms, residual in ((4, 4096, False, False), (1, 4096, False, False),
+                                   (3, 760, True, True), (300, 64, False, True)):
+        x = torch.randn(M, D, generator=g).bfloat16()
+        r = torch.randn(M, D, generator=g).bfloat16() if residual else None
+        w = torch.randn(D, generator=g)
+        b = None if is_rms else torch.randn(D, generator=g).bfloat16()
+        yield f"{M}x{D} rms={is_rms} residual={residual}", x, r, w, b, is_rms
+    base = torch.randn(2 * 64 + 1).bfloat16()
+    yield "misaligned", base[1:].view(2, 64), None, None, None, False
+
+record = []
+with _launch.stub_driver(record):
+    for name, x, r, w, b, is_rms in cases():
+        def both():
+            y, h, stats = _forward.norm_forward(x, r, w, b, 1e-5, is_rms)
+            _backward.norm_backward(torch.ones_like(y), None if r is None else y, x if h is None else h,
+                                    w, stats, None if b is None else b.dtype, is_rms)
+        _launch._DIRECT = False
+        jit = [calls(record, both) for _ in range(2)]
+        _launch._DIRECT = True
+        kept = _launch.compiled_variants()
+        first = calls(record, both)
+        added = _launch.compiled_variants() - kept
+        direct = [calls(record, both) for _ in range(2)]
+        out[name] = dict(jit=jit, first=first, direct=direct, added=added)
+out["variants"] = _launch.compiled_variants()
+json.dump(out, sys.stdout)
+'''
+
+
+@pytest.fixture(scope="module")
+def launches():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def test_a_direct_launch_hands_the_launcher_what_triton_would(launches):
+    """Every case, forward and backward (the finish kernel too, where the backward has one):
+    the same compiled kernel (its handle), grid, stream and arguments as Triton's path, launch
+    after launch; metadata and hooks None, as Triton's launcher reads them with no hook set."""
+    for name, got in launches.items():
+        if name == "variants":
+            continue
+        jit_args = [args for args, _ in got["jit"][0]]
+        assert jit_args and got["jit"][0] == got["jit"][1], name
+        for launches_ in got["direct"]:
+            assert [args for args, _ in launches_] == jit_args, name
+            if name != "misaligned":
+                assert all(hooks == [True, True, True] for _, hooks in launches_), name
+
+
+def test_each_new_specialization_is_kept_once_and_a_misaligned_tensor_is_not(launches):
+    """The first launch of a plan takes Triton's path and keeps its kernel (one per kernel of
+    the case: forward, backward and finish when there is one); the next launches find it. A
+    tensor off 16-byte alignment takes Triton's path every time, keeping nothing."""
+    for name, got in launches.items():
+        if name == "variants":
+            continue
+        launched = len(got["first"])
+        assert got["added"] == (0 if name == "misaligned" else launched), (name, got["added"])
+        assert launched >= 2, name
