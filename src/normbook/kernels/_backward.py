@@ -546,9 +546,17 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     w = x if weight is None else weight
     ow = stats if dweight is None else dweight
     ob = stats if dbias is None else dbias
+    # what the compiled kernels are specialized on besides the pointers' alignment (dx,
+    # dweight, dbias and the partials are new allocations, aligned; stats is the forward's),
+    # which the inputs must have for the kept kernels
+    aligned = not (x.data_ptr() | dy.data_ptr() | dhp.data_ptr() | w.data_ptr()
+                   | stats.data_ptr()) & 15
+    key = (x.dtype, dy.dtype, dhp.dtype, w.dtype, ow.dtype, ob.dtype, stride_x, stride_dy,
+           stride_dh, M, D) if aligned else None
     if plan.simple:     # the common case: one launch of whole rows, no finish
         launch(_KERNELS[plan.kernel], plan.grid, (x, dy, dhp, dx, w, stats, ow, ob, stride_x,
-                                                  stride_dy, stride_dh, M, D), plan.flags, plan.key)
+                                                  stride_dy, stride_dh, M, D), plan.flags,
+               key and (plan.key, *key), device)
         return dx, dweight, dbias
     if len(plans) == 1:   # one group writes the sums over rows itself
         pw, pb = ow, ob
@@ -566,13 +574,14 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
                 dbias is not None, (stride_x | stride_dy | stride_dh) & 15,
                 shared_rows(D)) is not None:
             return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)  # measured
+    main_key = key and (plan.key, *key, pw.dtype)
     if plan.slices > 1:
-        launch_shared(kernel, plan, args)
+        launch_shared(kernel, plan, args, main_key, device)
     else:
-        launch(kernel, plan.grid, args, plan.flags, plan.key)
+        launch(kernel, plan.grid, args, plan.flags, main_key, device)
     if len(plans) > 1:
         # the one small reduction, (groups, D) -> (D,), in a fixed order: deterministic
         finish = plans[1]
         launch(_KERNELS[finish.kernel], finish.grid, (pw, pb, ow, ob, plan.groups, D),
-               finish.flags, finish.key)
+               finish.flags, (finish.key, ow.dtype, ob.dtype, plan.groups, D), device)
     return dx, dweight, dbias

@@ -183,8 +183,8 @@ class Plan(NamedTuple):
                            # interpreter); False: the launcher measures it at its first launch
     simple: bool = False   # the launchers' common case, one test: whole rows (S = 1), measured,
                            # and (the backward) no finish after it
-    key: tuple = ()        # (kernel, flags' items): the launch as a hashable value, under which
-                           # _launch keeps the compiled kernel
+    key: int = -1          # the launch (kernel, flags) as one small int, the same for equal
+                           # launches (see _launch_id): part of the key _launch keeps kernels by
 
 
 def _config(M: int, D: int, max_fused: int, elems: int) -> Config:
@@ -296,21 +296,22 @@ def slot_words(plan) -> int:
     return plan.grid[0] // plan.slices * ring + plan.grid[0]
 
 
-def launch_shared(kernel, plan, args: tuple) -> None:
+def launch_shared(kernel, plan, args: tuple, key=None, device: int = 0) -> None:
     """Launch a kernel that exchanges sums (:func:`coop_flags`) by ``plan``. Cooperatively
     first; should the driver refuse (``too many blocks in cooperative launch``: a partitioned
     GPU under MPS or green contexts, a sanitizer adding registers, a compiler change), plainly,
     now and for every later launch, with one warning: the bounded wait and the computation of
-    late slices give the same answer, only more slowly where programs are not all resident."""
+    late slices give the same answer, only more slowly where programs are not all resident.
+    ``key`` and ``device``: :func:`normbook.kernels._launch.launch`'s."""
     global _cooperation_refused
     from normbook.kernels._launch import launch
 
-    flags, key = plan.flags, plan.key
+    flags = plan.flags
     if _cooperation_refused and "launch_cooperative_grid" in flags:
         flags = {k: v for k, v in flags.items() if k != "launch_cooperative_grid"}
         key = None      # (Triton's own path: not the plan's kept cooperative kernel)
     try:
-        launch(kernel, plan.grid, args, flags, key)
+        launch(kernel, plan.grid, args, flags, key, device)
     except RuntimeError as e:
         if "cooperative" not in str(e).lower() or "launch_cooperative_grid" not in flags:
             raise
@@ -318,7 +319,7 @@ def launch_shared(kernel, plan, args: tuple) -> None:
         warnings.warn(f"normbook: the GPU refused a cooperative launch ({e}); wide rows are "
                       "launched without it from now on (same results; slower if not every "
                       "program is resident)", RuntimeWarning, stacklevel=3)
-        launch_shared(kernel, plan, args)
+        launch_shared(kernel, plan, args, key, device)
 
 
 def vec(D: int, itemsize: int, strides: int = 0) -> int:
@@ -366,7 +367,16 @@ def _plan(kernel: str, grid: int, constexprs: dict, options: dict, **counts) -> 
     simple = counts["slices"] == 1 and counts.get("measured", True)
     flags = dict(constexprs, **options)
     return Plan(kernel, (grid,), constexprs, options, flags, simple=simple,
-                key=(kernel, *flags.items()), **counts)
+                key=_launch_id(kernel, flags), **counts)
+
+
+_launch_ids: dict = {}
+
+
+def _launch_id(kernel: str, flags: dict) -> int:
+    """One int per distinct (kernel, flags): a launch key that hashes in no time (a tuple of
+    the flags' items would be hashed again, item by item, at every launch)."""
+    return _launch_ids.setdefault((kernel, *flags.items()), len(_launch_ids))
 
 
 # programs per SM of compiled kernels, measured at their first launch on a GPU (:func:`measure`):

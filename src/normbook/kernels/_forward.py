@@ -623,12 +623,15 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     plan = plans[0]
     w = x if weight is None else weight  # placeholders: never read when absent
     b = x if bias is None else bias
+    args = (x, r, hy, y, w, b, stats, stride_x, stride_r, M, D, eps)
+    # what the compiled kernel is specialized on besides the pointers' alignment (y, h and the
+    # stats are new allocations, aligned), which the inputs must have for the kept kernel
+    key = None if (x.data_ptr() | r.data_ptr() | w.data_ptr() | b.data_ptr()) & 15 else (
+        plan.key, x.dtype, w.dtype, b.dtype, stride_x, stride_r, M, D)
     if plan.simple:     # the common case: one launch of whole rows
-        launch(_KERNELS[plan.kernel], plan.grid, (x, r, hy, y, w, b, stats, stride_x, stride_r,
-                                                  M, D, eps), plan.flags, plan.key)
+        launch(_KERNELS[plan.kernel], plan.grid, args, plan.flags, key, device)
         return y, h, stats
     kernel = _KERNELS[plan.kernel]
-    args = (x, r, hy, y, w, b, stats, stride_x, stride_r, M, D, eps)
     if plan.slices > 1:     # groups of S programs, one per slice of a row, exchanging sums
         slots = torch.zeros(slot_words(plan), dtype=torch.int64, device=x.device)
         args = (*args[:7], slots, *args[7:])
@@ -639,7 +642,7 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
                 bias is not None, (stride_x | stride_r) & 15, shared_rows(D)) is not None:
             return norm_forward(x, residual, weight, bias, eps, is_rms)   # the measured plan
     if plan.slices > 1:
-        launch_shared(kernel, plan, args)
+        launch_shared(kernel, plan, args, key, device)
     else:
-        launch(kernel, plan.grid, args, plan.flags, plan.key)
+        launch(kernel, plan.grid, args, plan.flags, key, device)
     return y, h, stats

@@ -6,27 +6,26 @@ specializations and the options, look the compiled kernel up, and only then call
 launcher. On the H200 that was half of normbook's host time per call (a cProfile of 2000
 forwards: 0.092 s of 0.167 s in ``JITFunction.run``; ../shared/measured/2026-12-04-h200).
 
-:func:`launch` does that work once per plan and specialization. The first launch goes through
-Triton's path, which compiles (or finds) the kernel and returns it; the compiled kernel is kept
-under (the plan's :attr:`~normbook.kernels._config.Plan.key`, the device, every argument's
-specialization). Triton specializes on each pointer's dtype and 16-byte alignment and on each integer's
-value 1, multiple of 16 and 32/64-bit range (``native_specialize_impl``, for Triton 3.6 and
-3.9 alike); a later launch looks the kernel up under the tensors' dtypes and the integers'
-values themselves, which decide all of that, when every pointer is 16-byte aligned, and on a
-hit calls the kept kernel's launcher as ``JITFunction.run`` does after its lookup
-(Inductor's static launcher does the same). Anything else takes Triton's path, which finds
-or compiles its variant.
+:func:`launch` does that work once per launch key. Triton specializes a compiled kernel on
+each pointer's dtype and 16-byte alignment and on each integer's value 1, multiple of 16 and
+32/64-bit range (``native_specialize_impl``, Triton 3.6 and 3.9 alike). A launcher that has
+checked its pointers' alignment passes a key that decides the rest: the plan's
+:attr:`~normbook.kernels._config.Plan.key` (kernel and flags), the tensors' dtypes and the
+integers themselves. The first launch under a key goes through Triton's path, which compiles
+(or finds) the kernel and returns it, and the kernel is kept under (key, device); later ones
+call its launcher as ``JITFunction.run`` does after its lookup (Inductor's static launcher
+does the same). A misaligned pointer takes Triton's path, which specializes on it.
 
 Triton's path is taken every time where the shortcut would skip something that matters:
 Triton's interpreter (no compiled kernel), launch hooks (a profiler's), a Triton this was not
-read against and tested on (:data:`TESTED`), and a caller's ``key=None`` (a refused
-cooperative launch, relaunched without it).
+read against and tested on (:data:`TESTED`), and a caller's ``key=None`` (a misaligned
+pointer; a refused cooperative launch, relaunched without it).
 
 :func:`stub_driver` replaces Triton's CUDA driver by one whose compiled kernels' launcher
 does nothing: on a machine without a GPU, kernels compile for sm_90 for real and every line of
 host code up to the launcher (normbook's; Triton's binding and lookup, or :func:`launch`'s)
-runs, on CPU tensors. ``normbook-bench host`` measures with it, and the tests compare the direct launch
-with Triton's, argument for argument.
+runs, on CPU tensors. ``normbook-bench host`` measures with it, and the tests compare the
+direct launch with Triton's, argument for argument.
 """
 
 from __future__ import annotations
@@ -66,52 +65,43 @@ def compiled_variants() -> int:
     return len(_compiled)
 
 
-def launch(kernel, grid: tuple, args: tuple, flags: dict, key: Optional[tuple]) -> None:
+def launch(kernel, grid: tuple, args: tuple, flags: dict, key: Optional[tuple] = None,
+           device: int = 0) -> None:
     """``kernel[grid](*args, **flags)``, without Triton's per-call binding and lookup once the
-    same plan has launched with the same specializations (see the module docstring).
+    same ``key`` has launched on the same device (see the module docstring).
 
     Args:
         kernel: the ``@triton.jit`` function.
         grid: (programs,).
-        args: the runtime arguments, positionally, in the kernel's order: its pointers (tensors)
-            first, then its scalars; the constexprs and launch options come in ``flags``.
-        key: the plan's key (kernel name and flags, hashable), or None for Triton's path.
-
-    The kept kernel is looked up under the plan's key, the device, the tensors' dtypes and
-    the scalars' values (more than Triton specializes on: a new M adds an entry that finds
-    the same compiled kernel), for tensors that all sit at 16-byte-aligned addresses; any
-    other alignment takes Triton's path, which specializes on it pointer by pointer.
+        args: the runtime arguments, positionally, in the kernel's order; the constexprs and
+            launch options come in ``flags``, by name.
+        key: None for Triton's path; else a hashable value that decides everything Triton
+            specializes these arguments on, given that every pointer among them is 16-byte
+            aligned (the caller checks that): the plan's key, the tensors' dtypes and the
+            integers' values (more than Triton needs: a new M adds an entry that finds the
+            same compiled kernel).
+        device: the CUDA device the launch runs on, the current one (the launchers make it so).
     """
-    rt = knobs.runtime
+    rt = knobs.runtime   # (a hook that is not a HookChain is one that is set)
     if (key is None or type(kernel) is not JITFunction or not _DIRECT
             or getattr(rt.launch_enter_hook, "calls", True) or getattr(rt.launch_exit_hook, "calls", True)):
-        kernel[grid](*args, **flags)     # (a hook that is not a HookChain is one that is set)
+        kernel[grid](*args, **flags)
         return
-    n = _pointers.get(kernel)
-    if n is None:
-        n = _pointers[kernel] = next(i for i, a in enumerate(args) if not hasattr(a, "data_ptr"))
-    active = _drivers.active
-    device = active.get_current_device()
-    address = 0
-    for t in args[:n]:
-        address |= t.data_ptr()
-    spec = (key, device, *[t.dtype for t in args[:n]], *args[n:])
-    hit = _compiled.get(spec) if not address & 15 else None
+    hit = _compiled.get((key, device))
     if hit is not None:
         run, function, metadata, consts = hit
-        run(grid[0], 1, 1, active.get_current_stream(device), function, metadata, None, None,
-            None, *args, *consts)
+        run(grid[0], 1, 1, _drivers.active.get_current_stream(device), function, metadata, None,
+            None, None, *args, *consts)
         return
     compiled = kernel[grid](*args, **flags)
-    if compiled is not None and not address & 15:
+    if compiled is not None:
         if len(_compiled) >= MAX_KEPT:   # (many distinct M: start again rather than grow)
             _compiled.clear()
         consts = tuple(flags[name] for name in kernel.arg_names[len(args):])
-        _compiled[spec] = (compiled.run, compiled.function, compiled.packed_metadata, consts)
+        _compiled[key, device] = (compiled.run, compiled.function, compiled.packed_metadata, consts)
 
 
 MAX_KEPT = 4096          # entries of the kept kernels' table before it is cleared
-_pointers: dict = {}     # kernel -> how many of its arguments are pointers (they come first)
 
 
 # ----------------------------------------------------------------------------- the stub seam
