@@ -23,8 +23,9 @@ chapters import: the package with its ``book`` extra. Numbers follow the book's:
 numbered in ``_toc.yml``'s order, equations, figures and exercises within each chapter.
 
 Usage: ``python book/_ext/notebooks.py OUT_DIR [--glue DIR] [CHAPTER.md ...]``; with ``--run``,
-``python book/_ext/notebooks.py --run CLAIMS.json CHAPTER.md ...`` only executes the chapters
-(no jupytext needed: ``benchmarks/gpu_check.sh`` runs chapter 9 so on a GPU).
+``python book/_ext/notebooks.py --run CLAIMS.json CHAPTER.md ...`` only executes the chapters,
+each cell as Jupyter runs it (:func:`run_cell`), with neither jupytext nor IPython needed:
+``benchmarks/gpu_check.sh`` runs chapter 9 so on a GPU.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ import argparse
 import ast
 import contextlib
 import io
+import itertools
 import json
+import linecache
 import os
 import re
 import sys
@@ -213,8 +216,29 @@ def glue_from_build(stem: str, directory: Path) -> dict[str, str] | None:
             for name, out in json.loads(path.read_text()).items()}
 
 
-def glue_by_running(cells: list) -> dict[str, str]:
-    """Run a chapter's code cells here (magics dropped) and return what ``claim`` recorded."""
+def without_magics(source: str) -> str:
+    """A cell's Python: its IPython magics and shell lines (``%...``, ``!...``) dropped."""
+    return "\n".join(l for l in source.splitlines() if not l.lstrip().startswith(("%", "!")))
+
+
+_RUN = itertools.count(1)       # cells run in this process: each gets a file name of its own
+
+
+def run_cell(source: str, namespace: dict, name: str) -> None:
+    """Execute one cell's source in ``namespace`` as Jupyter does: its source registered in
+    ``linecache`` under a file name of its own (``name``, made unique here) before it is
+    compiled, so that ``inspect.getsource`` finds the functions it defines and tracebacks show
+    its lines. Triton's ``@triton.jit`` reads a kernel's source when it decorates (a compiled
+    JITFunction; the interpreter's does not): without this a chapter's kernel cell fails with
+    "@jit functions should be defined in a Python file" on a GPU."""
+    filename = f"<{name} #{next(_RUN)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)
+
+
+def glue_by_running(cells: list, name: str = "chapter") -> dict[str, str]:
+    """Run a chapter's code cells here (magics dropped, each by :func:`run_cell`, named
+    "<``name`` cell k #n>" in tracebacks) and return what ``claim`` recorded."""
     os.environ.setdefault("MPLBACKEND", "Agg")
     from normbook import booktools
 
@@ -224,12 +248,8 @@ def glue_by_running(cells: list) -> dict[str, str]:
     os.chdir(ROOT / "book")                    # where the book build runs a chapter
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            for cell in cells:
-                if cell.cell_type != "code":
-                    continue
-                source = "\n".join(l for l in cell.source.splitlines()
-                                   if not l.lstrip().startswith(("%", "!")))
-                exec(compile(source, "<chapter cell>", "exec"), namespace)
+            for k, cell in enumerate((c for c in cells if c.cell_type == "code"), 1):
+                run_cell(without_magics(cell.source), namespace, f"{name} cell {k}")
     finally:
         os.chdir(here)
         import matplotlib.pyplot as plt
@@ -402,7 +422,7 @@ def convert(source: Path, index: Index | None = None, glue_dir: Path | None = No
     nb = jupytext.read(source)
     glue = glue_from_build(source.stem, glue_dir) if glue_dir else None
     if glue is None:
-        glue = glue_by_running(nb.cells)
+        glue = glue_by_running(nb.cells, source.stem)
     return convert_notebook(nb, source.stem, glue, index, source.parent)
 
 
@@ -427,7 +447,7 @@ def code_cells(source: Path) -> list:
 def run_chapter(source: Path) -> dict[str, str]:
     """Execute a chapter's code here, top to bottom (as ``gpu_check.sh`` does on a GPU); return
     its claims. Raises whatever a cell raises, an AssertionError for a claim that fails."""
-    return glue_by_running(code_cells(source))
+    return glue_by_running(code_cells(source), source.stem)
 
 
 def main(argv: list[str] | None = None) -> int:
