@@ -262,17 +262,75 @@ def test_gpu_three_ways_large(norm, M, D, dtype):
     (test_layer_norm_three_ways if norm == "layer" else test_rms_norm_three_ways)(M, D, dtype)
 
 
+def _reaches_the_launchers(monkeypatch, device):
+    """bf16 rows of ``device`` through normbook's functions and modules: each call's forward
+    and backward run the kernels' launchers (normbook.kernels._forward.norm_forward and
+    _backward.norm_backward), with the norm's is_rms, and agree with float64. The door calls
+    them through ``functional._K``, the tuple it caches on its first kernel call, so the spies
+    go into that tuple (patching the modules' attributes would not be seen)."""
+    from normbook import functional
+
+    forward, backward, *rest = functional._kernels()
+    calls = []
+
+    def spy(direction, launcher):
+        def call(*args):            # x or dy first, is_rms last, in both launchers
+            calls.append((direction, args[0].device.type, args[0].dtype, args[-1]))
+            return launcher(*args)
+        return call
+
+    monkeypatch.setattr(functional, "_K", (spy("fwd", forward), spy("bwd", backward), *rest))
+    D, eps = 256, torch.finfo(torch.float32).eps     # rms_norm's eps for bf16 when None
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, D, generator=g).to(device, torch.bfloat16).requires_grad_()
+    dy = torch.randn(8, D, generator=g).to(device, torch.bfloat16)
+    ln = normbook.LayerNorm(D, device=device, dtype=torch.bfloat16)
+    rms = normbook.RMSNorm(D, device=device, dtype=torch.bfloat16)
+    for name, norm, is_rms, params, ref in (
+            ("layer_norm", lambda t: normbook.layer_norm(t, D), False, (),
+             lambda t: F.layer_norm(t, (D,))),
+            ("rms_norm", lambda t: normbook.rms_norm(t, D), True, (),
+             lambda t: F.rms_norm(t, (D,), eps=eps)),
+            ("LayerNorm", ln, False, (ln.weight, ln.bias),
+             lambda t, w, b: F.layer_norm(t, (D,), w, b, ln.eps)),
+            ("RMSNorm", rms, True, (rms.weight,),
+             lambda t, w: F.rms_norm(t, (D,), w, eps=eps))):
+        calls.clear()
+        x.grad = None
+        for p in params:
+            p.grad = None
+        y = norm(x)
+        y.backward(dy)
+        assert calls == [("fwd", device, torch.bfloat16, is_rms),
+                         ("bwd", device, torch.bfloat16, is_rms)], name
+        # float64 from the same bf16 values: y within assert_close's bf16 tolerance (1.6e-2
+        # relative; a bf16 ulp is at most 2^-7), the gradients within their bf16 rounding (an
+        # ulp: the interpreter truncates) and fp32 sums over D = 256 (about 1e-6 of the row's
+        # scale, hence an absolute part for gradients near 0)
+        leaves = [t.detach().double().requires_grad_() for t in (x, *params)]
+        y64 = ref(*leaves)
+        y64.backward(dy.double())
+        torch.testing.assert_close(y, y64.to(torch.bfloat16), msg=name)
+        for t, t64 in zip((x, *params), leaves):
+            torch.testing.assert_close(t.grad.double(), t64.grad, atol=1e-2, rtol=1.6e-2,
+                                       msg=name)
+
+
 @pytest.mark.gpu
 def test_gpu_public_api_dispatches_to_kernels(monkeypatch):
-    """normbook.layer_norm / rms_norm on a CUDA tensor go to normbook.kernels."""
-    calls = []
-    for name in ("layer_norm", "rms_norm"):
-        real = getattr(K, name)
-        monkeypatch.setattr(K, name, lambda *a, _real=real, _n=name, **k: calls.append(_n) or _real(*a, **k))
-    x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
-    torch.testing.assert_close(normbook.layer_norm(x, 256), F.layer_norm(x, (256,)))
-    torch.testing.assert_close(normbook.rms_norm(x, 256), F.rms_norm(x, (256,)))
-    assert calls == ["layer_norm", "rms_norm"]
+    """On a GPU, by default (no normbook.backend block), a CUDA bf16 tensor through
+    normbook.layer_norm, rms_norm and the modules reaches the Triton launchers, both ways."""
+    _reaches_the_launchers(monkeypatch, "cuda")
+
+
+def test_the_public_api_reaches_the_launchers_in_the_interpreter(monkeypatch):
+    """The GPU test above, its spies and its route, checked where the CPU runs the kernels: in
+    Triton's interpreter, with the kernels backend chosen (CPU tensors take the torch ops by
+    default)."""
+    if DEVICE != "cpu":
+        pytest.skip("on a GPU the test above runs the same checks")
+    with normbook.backend("kernels"):
+        _reaches_the_launchers(monkeypatch, "cpu")
 
 
 @pytest.mark.gpu
