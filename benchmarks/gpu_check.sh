@@ -199,7 +199,7 @@ publish() {
   if [ "$stale" = 1 ]; then
     lim=$(budget_left); lim=$(( lim > 30 ? 30 : lim < 5 ? 5 : lim ))
     bounded "$lim" "$LOGS/merge-partial.txt" \
-      "$PY" -m normbook.bench --merge "${RESULTS[@]}" --out "$WORK/results.json"
+      "$PY" -m normbook.bench --merge "${RESULTS[@]}" --out "$WORK/results.json" --force
   fi
   if [ -f "$WORK/results.json" ] && [ "$WORK/results.json" -nt "$OUT/results.json" ]; then
     copy_in "$WORK/results.json"
@@ -331,7 +331,8 @@ fi
 
 bench_results
 if [ "${#RESULTS[@]}" -gt 0 ]; then
-  step merge 30 "$PY" -m normbook.bench --merge "${RESULTS[@]}" --out "$WORK/results.json"
+  # --force: $WORK/results.json is this run's merge so far (publish), made again with every step
+  step merge 30 "$PY" -m normbook.bench --merge "${RESULTS[@]}" --out "$WORK/results.json" --force
   step summary 30 bash -c "$JUDGED" judged "$PY" -m normbook.bench --summary "$WORK/results.json"
   step plots 60 "$PY" -m normbook.bench --plot "${RESULTS[@]}" --out "$WORK/plots"
   step overview 30 "$PY" -m normbook.bench --overview "$WORK/results.json" --out "$WORK/overview.png"

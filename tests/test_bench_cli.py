@@ -1,7 +1,7 @@
 """normbook.bench's command line on bad input: recorded JSON held against its schema (one-line
 errors, exit 2, no traceback), figure names kept inside --out, a compile report beside the
-results, a NaN time never a pass, providers that cannot run refused before measuring, and
-host's --number checked. Everything runs in-process through ``cli.main(argv)`` except one
+results, a NaN time never a pass, recorded results never replaced without --force, providers
+that cannot run refused before measuring, and host's --number checked. Everything runs in-process through ``cli.main(argv)`` except one
 subprocess test of what a shell sees."""
 
 import contextlib
@@ -330,6 +330,69 @@ def test_merge_and_summary_of_a_partial_run(tmp_path):
     assert rc == 0 and "merged 2 runs, 1 rows" in out, err
     rc, out, err = _main(["--summary", tmp_path / "merged.json", "--goal"])
     assert rc == 1 and "liger not measured (cut short)" in out and "goal: not met" in out, err
+
+
+# ---- recorded results are never replaced unasked: --force ----------------------------------
+RECORDED = '{"recorded": "irreplaceable"}'
+
+
+@pytest.fixture
+def no_reading(monkeypatch):
+    def load(*a, **k):
+        raise AssertionError("read the sources although --out was to be refused")
+    monkeypatch.setattr(plot, "load_results", load)
+
+
+@pytest.mark.parametrize("mode, name", [("--merge", "merged.json"), ("--overview", "o.png"),
+                                        ("--model-check", "m.png")])
+def test_an_existing_out_file_is_refused_before_reading(tmp_path, no_reading, mode, name):
+    """--merge, --overview, --model-check: an --out FILE that exists is one line naming it and
+    --force, exit 2, before a source is read, and the file is left as it was."""
+    (tmp_path / "results.json").write_text(json.dumps(_result()))
+    out = tmp_path / name
+    out.write_text(RECORDED)
+    report = ["--report", tmp_path / "report.json"] if mode == "--model-check" else []
+    rc, stdout, err = _main([mode, tmp_path / "results.json", *report, "--out", out])
+    assert rc == 2 and stdout == "", err
+    _one_line_error(err, f"--out: {out} exists", "pass --force")
+    assert out.read_text() == RECORDED
+
+
+def test_a_link_as_out_file_is_refused(tmp_path, no_reading):
+    """A link counts as the file it names, even one whose target does not exist (yet)."""
+    (tmp_path / "merged.json").symlink_to(tmp_path / "nowhere.json")
+    rc, _, err = _main(["--merge", tmp_path / "r.json", "--out", tmp_path / "merged.json"])
+    assert rc == 2
+    _one_line_error(err, "merged.json exists", "--force")
+    assert not (tmp_path / "nowhere.json").exists()
+
+
+def test_merge_with_force_replaces_the_out_file(tmp_path):
+    (tmp_path / "r.json").write_text(json.dumps(_result()))
+    out = tmp_path / "merged.json"
+    out.write_text(RECORDED)
+    rc, stdout, err = _main(["--merge", tmp_path / "r.json", "--out", out, "--force"])
+    assert rc == 0 and "merged 1 runs, 8 rows" in stdout, err
+    assert len(json.loads(out.read_text())["rows"]) == 8
+
+
+def test_a_run_into_a_folder_with_results_is_refused_before_measuring(tmp_path, no_measuring):
+    """A second run into a run's folder would rewrite its results.json after one shape: one line
+    naming the file and --force, exit 2, nothing measured, the recorded file as it was."""
+    (tmp_path / "results.json").write_text(RECORDED)
+    rc, out, err = _main([*TINY, "--providers", "torch", "--out", tmp_path])
+    assert rc == 2 and out == "", err
+    _one_line_error(err, f"--out: {tmp_path / 'results.json'} exists", "pass --force",
+                    "another folder")
+    assert (tmp_path / "results.json").read_text() == RECORDED
+
+
+def test_a_run_with_force_replaces_the_results(tmp_path):
+    (tmp_path / "results.json").write_text(RECORDED)
+    rc, _, err = _main([*TINY, "--providers", "torch", "--out", tmp_path, "--force"])
+    assert rc == 0, err
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert [r["provider"] for r in res["rows"]] == ["torch"]
 
 
 # ---- providers that cannot run are refused before anything is measured ---------------------

@@ -13,6 +13,14 @@ which could be a repository or a home folder that a run would then litter unaske
 folder each time, so that no run overwrites another. The temp folder does not last (a reboot
 may clear it): results to keep go to ``--out``.
 
+Nothing recorded is replaced unasked. A run whose ``--out`` folder already holds a
+``results.json``, and ``--merge``, ``--overview`` or ``--model-check`` whose ``--out FILE``
+exists, are refused before anything is read or measured, unless ``--force`` is given: a GPU
+run's rows cannot be measured again, and a second run would rewrite the first one's
+``results.json`` after its first shape. (``--plot`` rewrites only its own figures in its
+folder, and ``host --json`` and ``cpu --json`` keep replacing their file: CPU timings, which any
+machine measures again in a minute.)
+
 Goals. The kernels' performance goal (:mod:`normbook.bench.goal`: bf16, M = 32768, a fraction
 of copy bandwidth and faster than the rivals), and the host and CPU goals of ``host`` and ``cpu``, are judged only when asked for, with ``--goal``; then the exit
 status says whether every goal was met (0) or not (1). Refusals are one line on stderr,
@@ -24,6 +32,7 @@ Examples:
     normbook-bench --ops layer_norm,rms_norm --modes fwd --dtypes bf16 --D 1024..16384 --out r/
     normbook-bench --device cuda --goal --out r/      # the full sweep, judged against the goal
     normbook-bench --summary r/ --goal                # recorded JSON: tables and the goal check
+    normbook-bench --merge r/ r2/ --out all.json      # all.json exists? refused, unless --force
     normbook-bench --plot r/ --out figures/
     normbook-bench host --json host.json              # host time per call, launches stubbed
     normbook-bench cpu --json cpu.json --goal         # the CPU backend against torch
@@ -138,7 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR",
                    help="output folder of a run (default: a new folder under the system's temp "
                    "folder, printed on the first line); the output file of --merge, --overview "
-                   "and --model-check, the folder of --plot")
+                   "and --model-check, the folder of --plot. A folder holding a results.json, or "
+                   "a file that exists, is refused unless --force")
+    p.add_argument("--force", action="store_true",
+                   help="replace the results.json in a run's --out folder, or the --out file of "
+                   "--merge, --overview or --model-check (recorded GPU results cannot be "
+                   "measured again: without --force an existing file is refused, before anything "
+                   "is read or measured)")
     p.add_argument("--goal", action="store_true",
                    help="after a run or with --summary: judge the rows against the kernels' "
                    "performance goal (bf16, M = 32768: at least 0.90 of copy bandwidth forward, "
@@ -274,6 +289,27 @@ def writable_file(flag: str, path: str | None) -> None:
         raise BenchError(f"{flag}: cannot write into {folder}")
 
 
+def new_file(flag: str, path, force: bool = False, instead: str = "another file") -> None:
+    """Refuse, before anything is read or measured, to replace the file ``path`` unless
+    ``force`` (--force): recorded results cannot be measured again. One line naming the file,
+    --force, and ``instead``. A folder is left to the caller's own checks; a link counts as a
+    file, whether or not its target exists."""
+    if path is None or force:
+        return
+    target = Path(path)
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise BenchError(f"{flag}: {path} exists; pass --force to replace it, or give {instead}")
+
+
+def _refuse_replacing(args, flag: str | None) -> None:
+    """The outputs of this command line that exist, refused unless --force (see the module
+    docstring): a run's results.json, the --out file of --merge, --overview, --model-check."""
+    if flag is None and args.out is not None:
+        new_file("--out", Path(args.out) / runner.RESULTS_FILE, args.force, "another folder")
+    elif flag in ("--merge", "--overview", "--model-check"):
+        new_file("--out", args.out, args.force)
+
+
 # expected failures of a command: one line, not a traceback (ResultsError is a ValueError)
 EXPECTED = (BenchError, ValueError, OSError, ImportError)
 
@@ -298,6 +334,7 @@ def main(argv=None) -> int:
     if args.goal and flag is not None and not args.summary:
         parser.error("--goal: judges a run or --summary, not " + flag)
     try:
+        _refuse_replacing(args, flag)     # before anything is read or measured
         if flag is not None:
             return _recorded(args, parser, flag)
         cfg = config_from_args(args, parser)

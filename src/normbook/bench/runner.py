@@ -182,11 +182,15 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
 
 
+RESULTS_FILE = "results.json"   # a run's rows in its folder (the command line refuses to
+                                # replace one without --force)
+
+
 def _write(result: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "results.json.tmp"
+    tmp = out / f"{RESULTS_FILE}.tmp"
     tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out / "results.json")
+    tmp.replace(out / RESULTS_FILE)
 
 
 def run(cfg: Config) -> dict:
