@@ -15,6 +15,14 @@ time for 16-byte-aligned rows; that hint is what lets the loads be 128 bits wide
 
 Exits non-zero if a compile fails, a configuration spills, or a kernel at D >= 256 has no
 128-bit global load where D is a multiple of 16 bytes.
+
+Refusals are one line, ``normbook-report: error: ...``, exit status 2, before anything is
+compiled: an architecture outside ``ARCHS`` (the plans, the model and the goal are sm_80's
+and sm_90's; sm_100 and sm_120 fail in ptxas, and a mistyped 9 aborts LLVM, taking the report
+with it), a ``--json`` that could not be written, no Triton, or TRITON_INTERPRET set (Triton's
+interpreter then stands in for its compiler, and every configuration failed to compile).
+This module imports Triton only to compile, so that ``--help`` needs none of it (but the
+package ``normbook.kernels``, imported first, still imports Triton itself).
 """
 
 from __future__ import annotations
@@ -32,18 +40,24 @@ import time
 # The default changes in Triton 3.10; pin today's behaviour and silence the warning.
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
 from normbook.bench import bytemodel, goal, model  # noqa: E402
-from normbook.kernels import _backward, _forward, sass  # noqa: E402
+from normbook.kernels import sass  # noqa: E402
 from normbook.kernels._config import (  # noqa: E402
     Device, Plan, backward_plan, forward_plan, narrow_loads, slot_words)
 
+try:   # needed to compile, not to print --help: without it main refuses in one line
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    from normbook.kernels import _backward, _forward
+    NO_TRITON = None
+except ImportError as e:
+    NO_TRITON = f"{type(e).__name__}: {e}"
+
 M_REPORT = goal.GOAL["M"]                          # the batch of the performance goal
-ARCHS = (80, 90)
+ARCHS = (80, 90)                                   # what --archs accepts, and its default
 DTYPES = ("bf16", "fp32")
 # every power of two of the goal, and odd widths (760, 3000: D % 16 != 0; 12288: 3 x 4096)
 DS = (760, 1024, 2048, 3000, 4096, 8192, 12288, 16384, 32768, 65536, 131072)
@@ -434,7 +448,42 @@ def table(rows: list[dict], compact: bool = False) -> str:
     return _columns(head, lines, compact)
 
 
+class Refusal(Exception):
+    """A refusal of the command line: one line on stderr, exit status 2."""
+
+
+def _archs(text: str) -> tuple[int, ...]:
+    """--archs: a comma list of :data:`ARCHS` (each once, in the order given)."""
+    try:
+        archs = tuple(dict.fromkeys(int(a) for a in text.split(",")))
+    except ValueError:
+        archs = ()
+    bad = [a for a in archs if a not in ARCHS]
+    if not archs or bad:
+        raise Refusal(f"--archs: expected a comma list of {','.join(map(str, ARCHS))} (the "
+                      f"compute capabilities the report compiles for), got {text!r}"
+                      + (f" (cannot compile for {','.join(f'sm_{a}' for a in bad)})" if bad else ""))
+    return archs
+
+
+def can_compile() -> None:
+    """Refuse (:class:`Refusal`) where the report cannot compile: no Triton, or TRITON_INTERPRET
+    set, by the kernels' rule (any value but "" and "0": ``_backward.INTERPRETED``), which
+    makes Triton's interpreter stand in for its compiler and the kernels take their
+    interpreter branches."""
+    if NO_TRITON is not None:
+        raise Refusal(f"needs Triton to compile the kernels (Linux: pip install "
+                      f"'normbook[kernels]'); importing it failed: {NO_TRITON}")
+    value = os.environ.get("TRITON_INTERPRET", "")
+    if value not in ("", "0"):
+        raise Refusal(f"TRITON_INTERPRET={value!r} is set, so Triton's interpreter stands in "
+                      "for the compiler the report runs (it compiles real GPU code); unset "
+                      "TRITON_INTERPRET (env -u TRITON_INTERPRET normbook-report ...)")
+
+
 def main(argv=None) -> int:
+    """The command line (``normbook-report``); returns the exit status: 0 when every
+    configuration compiles without a problem, 1 otherwise, 2 for a refusal (one line)."""
     parser = argparse.ArgumentParser(
         prog="normbook-report", description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -443,20 +492,29 @@ def main(argv=None) -> int:
                "  normbook-report --json report.json      # every configuration, sm_80 and sm_90:\n"
                "                                          # minutes (a line per tenth done)\n"
                "  python -m normbook.kernels.report --archs 90 --no-progress\n"
-               "exit status: 0 when every configuration compiles without a problem, 1 otherwise")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+               "needs Triton, and TRITON_INTERPRET unset (the report compiles, not interprets)\n"
+               "exit status: 0 when every configuration compiles without a problem, 1 otherwise,\n"
+               "2 for a refusal (one line: an arch, --json, no Triton, TRITON_INTERPRET set)")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH "
+                        "(checked before anything is compiled)")
     parser.add_argument("--quick", action="store_true", help="sm_90, bf16, D in (3000, 65536) only, the fused add at 3000")
-    parser.add_argument("--archs", help="comma list of compute capabilities (default 80,90)")
+    parser.add_argument("--archs", help="comma list of compute capabilities, of "
+                        f"{','.join(map(str, ARCHS))} (default: all)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress on stderr (by default a bar on a terminal, else a line "
                         "every tenth of the way)")
     args = parser.parse_args(argv)
+    from normbook.bench.cli import BenchError, writable_file
+
     opts = dict(QUICK) if args.quick else {}
-    if args.archs:
-        try:
-            opts["archs"] = tuple(int(a) for a in args.archs.split(","))
-        except ValueError:
-            parser.error(f"--archs: expected a comma list such as 80,90, got {args.archs!r}")
+    try:   # every refusal before the first compile
+        if args.archs is not None:
+            opts["archs"] = _archs(args.archs)
+        writable_file("--json", args.json)
+        can_compile()
+    except (Refusal, BenchError) as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
     start = time.perf_counter()
     rows = run(**opts, progress=False if args.no_progress else None)
     seconds = time.perf_counter() - start
@@ -479,9 +537,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        # The interpreter replaces triton's compiler in this process (and make exports
-        # TRITON_INTERPRET=1): run the report again in a process where kernels compile.
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        os.execve(sys.executable, [sys.executable, "-m", "normbook.kernels.report", *sys.argv[1:]], env)
     sys.exit(main())
