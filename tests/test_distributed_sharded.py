@@ -151,8 +151,35 @@ def _sharded_checks(rank, world, cases):
             _check_case(case, rank, group, failures)
         except Exception:
             failures.append(f"{case['name']}: raised\n{traceback.format_exc()}")
+    out["default_eps"] = [f for dtype in (torch.float32, torch.float64)
+                          for f in _default_eps_failures(rank, dtype)]
     out["listeners"] = _listeners_beyond_loopback()
     return out
+
+
+def _default_eps_failures(rank, dtype):
+    """rms_norm_sharded without eps against normbook.rms_norm without eps on the same input,
+    D = 8 split 3 + 1 + 4: rows of mean square near 1e-5, where eps = 1e-6 (the sharded
+    default once) instead of the machine epsilon (1.2e-7 in fp32, 2.2e-16 in fp64) moves y
+    by about 4%, far beyond the sums' rounding (a relative 1e-5 in fp32, 1e-12 in fp64)."""
+    import normbook
+
+    sizes, tol = (3, 1, 4), dict([F64, F32])[dtype]
+    g = torch.Generator().manual_seed(5)                   # the same data on every rank
+    f64 = dict(generator=g, dtype=torch.float64)
+    x = (1e-3 * (3 + torch.randn(4, sum(sizes), **f64))).to(dtype)       # (N, D)
+    w = (1 + 0.1 * torch.randn(sum(sizes), **f64)).to(dtype)             # (D,)
+    want = _cut(normbook.rms_norm(x, (sum(sizes),), w), sizes, rank)
+    mine = _cut(x, sizes, rank), _cut(w, sizes, rank)
+    failures = []
+    err = _err(nd.rms_norm_sharded(*mine), want, want)
+    if not err <= tol:
+        failures.append(f"{dtype}: the default eps is off normbook.rms_norm's by {err:.1e}")
+    # the data can tell the defaults apart: with eps = 1e-6 the same call is off by far more
+    old = _err(nd.rms_norm_sharded(*mine, 1e-6), want, want)
+    if not old > 100 * tol:
+        failures.append(f"{dtype}: eps = 1e-6 is off by {old:.1e} only: the check is blind")
+    return failures
 
 
 def _listeners_beyond_loopback():
@@ -219,11 +246,20 @@ def sharded():
     return merged
 
 
-@pytest.mark.parametrize("kind", ["uneven", "empty", "overflow", "double", "random"])
+@pytest.mark.parametrize("kind", ["uneven", "empty", "overflow", "double", "random",
+                                  "default_eps"])
 def test_sharded_norms_match_one_process(sharded, kind):
     """uneven: D = 5 as 3 + 2; empty: a rank without features; overflow: fp32 near 1e20;
-    double: a gradient penalty; random: random splits, some with double backward."""
+    double: a gradient penalty; random: random splits, some with double backward;
+    default_eps: rms_norm_sharded's default eps is normbook.rms_norm's (fp32 and fp64)."""
     assert not sharded[kind], "\n".join(sharded[kind])
+
+
+def test_default_eps_of_an_integer_x_is_refused_before_any_collective():
+    """eps=None has no value for an integer x: a TypeError naming eps, not a comparison with
+    None (no process group is needed to get it: the check comes first)."""
+    with pytest.raises(TypeError, match=r"eps: None \(the default\) .* x is torch.int64"):
+        nd.rms_norm_sharded(torch.arange(4))
 
 
 def test_ranks_listen_on_loopback_only(sharded):

@@ -225,6 +225,9 @@ def _check(x, weight, bias, eps):
         if p is not None and tuple(p.shape) != (x.shape[-1],):
             raise ValueError(f"{name}: expected this rank's slice of shape ({x.shape[-1]},), "
                              f"got {tuple(p.shape)}")
+    if eps is None:   # rms_norm_sharded's default, which default_eps leaves for a non-float x
+        raise TypeError(f"eps: None (the default) is the machine epsilon of a floating x, and x "
+                        f"is {x.dtype}; expected a floating x, or eps given as a number")
     if not eps >= 0:
         raise ValueError(f"eps: expected a number >= 0, got {eps}")
 
@@ -256,12 +259,18 @@ def layer_norm_sharded(x: torch.Tensor, weight: torch.Tensor | None = None,
     return _ShardedNorm.apply(x, weight, bias, float(eps), False, group)
 
 
-def rms_norm_sharded(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
+def rms_norm_sharded(x: torch.Tensor, weight: torch.Tensor | None = None,
+                     eps: float | None = None,
                      group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """RMSNorm of rows split over the features across the ranks of ``group``: (rms-ms) as one
     all-reduce of the sum of squares per token, divided by the whole row's length, then
     (rms-y) locally; backward (rms-dx) with c2 all-reduced. Arguments, result and what any
-    split allows as :func:`layer_norm_sharded`, without a bias."""
+    split allows as :func:`layer_norm_sharded`, without a bias, but for ``eps``: added to the
+    mean square inside the root; None (the default) is the default of :func:`normbook.rms_norm`
+    and torch's, the machine epsilon of x's compute type (fp32's for float16, bfloat16 and
+    float32 x, fp64's for float64: ``normbook._validate.default_eps``), so that a model gives
+    the same y whether its features are split or not."""
+    eps = _validate.default_eps(x, eps)
     _check(x, weight, None, eps)
     return _ShardedNorm.apply(x, weight, None, float(eps), True, group)
 
