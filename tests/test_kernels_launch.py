@@ -66,7 +66,29 @@ with _launch.stub_driver(record):
         added = _launch.compiled_variants() - kept
         direct = [calls(record, both) for _ in range(2)]
         out[name] = dict(jit=jit, first=first, direct=direct, added=added)
-out["variants"] = _launch.compiled_variants()
+
+# every aten op the eager kernel route runs, forward and backward, through the public API
+import normbook
+from normbook.bench.host import stubbed
+from torch.utils._python_dispatch import TorchDispatchMode
+
+class Ops(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        seen.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+seen = set()
+g = torch.Generator().manual_seed(1)
+x, r = (torch.randn(6, 256, generator=g).bfloat16().requires_grad_() for _ in range(2))
+ln, rms = normbook.LayerNorm(256, dtype=torch.bfloat16), normbook.RMSNorm(256, dtype=torch.bfloat16)
+with stubbed(), normbook.backend("kernels"):
+    for step in range(2):       # the first compiles and plans; the second is the steady state
+        seen.clear()
+        with Ops():
+            for y in (ln(x), rms(x), *normbook.add_layer_norm(x, r, ln.weight, ln.bias),
+                      *normbook.add_rms_norm(x, r, rms.weight)):
+                y.backward(torch.ones_like(y))
+out["aten ops"] = sorted(seen)
 json.dump(out, sys.stdout)
 '''
 
@@ -85,7 +107,7 @@ def test_a_direct_launch_hands_the_launcher_what_triton_would(launches):
     the same compiled kernel (its handle), grid, stream and arguments as Triton's path, launch
     after launch; metadata and hooks None, as Triton's launcher reads them with no hook set."""
     for name, got in launches.items():
-        if name == "variants":
+        if name == "aten ops":
             continue
         jit_args = [args for args, _ in got["jit"][0]]
         assert jit_args and got["jit"][0] == got["jit"][1], name
@@ -100,8 +122,23 @@ def test_each_new_specialization_is_kept_once_and_a_misaligned_tensor_is_not(lau
     the case: forward, backward and finish when there is one); the next launches find it. A
     tensor off 16-byte alignment takes Triton's path every time, keeping nothing."""
     for name, got in launches.items():
-        if name == "variants":
+        if name == "aten ops":
             continue
         launched = len(got["first"])
         assert got["added"] == (0 if name == "misaligned" else launched), (name, got["added"])
         assert launched >= 2, name
+
+
+def test_the_eager_kernel_route_is_capturable_by_a_cuda_graph(launches):
+    """What CUDA graph capture forbids, the eager kernel route never does, forward or backward,
+    modules and fused adds: no op that reads a tensor's value back to the host (a device sync:
+    ``.item()``, a data-dependent shape, a copy to the CPU), and no allocation but new
+    tensors (empty_like / new_empty: under capture they come from the graph's own pool); the
+    launches themselves take the current stream. The aten ops seen are the allocations, the
+    fused add's x + residual leaves (the gradient accumulation of leaves) and the like."""
+    seen = set(launches["aten ops"])
+    syncs = {"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.is_nonzero",
+             "aten.equal", "aten.allclose", "aten.masked_select", "aten.unique", "aten._to_copy",
+             "aten.to", "aten.cpu", "aten.tolist"}
+    assert not seen & syncs, sorted(seen & syncs)
+    assert {"aten.empty_like", "aten.new_empty"} <= seen, sorted(seen)
