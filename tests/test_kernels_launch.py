@@ -67,6 +67,19 @@ with _launch.stub_driver(record):
         direct = [calls(record, both) for _ in range(2)]
         out[name] = dict(jit=jit, first=first, direct=direct, added=added)
 
+# a launch hook (a profiler's) set: every launch takes Triton's path, which calls it
+from triton import knobs
+hook = lambda metadata: None
+with _launch.stub_driver(record):
+    x = torch.randn(4, 256).bfloat16()
+    _forward.norm_forward(x, None, None, None, 1e-5, False)          # kept
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        got = calls(record, lambda: _forward.norm_forward(x, None, None, None, 1e-5, False))
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    out["hooked"] = dict(metadata=[m for _, m in got])
+
 # every aten op the eager kernel route runs, forward and backward, through the public API
 import normbook
 from normbook.bench.host import stubbed
@@ -107,7 +120,7 @@ def test_a_direct_launch_hands_the_launcher_what_triton_would(launches):
     the same compiled kernel (its handle), grid, stream and arguments as Triton's path, launch
     after launch; metadata and hooks None, as Triton's launcher reads them with no hook set."""
     for name, got in launches.items():
-        if name == "aten ops":
+        if name in ("aten ops", "hooked"):
             continue
         jit_args = [args for args, _ in got["jit"][0]]
         assert jit_args and got["jit"][0] == got["jit"][1], name
@@ -122,11 +135,18 @@ def test_each_new_specialization_is_kept_once_and_a_misaligned_tensor_is_not(lau
     the case: forward, backward and finish when there is one); the next launches find it. A
     tensor off 16-byte alignment takes Triton's path every time, keeping nothing."""
     for name, got in launches.items():
-        if name == "aten ops":
+        if name in ("aten ops", "hooked"):
             continue
         launched = len(got["first"])
         assert got["added"] == (0 if name == "misaligned" else launched), (name, got["added"])
         assert launched >= 2, name
+
+
+def test_a_launch_hook_sees_every_launch(launches):
+    """With a hook in Triton's launch_enter_hook chain (as profilers add one), a kept kernel is
+    launched by Triton's path, which hands the launcher the launch metadata and the hooks (the
+    launcher calls them: the stub's does not, so the hook itself stays uncalled here)."""
+    assert launches["hooked"]["metadata"] == [[False, False, False]]
 
 
 def test_the_eager_kernel_route_is_capturable_by_a_cuda_graph(launches):

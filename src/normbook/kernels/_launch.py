@@ -82,16 +82,19 @@ def launch(kernel, grid: tuple, args: tuple, flags: dict, key: Optional[tuple] =
             same compiled kernel).
         device: the CUDA device the launch runs on, the current one (the launchers make it so).
     """
-    rt = knobs.runtime   # (a hook that is not a HookChain is one that is set)
-    if (key is None or type(kernel) is not JITFunction or not _DIRECT
-            or getattr(rt.launch_enter_hook, "calls", True) or getattr(rt.launch_exit_hook, "calls", True)):
-        kernel[grid](*args, **flags)
-        return
-    hit = _compiled.get((key, device))
+    # a kept kernel (only JITFunctions on a TESTED Triton are kept), with no launch hook set
+    # (a hook that is not a HookChain is one that is set)
+    hit = None if key is None else _compiled.get((key, device))
     if hit is not None:
-        run, function, metadata, consts = hit
-        run(grid[0], 1, 1, _drivers.active.get_current_stream(device), function, metadata, None,
-            None, None, *args, *consts)
+        rt = knobs.runtime
+        if not (getattr(rt.launch_enter_hook, "calls", True)
+                or getattr(rt.launch_exit_hook, "calls", True)):
+            run, function, metadata, consts = hit
+            run(grid[0], 1, 1, _drivers.active.get_current_stream(device), function, metadata,
+                None, None, None, *args, *consts)
+            return
+    if key is None or not direct(kernel):
+        kernel[grid](*args, **flags)
         return
     compiled = kernel[grid](*args, **flags)
     if compiled is not None:
