@@ -116,6 +116,35 @@ def test_every_entry_point_compiles_whole_on_the_cuda_route(monkeypatch, autocas
                                            msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow
+def test_wide_rows_compile_without_tracing_the_plan_builders():
+    """Rows wider than the door decides at a glance (D > 8192) ask the plans whether the kernels
+    take them. Under torch.compile that answer is a constant (torch.compiler.
+    assume_constant_result): Dynamo does not trace the plan builders, whose lru caches it warns
+    about and whose device queries it could not trace on CUDA. fullgraph, forward and
+    backward, eager's numbers."""
+    import warnings
+
+    D = 16384
+    g = torch.Generator().manual_seed(6)
+    x0 = torch.randn(3, D, generator=g)
+    w = torch.randn(D, generator=g, requires_grad=True)
+    results = []
+    for compiled in (False, True):
+        x = x0.clone().requires_grad_()
+        w.grad = None
+        torch._dynamo.reset()
+        fn = lambda t: normbook.rms_norm(t, (D,), w)      # noqa: E731
+        with normbook.backend("kernels"), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y = (torch.compile(fn, fullgraph=True, backend="aot_eager") if compiled else fn)(x)
+            y.square().sum().backward()
+        assert not [w for w in caught if "lru_cache" in str(w.message)], compiled
+        results.append((y.detach(), x.grad, w.grad))
+    for got, want in zip(*results[::-1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_eager_route_is_the_function_and_compile_the_op():
     x, w, b, _ = make(3, 16, torch.float32)
     x.requires_grad_(True)

@@ -458,6 +458,14 @@ def _check_residual(residual, input) -> None:
         raise ValueError(f"residual: expected x's device {input.device}, got {residual.device}")
 
 
+@torch.compiler.assume_constant_result
+def _wide_rows_fit(D: int, itemsize: int, has_residual: bool, device_index: int) -> bool:
+    """kernels._config.kernels_take, a value to torch.compile: Dynamo calls it once, while it
+    traces, and keeps the answer, rather than tracing the plan builders (their caches, the
+    device's properties, the environment switch) into the graph."""
+    return _kernels()[3].kernels_take(D, itemsize, has_residual, device_index)
+
+
 def _kernels_take(x, residual) -> bool:
     """Whether the kernels compute this call: rows wider than the device's programs can share
     go to the torch backend, with one warning per width; so does every call under
@@ -468,8 +476,7 @@ def _kernels_take(x, residual) -> bool:
     D = x.shape[-1]
     if D <= _FUSED_D:
         return True
-    config = _kernels()[3]
-    if config.kernels_take(D, x.element_size(), residual is not None, x.get_device()):
+    if _wide_rows_fit(int(D), x.element_size(), residual is not None, x.get_device()):
         return True
     if D not in _warned_wide:
         _warned_wide.add(D)
