@@ -20,15 +20,19 @@ Modules, one topic each: ``_forward`` and ``_backward`` (kernels and launchers),
 (block sizes, rows per program, persistent grid, cached launch options), ``ops`` (these
 public functions; the custom ops themselves are defined in ``normbook._ops``, without
 Triton, so that an exported program loads after ``import normbook``), ``report``
-(``python -m normbook.kernels.report``: the static compile report).
+(``python -m normbook.kernels.report``: the static compile report; its command line,
+``normbook-report``, is ``normbook._report_cli``, outside this package, so that its --help
+and its refusals need no Triton).
 """
 
 try:
     import triton  # noqa: F401
 except ImportError as e:  # pragma: no cover - depends on the platform
+    # name: the module whose import failed, this one; with it ``python -m
+    # normbook.kernels.report`` says this in one line (runpy's) instead of a traceback
     raise ImportError(
         "normbook.kernels needs Triton (Linux: pip install 'normbook[kernels]'); "
-        "normbook.layer_norm and normbook.rms_norm work without it"
+        "normbook.layer_norm and normbook.rms_norm work without it", name=__name__
     ) from e
 
 from normbook.kernels.ops import add_layer_norm, add_rms_norm, layer_norm, rms_norm

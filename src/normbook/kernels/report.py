@@ -21,13 +21,13 @@ compiled: an architecture outside ``ARCHS`` (the plans, the model and the goal a
 and sm_90's; sm_100 and sm_120 fail in ptxas, and a mistyped 9 aborts LLVM, taking the report
 with it), a ``--json`` that could not be written, no Triton, or TRITON_INTERPRET set (Triton's
 interpreter then stands in for its compiler, and every configuration failed to compile).
-This module imports Triton only to compile, so that ``--help`` needs none of it (but the
-package ``normbook.kernels``, imported first, still imports Triton itself).
+The command line, those refusals included, is :mod:`normbook._report_cli`, outside this
+package (which imports Triton when imported): the console script ``normbook-report`` prints
+its ``--help`` and refuses in one line without Triton, and imports this module only to compile.
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 import os
@@ -40,6 +40,8 @@ import time
 # The default changes in Triton 3.10; pin today's behaviour and silence the warning.
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
+# the command line (main) and what --archs accepts (ARCHS, run's default) live outside this package
+from normbook._report_cli import ARCHS, main  # noqa: E402,F401
 from normbook.bench import bytemodel, goal, model  # noqa: E402
 from normbook.kernels import sass  # noqa: E402
 from normbook.kernels._config import (  # noqa: E402
@@ -57,7 +59,6 @@ except ImportError as e:
     NO_TRITON = f"{type(e).__name__}: {e}"
 
 M_REPORT = goal.GOAL["M"]                          # the batch of the performance goal
-ARCHS = (80, 90)                                   # what --archs accepts, and its default
 DTYPES = ("bf16", "fp32")
 # every power of two of the goal, and odd widths (760, 3000: D % 16 != 0; 12288: 3 x 4096)
 DS = (760, 1024, 2048, 3000, 4096, 8192, 12288, 16384, 32768, 65536, 131072)
@@ -448,75 +449,15 @@ def table(rows: list[dict], compact: bool = False) -> str:
     return _columns(head, lines, compact)
 
 
-class Refusal(Exception):
-    """A refusal of the command line: one line on stderr, exit status 2."""
-
-
-def _archs(text: str) -> tuple[int, ...]:
-    """--archs: a comma list of :data:`ARCHS` (each once, in the order given)."""
-    try:
-        archs = tuple(dict.fromkeys(int(a) for a in text.split(",")))
-    except ValueError:
-        archs = ()
-    bad = [a for a in archs if a not in ARCHS]
-    if not archs or bad:
-        raise Refusal(f"--archs: expected a comma list of {','.join(map(str, ARCHS))} (the "
-                      f"compute capabilities the report compiles for), got {text!r}"
-                      + (f" (cannot compile for {','.join(f'sm_{a}' for a in bad)})" if bad else ""))
-    return archs
-
-
-def can_compile() -> None:
-    """Refuse (:class:`Refusal`) where the report cannot compile: no Triton, or TRITON_INTERPRET
-    set, by the kernels' rule (any value but "" and "0": ``_backward.INTERPRETED``), which
-    makes Triton's interpreter stand in for its compiler and the kernels take their
-    interpreter branches."""
-    if NO_TRITON is not None:
-        raise Refusal(f"needs Triton to compile the kernels (Linux: pip install "
-                      f"'normbook[kernels]'); importing it failed: {NO_TRITON}")
-    value = os.environ.get("TRITON_INTERPRET", "")
-    if value not in ("", "0"):
-        raise Refusal(f"TRITON_INTERPRET={value!r} is set, so Triton's interpreter stands in "
-                      "for the compiler the report runs (it compiles real GPU code); unset "
-                      "TRITON_INTERPRET (env -u TRITON_INTERPRET normbook-report ...)")
-
-
-def main(argv=None) -> int:
-    """The command line (``normbook-report``); returns the exit status: 0 when every
-    configuration compiles without a problem, 1 otherwise, 2 for a refusal (one line)."""
-    parser = argparse.ArgumentParser(
-        prog="normbook-report", description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n"
-               "  normbook-report --quick                 # sm_90, bf16, two widths: a minute\n"
-               "  normbook-report --json report.json      # every configuration, sm_80 and sm_90:\n"
-               "                                          # minutes (a line per tenth done)\n"
-               "  python -m normbook.kernels.report --archs 90 --no-progress\n"
-               "needs Triton, and TRITON_INTERPRET unset (the report compiles, not interprets)\n"
-               "exit status: 0 when every configuration compiles without a problem, 1 otherwise,\n"
-               "2 for a refusal (one line: an arch, --json, no Triton, TRITON_INTERPRET set)")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH "
-                        "(checked before anything is compiled)")
-    parser.add_argument("--quick", action="store_true", help="sm_90, bf16, D in (3000, 65536) only, the fused add at 3000")
-    parser.add_argument("--archs", help="comma list of compute capabilities, of "
-                        f"{','.join(map(str, ARCHS))} (default: all)")
-    parser.add_argument("--no-progress", action="store_true",
-                        help="no progress on stderr (by default a bar on a terminal, else a line "
-                        "every tenth of the way)")
-    args = parser.parse_args(argv)
-    from normbook.bench.cli import BenchError, writable_file
-
-    opts = dict(QUICK) if args.quick else {}
-    try:   # every refusal before the first compile
-        if args.archs is not None:
-            opts["archs"] = _archs(args.archs)
-        writable_file("--json", args.json)
-        can_compile()
-    except (Refusal, BenchError) as e:
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        return 2
+def print_report(quick=False, archs=None, json_path=None, progress=None) -> int:
+    """The command line's report, once nothing refused: compile (``QUICK``'s configurations if
+    ``quick``, for ``archs`` if given), print the tables, write the JSON to ``json_path`` if
+    given; returns the exit status, 1 if a configuration has a problem, else 0."""
+    opts = dict(QUICK) if quick else {}
+    if archs is not None:
+        opts["archs"] = archs
     start = time.perf_counter()
-    rows = run(**opts, progress=False if args.no_progress else None)
+    rows = run(**opts, progress=progress)
     seconds = time.perf_counter() - start
     print(table(rows))
     failed = [r for r in rows if problems(r)]
@@ -528,8 +469,8 @@ def main(argv=None) -> int:
           "(fwd >= 0.90, bwd >= 0.80 for D in 1024..32768; >= 0.70 beyond)")
     print(f"\n{len(rows)} kernel configurations compiled in {seconds:.1f} s with Triton "
           f"{triton.__version__}; {len(failed)} failed")
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(dict(triton=triton.__version__, m=M_REPORT, seconds=round(seconds, 1),
                            model=model.__doc__.strip().split("\n\n")[0], little_bytes=round(model.LITTLE_BYTES),
                            rows=rows, paths=predicted), f, indent=1)
