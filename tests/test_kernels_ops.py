@@ -145,6 +145,30 @@ def test_wide_rows_compile_without_tracing_the_plan_builders():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_reduce_overhead_mode_compiles_the_kernel_route():
+    """torch.compile(mode="reduce-overhead"), the CUDA-graph mode, over a module on the kernel
+    route: inductor compiles around the custom ops, forward and backward, two steps (the second
+    is the one a CUDA graph would replay), with eager's numbers. (Here, on the CPU, inductor
+    skips the graphs themselves; gpu_check.sh runs the capture on a GPU.)"""
+    torch.manual_seed(7)
+    block = Block(32)
+    x = torch.randn(2, 3, 32, requires_grad=True)
+    r = torch.randn(2, 3, 32, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    for _ in range(2):
+        x.grad = r.grad = block.w.grad = None
+        out = compiled(x, r)
+        out.square().sum().backward()
+    got = [out.detach(), x.grad, r.grad, block.w.grad]
+    x.grad = r.grad = block.w.grad = None
+    out_e = block(x, r)
+    out_e.square().sum().backward()
+    for a, e in zip(got, [out_e.detach(), x.grad, r.grad, block.w.grad]):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+
+
 def test_eager_route_is_the_function_and_compile_the_op():
     x, w, b, _ = make(3, 16, torch.float32)
     x.requires_grad_(True)
