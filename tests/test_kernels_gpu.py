@@ -47,3 +47,94 @@ def test_bf16_outputs_round_to_nearest(norm):
         y64 = reference.rms_norm_forward(x.double(), None, 1e-5)[0]
     miss = (y != y64.to(torch.bfloat16)).float().mean().item()
     assert miss < 0.05, f"{miss:.1%} of bf16 outputs are not the correctly rounded reference"
+
+
+# ----------------------------------------------------------------------------- launches and graphs
+
+def _train_step(norms, x, dy):
+    """y and every gradient of one forward+backward through each norm of ``norms`` on x."""
+    out = []
+    for norm in norms:
+        xi = x.detach().requires_grad_()
+        y = norm(xi)
+        grads = torch.autograd.grad(y, (xi, *norm.parameters()), dy)
+        out += [y, *grads]
+    return out
+
+
+def _norms(D):
+    import normbook
+
+    return [normbook.LayerNorm(D, device="cuda", dtype=torch.bfloat16),
+            normbook.RMSNorm(D, device="cuda", dtype=torch.bfloat16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 4096, 16384])
+def test_gpu_direct_launch_is_bitwise_triton_s(D):
+    """The kept compiled kernels launched directly (normbook.kernels._launch) give the bits of
+    Triton's own launch path, forward and backward, the finish kernel and (D = 16384) the rows
+    shared among programs included."""
+    from normbook.kernels import _launch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(512, D, device="cuda", generator=g).bfloat16()
+    dy = torch.randn(512, D, device="cuda", generator=g).bfloat16()
+    norms = _norms(D)
+    direct = [_train_step(norms, x, dy) for _ in range(2)][-1]      # the second is direct
+    assert _launch.compiled_variants() > 0
+    saved = _launch._DIRECT
+    _launch._DIRECT = False
+    try:
+        jit = _train_step(norms, x, dy)
+    finally:
+        _launch._DIRECT = saved
+    for a, b in zip(direct, jit):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_eager_route_replays_in_a_cuda_graph():
+    """A CUDA graph captures the eager kernel route, forward and backward of both modules, after
+    one warm-up (the first call of a shape compiles and plans), and its replays on new data give
+    eager's bits."""
+    D = 4096
+    norms = _norms(D)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    static_x = torch.randn(4, D, device="cuda", generator=g).bfloat16()
+    static_dy = torch.randn(4, D, device="cuda", generator=g).bfloat16()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _train_step(norms, static_x, static_dy)          # warm-up, outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = _train_step(norms, static_x, static_dy)
+    for _ in range(2):
+        static_x.copy_(torch.randn(4, D, device="cuda", generator=g))
+        static_dy.copy_(torch.randn(4, D, device="cuda", generator=g))
+        graph.replay()
+        for a, b in zip(static_out, _train_step(norms, static_x, static_dy)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_reduce_overhead_mode_matches_eager():
+    """torch.compile(mode="reduce-overhead") (CUDA graphs over the compiled graph, the custom ops
+    inside) of a module: forward and backward as eager, over several steps."""
+    import normbook
+
+    D = 4096
+    norm = normbook.RMSNorm(D, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(norm, mode="reduce-overhead", fullgraph=True)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(8, D, device="cuda", generator=g).bfloat16().requires_grad_()
+        y = compiled(x)
+        (gx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+        x2 = x.detach().requires_grad_()
+        y2 = norm(x2)
+        (gx2,) = torch.autograd.grad(y2, x2, torch.ones_like(y2))
+        torch.testing.assert_close(y, y2)
+        torch.testing.assert_close(gx, gx2)
