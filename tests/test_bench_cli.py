@@ -528,7 +528,7 @@ def test_console_scripts_are_installed():
 
     scripts = {e.name: e for e in entry_points(group="console_scripts")}
     assert scripts["normbook-bench"].value == "normbook.bench.cli:main"
-    assert scripts["normbook-report"].value == "normbook.kernels.report:main"
+    assert scripts["normbook-report"].value == "normbook._report_cli:main"
     assert scripts["normbook-bench"].load() is cli.main
 
 
