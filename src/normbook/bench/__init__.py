@@ -11,7 +11,7 @@ bandwidth measured in the same run. Files, one topic each:
     runner      the sweep, provenance, the JSON
     schema      what a results file holds, checked before it is read (one-line errors)
     plot        figures and a caption line from recorded JSON
-    host        ``normbook-bench host``: host time per call, launches stubbed
+    host        ``normbook-bench host``: host time per call (real launches, or the driver stubbed)
     cpu         ``normbook-bench cpu``: the CPU backend against torch on the CPU
     cli         ``normbook-bench`` (or ``python -m normbook.bench``): the command line
 

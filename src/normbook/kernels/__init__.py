@@ -10,14 +10,16 @@ a kernel launch, the same equations in torch ops):
 
 Each is :func:`normbook.layer_norm` (and its kin) with the kernel backend forced: the same
 front door, validating once, and the same autograd Function
-(``normbook.functional.NormFunction``). In eager mode it calls the launchers directly (host
-cost near torch's own, see ``python -m normbook.bench host``); under ``torch.compile`` and for
+(``normbook.functional.NormFunction``). In eager mode it calls the launchers directly, which
+launch each compiled kernel directly after its first launch (``_launch``; host time per call:
+``python -m normbook.bench host``); under ``torch.compile`` and for
 a DTensor it calls them through the custom ops ``torch.ops.normbook.norm_forward`` and
 ``norm_backward``, which torch.compile(fullgraph=True) traces through. Kernels compile under
 Triton 3.6 and 3.9.
 
 Modules, one topic each: ``_forward`` and ``_backward`` (kernels and launchers), ``_config``
-(block sizes, rows per program, persistent grid, cached launch options), ``ops`` (these
+(block sizes, rows per program, persistent grid, cached launch options), ``_launch`` (the
+compiled kernels kept and launched directly; the stub driver), ``ops`` (these
 public functions; the custom ops themselves are defined in ``normbook._ops``, without
 Triton, so that an exported program loads after ``import normbook``), ``report``
 (``python -m normbook.kernels.report``: the static compile report; its command line,
