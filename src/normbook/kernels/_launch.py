@@ -44,13 +44,11 @@ __all__ = ["launch", "direct", "stub_driver", "TESTED", "compiled_variants"]
 
 TESTED = ("3.6", "3.9")   # Triton versions whose JITFunction.run this mirrors, and is tested on
 
-_VERSION = ".".join(triton.__version__.split(".")[:2])
-# (plan key, device, specializations) -> (launcher, function handle, packed metadata,
-# constexpr values in signature order): what JITFunction.run passes its launcher
+_DIRECT = ".".join(triton.__version__.split(".")[:2]) in TESTED
+MAX_KEPT = 4096          # entries of the kept kernels' table before it is cleared
+# (a launcher's key, device) -> (the compiled kernel's launcher, its function handle, packed
+# metadata, constexpr values in signature order): what JITFunction.run passes the launcher
 _compiled: dict = {}
-
-
-_DIRECT = _VERSION in TESTED
 
 
 def direct(kernel) -> bool:
@@ -61,7 +59,7 @@ def direct(kernel) -> bool:
 
 
 def compiled_variants() -> int:
-    """How many compiled kernels :func:`launch` keeps (plan, device and specialization)."""
+    """How many compiled kernels :func:`launch` keeps (one per key and device)."""
     return len(_compiled)
 
 
@@ -102,9 +100,6 @@ def launch(kernel, grid: tuple, args: tuple, flags: dict, key: Optional[tuple] =
             _compiled.clear()
         consts = tuple(flags[name] for name in kernel.arg_names[len(args):])
         _compiled[key, device] = (compiled.run, compiled.function, compiled.packed_metadata, consts)
-
-
-MAX_KEPT = 4096          # entries of the kept kernels' table before it is cleared
 
 
 # ----------------------------------------------------------------------------- the stub seam
