@@ -546,11 +546,11 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     w = x if weight is None else weight
     ow = stats if dweight is None else dweight
     ob = stats if dbias is None else dbias
-    # what the compiled kernels are specialized on besides the pointers' alignment (dx,
-    # dweight, dbias and the partials are new allocations, aligned; stats is the forward's),
-    # which the inputs must have for the kept kernels
-    aligned = not (x.data_ptr() | dy.data_ptr() | dhp.data_ptr() | w.data_ptr()
-                   | stats.data_ptr()) & 15
+    # what the compiled kernels are specialized on besides the pointers' 16-byte alignment,
+    # which every pointer must have for the kept kernels (else Triton's path, key None; the
+    # partials and slots below are new allocations of the same allocator)
+    aligned = not (x.data_ptr() | dy.data_ptr() | dhp.data_ptr() | dx.data_ptr() | w.data_ptr()
+                   | stats.data_ptr() | ow.data_ptr() | ob.data_ptr()) & 15
     key = (x.dtype, dy.dtype, dhp.dtype, w.dtype, ow.dtype, ob.dtype, stride_x, stride_dy,
            stride_dh, M, D) if aligned else None
     if plan.simple:     # the common case: one launch of whole rows, no finish

@@ -624,10 +624,12 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     w = x if weight is None else weight  # placeholders: never read when absent
     b = x if bias is None else bias
     args = (x, r, hy, y, w, b, stats, stride_x, stride_r, M, D, eps)
-    # what the compiled kernel is specialized on besides the pointers' alignment (y, h and the
-    # stats are new allocations, aligned), which the inputs must have for the kept kernel
-    key = None if (x.data_ptr() | r.data_ptr() | w.data_ptr() | b.data_ptr()) & 15 else (
-        plan.key, x.dtype, w.dtype, b.dtype, stride_x, stride_r, M, D)
+    # what the compiled kernel is specialized on besides the pointers' 16-byte alignment, which
+    # every pointer must have for the kept kernel (else Triton's path, key None)
+    aligned = not (x.data_ptr() | r.data_ptr() | hy.data_ptr() | y.data_ptr() | w.data_ptr()
+                   | b.data_ptr() | stats.data_ptr()) & 15
+    key = (plan.key, x.dtype, r.dtype, w.dtype, b.dtype, stride_x, stride_r, M, D) if (
+        aligned) else None
     if plan.simple:     # the common case: one launch of whole rows
         launch(_KERNELS[plan.kernel], plan.grid, args, plan.flags, key, device)
         return y, h, stats
