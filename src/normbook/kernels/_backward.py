@@ -548,7 +548,7 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     ob = stats if dbias is None else dbias
     # what the compiled kernels are specialized on besides the pointers' 16-byte alignment,
     # which every pointer must have for the kept kernels (else Triton's path, key None; the
-    # partials and slots below are new allocations of the same allocator)
+    # partials' and the slots' alignment follows from the key: they are allocated by D, groups)
     aligned = not (x.data_ptr() | dy.data_ptr() | dhp.data_ptr() | dx.data_ptr() | w.data_ptr()
                    | stats.data_ptr() | ow.data_ptr() | ob.data_ptr()) & 15
     key = (x.dtype, dy.dtype, dhp.dtype, w.dtype, ow.dtype, ob.dtype, stride_x, stride_dy,
@@ -583,5 +583,5 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
         # the one small reduction, (groups, D) -> (D,), in a fixed order: deterministic
         finish = plans[1]
         launch(_KERNELS[finish.kernel], finish.grid, (pw, pb, ow, ob, plan.groups, D),
-               finish.flags, (finish.key, ow.dtype, ob.dtype, plan.groups, D), device)
+               finish.flags, key and (finish.key, ow.dtype, ob.dtype, plan.groups, D), device)
     return dx, dweight, dbias
