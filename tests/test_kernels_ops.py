@@ -145,6 +145,21 @@ def test_wide_rows_compile_without_tracing_the_plan_builders():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_wide_rows_answer_is_marked_as_the_decorator_marks():
+    """functional._wide_rows_fit carries by hand what torch.compiler.assume_constant_result
+    sets (the decorator imports torch._dynamo, which import normbook must not): the same
+    attributes, the same values."""
+    from normbook import functional as nf
+
+    def f():
+        pass
+
+    before = set(vars(f))
+    marked = torch.compiler.assume_constant_result(f)
+    added = {k: v for k, v in vars(marked).items() if k not in before}
+    assert added and all(getattr(nf._wide_rows_fit, k, None) == v for k, v in added.items())
+
+
 @pytest.mark.slow
 def test_reduce_overhead_mode_compiles_the_kernel_route():
     """torch.compile(mode="reduce-overhead"), the CUDA-graph mode, over a module on the kernel

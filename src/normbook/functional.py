@@ -458,12 +458,17 @@ def _check_residual(residual, input) -> None:
         raise ValueError(f"residual: expected x's device {input.device}, got {residual.device}")
 
 
-@torch.compiler.assume_constant_result
 def _wide_rows_fit(D: int, itemsize: int, has_residual: bool, device_index: int) -> bool:
     """kernels._config.kernels_take, a value to torch.compile: Dynamo calls it once, while it
     traces, and keeps the answer, rather than tracing the plan builders (their caches, the
     device's properties, the environment switch) into the graph."""
     return _kernels()[3].kernels_take(D, itemsize, has_residual, device_index)
+
+
+# torch.compiler.assume_constant_result(_wide_rows_fit), without importing torch._dynamo (and
+# with it triton) at ``import normbook``: the decorator sets this attribute and nothing else
+# (torch 2.11-2.13; tests/test_kernels_ops.py checks it against the decorator)
+_wide_rows_fit._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _kernels_take(x, residual) -> bool:
