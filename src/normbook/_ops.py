@@ -18,7 +18,7 @@ express (the grid from the device's SM count and the compiled kernel's measured 
 cooperative launch for shared rows, a finish kernel only when several groups kept partials).
 And the opaque op is fast where it is: on the H200, M = 32768, D = 4096, bf16, forward and
 backward under torch.compile took 0.610 ms with these ops against 0.918 ms for a compiled
-``torch.nn.LayerNorm`` (../shared/measured/2026-12-04-h200). Autocast is not registered on the
+``torch.nn.LayerNorm`` (the H200 run of 2026-12-04, at 98327f3). Autocast is not registered on the
 ops either: the front door applies torch's float32 rule for the norms (``functional.
 _AUTOCAST_FP32``) before choosing a backend, so that the torch backend, whose composed ops
 autocast does not list, follows it too, and one rule serves both backends.

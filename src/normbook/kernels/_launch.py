@@ -4,7 +4,7 @@
 arguments to the kernel's signature, specialize each one, build a cache key from the
 specializations and the options, look the compiled kernel up, and only then call its
 launcher. On the H200 that was half of normbook's host time per call (a cProfile of 2000
-forwards: 0.092 s of 0.167 s in ``JITFunction.run``; ../shared/measured/2026-12-04-h200).
+forwards: 0.092 s of 0.167 s in ``JITFunction.run``; the H200 run of 2026-12-04, at 98327f3).
 
 :func:`launch` does that work once per launch key. Triton specializes a compiled kernel on
 each pointer's dtype and 16-byte alignment and on each integer's value 1, multiple of 16 and
