@@ -126,8 +126,10 @@ def _calls(M: int, D: int, dtype: torch.dtype, device: str):
     kw = dict(device=device, dtype=dtype)
     modules = {"normbook_layer_norm": normbook.LayerNorm(D, **kw),
                "normbook_rms_norm": normbook.RMSNorm(D, **kw),
-               "torch_layer_norm": torch.nn.LayerNorm(D, **kw), "torch_rms_norm": torch.nn.RMSNorm(D, **kw),
-               "floor_layer_norm": _FloorLayerNorm(D, **kw), "floor_rms_norm": _FloorRMSNorm(D, **kw)}
+               "torch_layer_norm": torch.nn.LayerNorm(D, **kw),
+               "torch_rms_norm": torch.nn.RMSNorm(D, **kw),
+               "floor_layer_norm": _FloorLayerNorm(D, **kw),
+               "floor_rms_norm": _FloorRMSNorm(D, **kw)}
     out = {}
     for name, m in modules.items():
         wrt = (x, *m.parameters())

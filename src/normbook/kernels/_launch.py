@@ -169,9 +169,10 @@ def stub_driver(record: Optional[list] = None) -> Iterator[None]:
     """Run Triton's compiled-kernel path without a GPU for the duration: kernels compile for
     sm_90 (device 0, stream 0), load as stand-in handles, and every launch runs Triton's
     binding, specialization and lookup (or :func:`launch`'s) down to the compiled kernel's
-    launcher, which does nothing, or appends its arguments to ``record``. Only with Triton's interpreter off (TRITON_INTERPRET unset before
-    triton was imported); tensors may be CPU tensors (no kernel reads them). The kept compiled
-    kernels are forgotten on entry and on exit, as are Triton's own for device 0."""
+    launcher, which does nothing, or appends its arguments to ``record``. Only with Triton's
+    interpreter off (TRITON_INTERPRET unset before triton was imported); tensors may be CPU
+    tensors (no kernel reads them). The kept compiled kernels are forgotten on entry and on
+    exit, as are Triton's own for device 0."""
     stub = _StubDriver(record)
     previous = _drivers._active
     _forget()
