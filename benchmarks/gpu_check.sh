@@ -10,7 +10,8 @@
 #   wheels     .whl/*.whl -> a temporary site folder first on PYTHONPATH     30 / 30
 #   gpu_tests  pytest -m gpu over the kernel tests                           90 / 60
 #   report     the static compile report, compiled here (Triton of this machine)   120 / 60
-#   host       normbook-bench host --goal: host time per call, launches stubbed    45 / 45
+#   host       normbook-bench host --goal: host time per call, real launches (the    45 / 45
+#              dry run: the driver stubbed)
 #   chapter    chapter 9 executed here, its tensors on this GPU (book/_ext/notebooks.py --run;
 #              the dry run: in the interpreter)                                     60 / 90
 #   bench_*    bf16: 4 ops x fwd/bwd, normbook, torch, liger; fp32 layer_norm with compile;
