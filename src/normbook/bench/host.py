@@ -45,6 +45,7 @@ Function and no launch can be faster than it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -146,13 +147,21 @@ class Timings(dict):
 
 
 def _per_call_us(f, number: int, sync) -> float:
-    """Wall clock of ``number`` calls of f and one ``sync`` after them, per call."""
+    """Wall clock of ``number`` calls of f and one ``sync`` after them, per call; the garbage
+    collector off meanwhile, as ``timeit`` has it (a collection's pause is the whole process's,
+    not the call's)."""
     sync()
-    start = time.perf_counter()
-    for _ in range(number):
-        f()
-    sync()
-    return (time.perf_counter() - start) / number * 1e6
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        for _ in range(number):
+            f()
+        sync()
+        return (time.perf_counter() - start) / number * 1e6
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def measure(number: int = 100, repeat: int = 140, way: str = "stubbed driver",
