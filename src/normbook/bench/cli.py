@@ -139,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "fp32, fwd and bwd, M=512, D=256,1024 on the CPU (under a minute)")
     p.add_argument("--warmup-ms", type=_positive_float, help="per-row warmup (default 25; CPU 5)")
     p.add_argument("--rep-ms", type=_positive_float, help="per-row timing (default 100; CPU 40)")
+    p.add_argument("--timer", choices=["cudagraph", "do_bench"],
+                   help="CUDA: how device time is timed. cudagraph (default): many calls captured "
+                   "in a CUDA graph and replayed, the host's time out of it, L2 not flushed "
+                   "between calls (a closure that cannot be captured falls back to do_bench, "
+                   "as its row says); do_bench: triton.testing.do_bench per call, L2 flushed "
+                   "before each, as the H200 results of 2026-12-04 were timed")
     p.add_argument("--time-budget", type=_positive_float, metavar="SECONDS",
                    help="skip the remaining rows (recorded as skipped) once this much time is spent")
     p.add_argument("--threads", type=_positive_int,
@@ -199,6 +205,9 @@ def config_from_args(args, parser) -> runner.Config:
                      f"(torch {torch.__version__}, built with CUDA {torch.version.cuda})")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"
+    if args.timer and not cuda:
+        parser.error(f"--timer: {args.timer} times CUDA work; the CPU is timed with a "
+                     "perf_counter loop (drop --timer)")
     if not cuda:
         notes.append("no GPU: CPU mode (small shapes, fp32, perf_counter timer). "
                      "The numbers are not the performance goal's; that needs a CUDA device.")
@@ -242,7 +251,7 @@ def config_from_args(args, parser) -> runner.Config:
         shapes=[(M, D) for D in Ds] + extra, device=device,
         warmup_ms=args.warmup_ms or warmup, rep_ms=args.rep_ms or rep,
         threads=args.threads or (1 if args.quick and not cuda else None),
-        time_budget_s=args.time_budget, out=args.out, plots=not args.no_plots,
+        time_budget_s=args.time_budget, out=args.out, timer=args.timer, plots=not args.no_plots,
         progress=not args.no_progress, notes=notes)
 
 

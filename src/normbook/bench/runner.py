@@ -10,11 +10,16 @@ short still leaves its rows)::
      "config": {...},
      "byte_model": str,
      "rows": [{"op", "mode", "provider", "dtype", "M", "D", "ms", "ms_q20", "ms_q80",
-               "bytes", "gbps", "frac_copy"}, ...],
+               "timer", ["timer_note"], "bytes", "gbps", "frac_copy", "copy_same_gbps",
+               "frac_same_copy", "host_ms", "host_bound"}, ...],
      "skipped": [{"op", "mode", "provider", "dtype", "M", "D", "reason"}, ...]}
 
 GB/s = bytes (from :mod:`normbook.bench.bytemodel`) / median time; frac_copy = GB/s over
-the copy bandwidth measured at the start of the same run.
+the big copy's bandwidth (1 GiB per tensor, the faster of the run's start and end);
+frac_same_copy = GB/s over copy_same_gbps, a copy of the row's own bytes (within 1/128) timed
+by the same timer: a copy of 134 MB, a D = 1024 problem's size, reached only 0.86 of the big
+copy on the H200. ms is device time (the row's ``timer``: :mod:`normbook.bench.timing`), host_ms
+the host's time per call beside it; host_bound says the host's is the longer.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class Config:
     time_budget_s: float | None = None
     threads: int | None = None  # CPU: torch.set_num_threads
     out: str | None = None
+    timer: str | None = None    # CUDA: cudagraph (None: the device's default) or do_bench
     plots: bool = True
     progress: bool = True
     notes: list[str] = field(default_factory=list)
@@ -91,11 +97,12 @@ def _git(*args: str) -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
-def provenance(device) -> dict:
-    """Where and with what the numbers were measured: device, versions, commit, date."""
+def provenance(device, timer: str | None = None) -> dict:
+    """Where and with what the numbers were measured: device, versions, commit, date, timer."""
     import normbook
 
     device = torch.device(device)
+    timer = timer or timing.default_timer(device)
     commit = _git("rev-parse", "HEAD") or "unknown"
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {
@@ -111,9 +118,7 @@ def provenance(device) -> dict:
         "platform": platform.platform(),
         "cuda": torch.version.cuda if device.type == "cuda" else None,
         "cpu_threads": torch.get_num_threads(),
-        "timer": ("triton.testing.do_bench (CUDA events, L2 flushed), median, q20, q80"
-                  if device.type == "cuda" else
-                  "time.perf_counter loop (no cache flush), median, q20, q80"),
+        "timer": timing.DESCRIBE.get(timer, timer),
         "argv": " ".join(sys.argv),
     }
 
@@ -205,12 +210,13 @@ def run(cfg: Config) -> dict:
     say(f"normbook.bench: device {device_name(device)} ({device.type})")
     for note in cfg.notes:
         say(f"normbook.bench: {note}")
+    timer = cfg.timer or timing.default_timer(device)
     # an idle GPU runs at a low clock: a second of copies first, so the baseline is not low
     warm = 1000.0 if device.type == "cuda" else cfg.warmup_ms
-    copy = timing.copy_bandwidth(device, warmup_ms=warm, rep_ms=cfg.rep_ms)
+    copy = timing.copy_bandwidth(device, warmup_ms=warm, rep_ms=cfg.rep_ms, timer=timer)
     say(f"normbook.bench: copy bandwidth {copy['gbps']:.1f} GB/s ({copy['method']})")
     result = {
-        "provenance": provenance(device),
+        "provenance": provenance(device, timer),
         "copy_bandwidth_gbps": copy["gbps"],
         "copy": copy,
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("progress", "plots")},
@@ -224,6 +230,20 @@ def run(cfg: Config) -> dict:
     log = bar.write if cfg.progress else print
     t_start = time.monotonic()
     reported: set[tuple[str, str]] = set()
+    same_gbps: dict[int, float | None] = {}   # copy of the same size: fp32 elements -> GB/s
+
+    def same_copy(nbytes: int) -> float | None:
+        """GB/s of a copy moving ``nbytes`` (within 1/128), measured once per size."""
+        numel = timing.same_size_numel(nbytes)
+        if numel not in same_gbps:
+            try:
+                same_gbps[numel] = timing.copy_bandwidth(device, 4 * numel, cfg.warmup_ms,
+                                                         cfg.rep_ms, timer)["gbps"]
+            except Exception as e:   # a row without its yardstick, said once; never a lost run
+                same_gbps[numel] = None
+                log(f"same-size copy of {8 * numel} bytes not measured: {_reason(e)}")
+            _free(device)
+        return same_gbps[numel]
 
     def skip(key, reason):
         op, dtype, M, D, prov, mode = key
@@ -268,6 +288,7 @@ def run(cfg: Config) -> dict:
                         bar.update(len(keys))
                         _free(device)
                         continue
+                    first = len(result["rows"])
                     for key in keys:
                         bar.set_postfix_str(f"{op} {key[5]} {dtype} D={D} {key[4]}", refresh=False)
                         bar.update()
@@ -275,18 +296,20 @@ def run(cfg: Config) -> dict:
                         if why is not None:
                             skip(key, why)
                             continue
-                        row = _one(key, inp, copy["gbps"], device, cfg, skip)
+                        row = _one(key, inp, copy["gbps"], device, cfg, skip, timer)
                         if row is not None:
                             result["rows"].append(row)
                         _free(device)
                     del inp
                     _free(device)
+                    for row in result["rows"][first:]:   # the inputs freed: room for the copy
+                        row.update(same_size_fields(row["gbps"], same_copy(row["bytes"])))
                     _write(result, out)
     finally:
         gc.unfreeze()
     bar.close()
     # the copy again at the end: the fractions use the faster of the two (the stricter yardstick)
-    end = timing.copy_bandwidth(device, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms)
+    end = timing.copy_bandwidth(device, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms, timer=timer)
     result["copy_end"] = end
     result["copy_bandwidth_gbps"] = best = max(copy["gbps"], end["gbps"])
     for row in result["rows"]:
@@ -308,16 +331,25 @@ def run(cfg: Config) -> dict:
     return result
 
 
-def _one(key, inp, copy_gbps, device, cfg, skip):
+def same_size_fields(gbps: float, same_gbps: float | None) -> dict:
+    """A row's same-size yardstick: the GB/s of a copy of its bytes and its fraction of that."""
+    frac = None if not same_gbps else gbps / same_gbps
+    return {"copy_same_gbps": same_gbps, "frac_same_copy": frac}
+
+
+def _one(key, inp, copy_gbps, device, cfg, skip, timer=None):
     """Time one row; on any failure (OOM included) record a skip and return None."""
     op, dtype, M, D, prov, mode = key
     try:
         fn = providers.get(prov, op, mode, device)
-        call = timing.closure(fn, inp, mode)
-        call()  # first call outside the timer: compilation, autotuning, and errors surface here
-        timing.synchronize(device)
-        ms, q20, q80 = timing.bench(call, device, cfg.warmup_ms, cfg.rep_ms)
-        host = timing.host_ms(call, device)
+        # on the side stream from the closure on: a bwd closure's forward runs here, and its
+        # backward ops run where it ran, so a graph can capture them (timing's docstring)
+        with timing.side_stream(device):
+            call = timing.closure(fn, inp, mode)
+            call()  # first call outside the timer (and any graph): compiles, autotunes, plans
+            timing.synchronize(device)
+            t = timing.timed(call, device, cfg.warmup_ms, cfg.rep_ms, timer or cfg.timer)
+            host = timing.host_ms(call, device)
     except providers.Unsupported as e:
         skip(key, str(e))
         return None
@@ -326,14 +358,18 @@ def _one(key, inp, copy_gbps, device, cfg, skip):
         return None
     finally:
         call = fn = None
+    ms = t.ms
     if not (ms > 0 and math.isfinite(ms)):  # a timer's 0 or NaN is no measurement: never a row
         skip(key, f"error: the timer returned {ms} ms")
         return None
     nbytes = bytemodel.bytes_moved(op, mode, M, D, dtype)
     gbps = nbytes / (ms * 1e-3) / 1e9
-    return dict(op=op, mode=mode, provider=prov, dtype=dtype, M=M, D=D, ms=ms, ms_q20=q20,
-                ms_q80=q80, bytes=nbytes, gbps=gbps, frac_copy=gbps / copy_gbps, host_ms=host,
-                host_bound=None if host is None else host > ms)
+    row = dict(op=op, mode=mode, provider=prov, dtype=dtype, M=M, D=D, ms=ms, ms_q20=t.q20,
+               ms_q80=t.q80, timer=t.timer, bytes=nbytes, gbps=gbps, frac_copy=gbps / copy_gbps,
+               host_ms=host, host_bound=timing.host_bound(host, ms))
+    if t.note:
+        row["timer_note"] = t.note
+    return row
 
 
 def merge(results: list[dict]) -> dict:
@@ -361,14 +397,44 @@ def write_json(result: dict, path) -> None:
     path.write_text(json.dumps(result, indent=1))
 
 
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _bandwidth_cell(r: dict | None) -> str:
+    """GB/s, then (fraction of the big copy, of a same-size copy): ``2027.3*(0.48, 0.56)``."""
+    if r is None:
+        return f"{'-':>22}"
+    same = r.get("frac_same_copy")
+    fracs = f"{r['frac_copy']:.2f}" + (f", {same:.2f}" if _num(same) else "")
+    flag = "*" if r.get("host_bound") else " "
+    return f"{r['gbps']:>8.1f}{flag}({fracs})".ljust(22)
+
+
+def _time_cell(r: dict | None) -> str:
+    """Device time | host time per call, in us: ``66.3 |   84.4*``."""
+    if r is None:
+        return f"{'-':>22}"
+    host = r.get("host_ms")
+    flag = "*" if r.get("host_bound") else " "
+    host = f"{host * 1e3:>8.1f}{flag}" if _num(host) else f"{'-':>8} "
+    return f"{r['ms'] * 1e3:>11.1f} |{host}"
+
+
 def summary(result: dict) -> str:
-    """A text table per (op, dtype, mode): providers by D, each cell GB/s (fraction of copy)."""
+    """A text table per (op, dtype, mode), providers by D: each cell GB/s (fraction of the big
+    copy, of a same-size copy); under it, device and host time per call in us."""
     rows = result["rows"]
     both = [f"{k} {result[key]['gbps']:.1f}" for k, key in (("start", "copy"), ("end", "copy_end"))
             if key in result]
+    timer = result.get("provenance", {}).get("timer")
     lines = [f"copy bandwidth: {result['copy_bandwidth_gbps']:.1f} GB/s"
              + (f" ({', '.join(both)}; the faster is the yardstick)" if both else ""),
-             "* : host time per call exceeds the device time (the row measures Python, not the kernel)"]
+             f"timer: {timer if isinstance(timer, str) else 'not recorded'}",
+             "(a, b): fraction of that copy, and of a copy of the row's own bytes "
+             "(a same-size copy; none in older runs)",
+             "* : host time per call exceeds the device time (an eager loop would wait on the "
+             "host, not the kernel)"]
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["op"], r["dtype"], r["mode"]), []).append(r)
@@ -376,14 +442,17 @@ def summary(result: dict) -> str:
         shapes = sorted({(r["D"], r["M"]) for r in rs})
         provs = list(dict.fromkeys(r["provider"] for r in rs))
         cell = {(r["provider"], r["D"], r["M"]): r for r in rs}
-        lines.append(f"\n{op} {mode} {dtype}   GB/s (fraction of copy)")
-        lines.append(f"{'D':>10} " + "".join(f"{p:>17}" for p in provs))
-        for D, M in shapes:
-            cells = []
-            for p in provs:
-                r = cell.get((p, D, M))
-                flag = "*" if r and r.get("host_bound") else " "
-                cells.append(f"{r['gbps']:>8.1f}{flag}({r['frac_copy']:.2f})" if r else f"{'-':>17}")
-            tag = f"{D}" + ("" if len({m for _, m in shapes}) == 1 else f"/M={M}")
-            lines.append(f"{tag:>10} " + "".join(cells))
+        one_m = len({m for _, m in shapes}) == 1
+        for title, show in (("GB/s (fraction of copy, of a same-size copy)", _bandwidth_cell),
+                            ("device | host time per call, us", _time_cell)):
+            lines.append(f"\n{op} {mode} {dtype}   {title}")
+            lines.append(f"{'D':>10} " + "".join(f"{p:>22}" for p in provs))
+            for D, M in shapes:
+                tag = f"{D}" + ("" if one_m else f"/M={M}")
+                cells = "".join(show(cell.get((p, D, M))) for p in provs)
+                lines.append(f"{tag:>10} {cells}".rstrip())
+        for r in rs:   # rows a graph could not hold: timed by do_bench, and why
+            if r.get("timer_note"):
+                lines.append(f"  {r['provider']} D={r['D']} timed by {r.get('timer')}: "
+                             f"{r['timer_note']}")
     return "\n".join(lines)

@@ -8,7 +8,12 @@ the place in it (``rows[3].ms``) and what was expected against what was found, s
 command line can print it and exit 2 instead of failing somewhere deep in a plot.
 
 Timings: a row's ``ms`` is a positive number; NaN or +inf is allowed and means *not
-measured* (the goal check never counts such a row); 0 or a negative time is an error.
+measured* (the goal check never counts such a row); 0 or a negative time is an error. A row
+names the timer that made it (``timer``: ``cudagraph``, ``do_bench`` or ``perf_counter``, and
+``timer_note`` where a graph could not be captured) and carries its same-size yardstick
+(``copy_same_gbps``, ``frac_same_copy``; null where that copy failed). All of these are
+optional, so results recorded before them (rows timed by do_bench, without a same-size copy)
+still load and merge.
 
 In a folder, two other files that a GPU run leaves beside its results are recognized and
 skipped: the compile report (``report.json``, keys ``paths``) and the host timings
@@ -94,8 +99,12 @@ def _object(v):
 _KEYS = {"op": _one_of(OPS), "mode": _one_of(MODES), "provider": _text, "dtype": _one_of(DTYPES),
          "M": _size, "D": _size}
 ROW = {**_KEYS, "ms": _timing, "gbps": _nonneg, "frac_copy": _nonneg}
+# rows recorded before these (the H200's of 2026-12-04) have no timer (they were do_bench's on
+# CUDA), copy_same_gbps or frac_same_copy
 ROW_OPTIONAL = {"ms_q20": _number, "ms_q80": _number, "bytes": _size,
-                "host_ms": _optional(_number), "host_bound": _optional(_boolean)}
+                "host_ms": _optional(_number), "host_bound": _optional(_boolean),
+                "timer": _text, "timer_note": _text,
+                "copy_same_gbps": _optional(_nonneg), "frac_same_copy": _optional(_nonneg)}
 SKIP = {**_KEYS, "reason": _text}
 PROVENANCE_OPTIONAL = {k: _optional(lambda v: None if isinstance(v, str) else "a string")
                        for k in ("device", "device_type", "commit", "date")}
