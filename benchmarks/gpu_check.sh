@@ -294,10 +294,12 @@ elif selected wheels; then
   echo "no .whl/ (make gpu-wheels): Liger-Kernel is recorded as not measured" | tee "$LOGS/wheels.txt"
 fi
 
-# only the kernel test files: the others import test-only packages the GPU machine may lack.
+# only the kernel test files and the benchmark's (its graph timer): the others import test-only
+# packages the GPU machine may lack.
 # Without pytest this fails (No module named pytest): a GPU check without its tests is no pass.
 step gpu_tests "$CAP_TESTS" "$PY" -m pytest -m gpu -q -p no:cacheprovider \
-  tests/test_kernels_launchers.py tests/test_kernels_ops.py tests/test_kernels_ops_residual.py tests/test_kernels_gpu.py
+  tests/test_kernels_launchers.py tests/test_kernels_ops.py tests/test_kernels_ops_residual.py tests/test_kernels_gpu.py \
+  tests/test_bench.py
 
 # judged CMD...: CMD --goal, its status 1 (a goal not met) made 0: the verdict is a finding,
 # printed in its log and the summary, not a failed step; any other status stays the step's
