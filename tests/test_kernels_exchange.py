@@ -48,8 +48,8 @@ def _capture(monkeypatch, module, launch):
     returns what it returned and (kernel, programs, args, flags), the tensors moved to shared
     memory (in place: the launcher's outputs are the same tensors)."""
     seen = {}
-    monkeypatch.setattr(module, "launch_shared", lambda kernel, grid, args, flags: seen.update(
-        kernel=kernel, programs=grid[0], args=args, flags=flags))
+    monkeypatch.setattr(module, "launch_shared", lambda kernel, plan, args, *_: seen.update(
+        kernel=kernel, programs=plan.grid[0], args=args, flags=plan.flags))
     out = launch()
     for a in seen["args"]:
         if isinstance(a, torch.Tensor):
