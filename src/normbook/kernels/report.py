@@ -21,7 +21,7 @@ compiled: an architecture outside ``ARCHS`` (the plans, the model and the goal a
 and sm_90's; sm_100 and sm_120 fail in ptxas, and a mistyped 9 aborts LLVM, taking the report
 with it), a ``--json`` that could not be written, no Triton, or TRITON_INTERPRET set (Triton's
 interpreter then stands in for its compiler, and every configuration failed to compile).
-The command line, those refusals included, is :mod:`normbook._report_cli`, outside this
+The command line, those refusals included, is ``normbook._report_cli``, outside this
 package (which imports Triton when imported): the console script ``normbook-report`` prints
 its ``--help`` and refuses in one line without Triton, and imports this module only to compile.
 """
