@@ -95,11 +95,14 @@ def launch(kernel, grid: tuple, args: tuple, flags: dict, key: Optional[tuple] =
         kernel[grid](*args, **flags)
         return
     compiled = kernel[grid](*args, **flags)
-    if compiled is not None:
-        if len(_compiled) >= MAX_KEPT:   # (many distinct M: start again rather than grow)
-            _compiled.clear()
-        consts = tuple(flags[name] for name in kernel.arg_names[len(args):])
-        _compiled[key, device] = (compiled.run, compiled.function, compiled.packed_metadata, consts)
+    try:
+        kept = (compiled.run, compiled.function, compiled.packed_metadata,
+                tuple(flags[name] for name in kernel.arg_names[len(args):]))
+    except AttributeError:      # None (a compile hook took it) or not a compiled kernel
+        return
+    if len(_compiled) >= MAX_KEPT:   # (many distinct M: start again rather than grow)
+        _compiled.clear()
+    _compiled[key, device] = kept
 
 
 # ----------------------------------------------------------------------------- the stub seam
