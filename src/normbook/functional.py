@@ -491,12 +491,22 @@ def _kernels_take(x, residual) -> bool:
     return False
 
 
-# Where torch's autocast runs F.layer_norm / F.rms_norm in float32 (its inputs cast to fp32,
-# so its output fp32), by device type; index 0 LayerNorm, 1 RMSNorm. Read from torch's
-# dispatcher (2.13), each op on bf16/fp16 fake tensors of the device under its autocast:
-# tests/test_functional.py checks the table against torch whenever the suite runs. No CPU:
-# there torch's autocast leaves both norms in the input's dtype.
-_AUTOCAST_FP32 = ({"cuda", "xpu", "mps"}, {"cuda", "xpu"})
+def _autocast_fp32_devices(op: str) -> frozenset:
+    """The device types whose autocast has a kernel for ``op``: for the two norms that kernel
+    is always torch's float32 policy (inputs cast to fp32, an fp32 output). Read from the
+    running torch's dispatcher, since it changes between versions: torch 2.13 casts
+    F.rms_norm on CUDA and XPU, torch 2.11 leaves it in the input's dtype."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return frozenset(device for device, key in (("cuda", "AutocastCUDA"), ("xpu", "AutocastXPU"),
+                                                ("mps", "AutocastMPS"), ("cpu", "AutocastCPU"))
+                     if has(op, key))
+
+
+# Where torch's autocast runs F.layer_norm / F.rms_norm in float32, by device type; index 0
+# LayerNorm, 1 RMSNorm (torch 2.13: cuda, xpu and mps; cuda and xpu; torch 2.11: no device for
+# RMSNorm). tests/test_functional.py checks it against what torch returns, op by op on fake
+# tensors of each device under its autocast.
+_AUTOCAST_FP32 = (_autocast_fp32_devices("aten::layer_norm"), _autocast_fp32_devices("aten::rms_norm"))
 _any_autocast = torch._C._is_any_autocast_enabled   # (not MPS's: the fast path leaves it)
 
 
