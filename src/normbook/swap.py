@@ -110,7 +110,7 @@ def _replacement(old: torch.nn.Module, entry: HFNorm) -> RMSNorm:
     attribute of its own (Hugging Face's ``_is_hf_initialized``, without which ``init_weights``
     would reset a trained weight; ``variance_epsilon``, read by code that knows the class)."""
     weight = getattr(old, entry.weight)
-    new = RMSNorm(tuple(weight.shape), eps=float(getattr(old, entry.eps)), device="meta")
+    new = RMSNorm(weight.shape, eps=float(getattr(old, entry.eps)), device="meta")
     new.weight = weight                          # the Parameter itself: device, dtype, optimizer
     new.training = old.training
     for key, value in vars(old).items():
