@@ -18,7 +18,7 @@ KERNEL_TESTS := tests/test_kernels_launchers.py tests/test_kernels_ops.py tests/
   tests/test_kernels_gpu.py tests/test_functional_parity.py tests/test_kernels_minimal.py \
   tests/test_kernels_interpret.py tests/test_kernels_launch.py
 
-.PHONY: book test quick pytest triton36 gpu-dry-run gpu-wheels nbval notebooks pdf browser-check test-book test-kernels serve clean
+.PHONY: book test quick pytest triton36 torch-floor gpu-dry-run gpu-wheels nbval notebooks pdf browser-check test-book test-kernels serve clean
 
 ## The pins are installed by uv (itself pinned, into the venv by pip): under a minute where pip
 ## took three. Bytecode is compiled at install, as pip does: left to the first imports, it slowed
@@ -62,6 +62,31 @@ $(TRITON36)/.installed: $(STAMP)
 triton36: $(TRITON36)/.installed
 	env -u TRITON_INTERPRET PYTHONPATH=$(TRITON36) $(PY) -m normbook.kernels.report --json build/report-triton36.json
 	PYTHONPATH=$(TRITON36) $(PY) -m pytest -q -n auto -p no:cacheprovider -W ignore::DeprecationWarning:triton.runtime.interpreter $(KERNEL_TESTS)
+
+## The declared torch floor (pyproject: torch>=2.11) is tested too: torch 2.11 with Triton 3.6, the
+## GPU machine's versions, in a venv of their own, the rest at requirements.txt's pins, and the
+## package's tests under them (not the browser's). torch 2.11 from the index is a CUDA build,
+## about 5 GB with its CUDA libraries (a minute to install here); on a CPU it runs as any
+## build does. numpy 2.2.6: Triton 3.6's interpreter breaks on numpy 2.4.
+FLOOR := build/torch-floor
+FLOOR_PINS := torch==2.11.0 triton==3.6.0 numpy==2.2.6 "setuptools>=77,<82"
+$(FLOOR)/.installed: requirements.txt pyproject.toml
+	test -d $(FLOOR) || $(PYTHON) -m venv $(FLOOR)
+	$(FLOOR)/bin/python -m pip install --quiet uv==0.13.9
+	printf '%s\n' $(FLOOR_PINS) > $(FLOOR)/overrides.txt
+	$(FLOOR)/bin/uv pip install --quiet --python $(FLOOR)/bin/python --compile-bytecode \
+	  --override $(FLOOR)/overrides.txt -r requirements.txt
+	$(FLOOR)/bin/uv pip install --quiet --python $(FLOOR)/bin/python --no-deps -e .
+	touch $@
+
+## Not rerun there: the browser's pages, and the compile report and the GPU dry run, which
+## depend on Triton alone (make triton36 runs them under 3.6).
+torch-floor: $(FLOOR)/.installed
+	$(FLOOR)/bin/python -c "import torch, triton; assert torch.__version__.startswith('2.11.'), \
+	  torch.__version__; print('the torch floor: torch', torch.__version__, 'Triton', triton.__version__)"
+	$(FLOOR)/bin/python -m pytest tests -q -n auto -p no:cacheprovider --ignore=tests/browser \
+	  --ignore=tests/test_kernels_report.py --ignore=tests/test_gpu_check.py \
+	  -W ignore::DeprecationWarning:triton.runtime.interpreter
 
 ## benchmarks/gpu_check.sh with DRY_RUN=1: the GPU check's every step on the CPU, so a broken
 ## script is found here and not in the GPU's few minutes.
@@ -118,7 +143,8 @@ serve:
 	$(PYTHON) -m http.server $(PORT) --bind 127.0.0.1 --directory $(HTML_DIR)
 
 ## The gates: the package's tests first (a failure there stops everything); then two lines side
-## by side, each in order: the book build and its browser check; Triton 3.6 and the GPU dry run.
+## by side, each in order: the book build and its browser check; Triton 3.6, the GPU dry run
+## and the torch floor.
 ## The book executes one chapter at a time, a core at most, so alone it leaves the other core
 ## idle; the dry run's step caps assume a core of its own, which it has once Triton 3.6 is done.
 ## Each target's output is printed whole when it ends (--output-sync), and make starts nothing
@@ -132,6 +158,7 @@ test-book: book
 
 test-kernels: triton36
 	$(MAKE) gpu-dry-run
+	$(MAKE) torch-floor
 
 clean:
 	rm -rf build _build
