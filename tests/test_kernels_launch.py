@@ -65,7 +65,10 @@ with _launch.stub_driver(record):
         first = calls(record, both)
         added = _launch.compiled_variants() - kept
         direct = [calls(record, both) for _ in range(2)]
-        out[name] = dict(jit=jit, first=first, direct=direct, added=added)
+        _launch._DIRECT = False         # the switch off again, with the kernels kept
+        again = calls(record, both)
+        _launch._DIRECT = True
+        out[name] = dict(jit=jit, first=first, direct=direct, added=added, again=again)
 
 # a launch hook (a profiler's) set: every launch takes Triton's path, which calls it
 from triton import knobs
@@ -128,6 +131,10 @@ def test_a_direct_launch_hands_the_launcher_what_triton_would(launches):
             assert [args for args, _ in launches_] == jit_args, name
             if name != "misaligned":
                 assert all(hooks == [True, True, True] for _, hooks in launches_), name
+        # with _launch._DIRECT off, kept kernels are not used: Triton's path, which passes the
+        # launch metadata and hooks (what the GPU test's comparison relies on)
+        assert got["again"] == got["jit"][0], name
+        assert all(hooks == [False, False, False] for _, hooks in got["again"]), name
 
 
 def test_each_new_specialization_is_kept_once_and_a_misaligned_tensor_is_not(launches):

@@ -82,7 +82,7 @@ def launch(kernel, grid: tuple, args: tuple, flags: dict, key: Optional[tuple] =
     """
     # a kept kernel (only JITFunctions on a TESTED Triton are kept), with no launch hook set
     # (a hook that is not a HookChain is one that is set)
-    hit = None if key is None else _compiled.get((key, device))
+    hit = None if key is None or not _DIRECT else _compiled.get((key, device))
     if hit is not None:
         rt = knobs.runtime
         if not (getattr(rt.launch_enter_hook, "calls", True)
