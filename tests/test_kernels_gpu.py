@@ -138,3 +138,40 @@ def test_gpu_reduce_overhead_mode_matches_eager():
         (gx2,) = torch.autograd.grad(y2, x2, torch.ones_like(y2))
         torch.testing.assert_close(y, y2)
         torch.testing.assert_close(gx, gx2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 4096])
+def test_gpu_a_ready_call_is_bitwise_the_launchers(D):
+    """The door's fast path (normbook.kernels._ready): a signature's first call runs the
+    launchers and makes it ready, the next ones launch the kept kernels directly. Both give the
+    same bits: modules, the fused residual add with and without a gradient at h, and no_grad."""
+    import normbook
+    from normbook.kernels import _launch
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(300, D, device="cuda", generator=g).bfloat16()
+    r = torch.randn(300, D, device="cuda", generator=g).bfloat16()
+    dy = torch.randn(300, D, device="cuda", generator=g).bfloat16()
+    w = torch.randn(D, device="cuda", generator=g).bfloat16()
+    norms = _norms(D)
+
+    def fused(dh: bool):
+        xi, ri, wi = (t.detach().requires_grad_() for t in (x, r, w))
+        y, h = normbook.add_rms_norm(xi, ri, wi)
+        loss = (y * dy).sum() + ((h * dy).sum() if dh else 0)
+        return [y, h, *torch.autograd.grad(loss, (xi, ri, wi))]
+
+    def no_grad():
+        with torch.no_grad():
+            return [normbook.layer_norm(x, D, w)]
+
+    steps = [lambda: _train_step(norms, x, dy), lambda: fused(True), lambda: fused(False),
+             no_grad]
+    _launch.READY.clear()           # the first calls: through the launchers
+    first = [step() for step in steps]
+    assert len(_launch.READY) >= 3
+    for _ in range(2):
+        for a, b in zip(first, [step() for step in steps]):
+            for s, t in zip(a, b):
+                assert torch.equal(s, t)

@@ -169,3 +169,166 @@ def test_the_eager_kernel_route_is_capturable_by_a_cuda_graph(launches):
              "aten.to", "aten.cpu", "aten.tolist"}
     assert not seen & syncs, sorted(seen & syncs)
     assert {"aten.empty_like", "aten.new_empty"} <= seen, sorted(seen)
+
+
+_READY_SCRIPT = r'''
+import json, sys, warnings
+warnings.simplefilter("ignore")
+import torch
+import normbook
+from normbook import functional
+from normbook.kernels import _launch
+
+out = {}
+record = []
+
+def abstract(a):
+    """A launcher call as the kernel sees it: function handle, grid, stream, then the
+    arguments past metadata and hooks, a tensor as its dtype, size and alignment (the
+    launchers see x as (M, D) rows, the ready path in its own shape: the kernels see a
+    pointer)."""
+    return [a[4], a[0], a[1], a[2], a[3]] + [
+        (str(t.dtype), t.numel(), t.data_ptr() % 16 == 0) if isinstance(t, torch.Tensor)
+        else t for t in a[9:]]
+
+launched = []       # the launchers the door called: ("fwd" | "bwd")
+
+def run(fn):
+    """(launcher calls, launchers the door called) of fn."""
+    n, m = len(record), len(launched)
+    fn()
+    return [abstract(a) for a in record[n:]], launched[m:]
+
+g = torch.Generator().manual_seed(0)
+def t(*shape, dtype=torch.bfloat16, grad=True):
+    return torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad)
+
+functional._INTERPRETED = True     # CPU tensors on the kernel backend (as bench.host.stubbed)
+with _launch.stub_driver(record), normbook.backend("kernels"):
+    functional._kernels()
+    k = functional._K
+    def spy(name, launcher):
+        def call(*args):
+            launched.append(name)
+            return launcher(*args)
+        return call
+    functional._K = k._replace(norm_forward=spy("fwd", k.norm_forward),
+                               norm_backward=spy("bwd", k.norm_backward))
+    ln = normbook.LayerNorm(256, dtype=torch.bfloat16)
+    rms = normbook.RMSNorm(64)
+    x3 = t(2, 3, 256)
+    x, r = t(300, 64), t(300, 64)
+    w32 = t(64, dtype=torch.float32)
+    def backward(out):
+        for y in (out if isinstance(out, tuple) else (out,)):
+            y.backward(torch.ones_like(y))
+    cases = {
+        "LayerNorm (2, 3, 256)": lambda: backward(ln(x3)),
+        "RMSNorm fp32 (300, 64)": lambda: backward(rms(x.float())),
+        "layer_norm no weight": lambda: backward(normbook.layer_norm(x, 64)),
+        "add_layer_norm fp32 weight": lambda: backward(normbook.add_layer_norm(x, r, w32)),
+        "add_rms_norm": lambda: backward(normbook.add_rms_norm(x, r, w32.bfloat16())),
+    }
+    for name, fn in cases.items():
+        calls = [run(fn) for _ in range(3)]
+        out[name] = dict(calls=calls, ready=len(_launch.READY))
+
+    # calls the fast path must leave to the launchers, after their signature is ready
+    base = t(2 * 64 + 8, grad=False)
+    w = t(64, grad=False).float()
+    normbook.layer_norm(x, 64, w)                         # ready
+    declined = {
+        "misaligned input": lambda: normbook.layer_norm(base[1:129].view(2, 64).requires_grad_(), 64, w),
+        "weight not dense": lambda: normbook.layer_norm(x, 64, t(128, grad=False).float()[::2]),
+        "dy not dense": lambda: normbook.layer_norm(x, 64, w).backward(torch.ones(64).bfloat16().expand(300, 64)),
+    }
+    for name, fn in declined.items():
+        out[name] = run(fn)[1]
+    from triton import knobs
+    hook = lambda metadata: None
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        out["a launch hook"] = run(lambda: backward(normbook.layer_norm(x, 64, w)))[1]
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    # the same Parameter with other data: another signature, the launchers again
+    rms.weight.data = rms.weight.data.bfloat16()
+    out["weight.data in another dtype"] = run(lambda: backward(rms(x)))[1]
+    out["and then"] = run(lambda: backward(rms(x)))[1]
+    # normalized over two dims: (2, 64) rows of 128, which the kept (300, 64) kernels are not
+    x2 = x.detach().view(150, 2, 64)
+    calls = [run(lambda: ys2.append(normbook.layer_norm(x2, (2, 64)))) for ys2 in [[]] * 2]
+    out["two normalized dims"] = [c[1] for c in calls]
+    # no gradient wanted: no Function at all
+    ys = []
+    with torch.no_grad():
+        calls, by_launchers = run(lambda: ys.append(normbook.layer_norm(x, 64, w)))
+    out["no grad"] = dict(grad_fn=ys[0].grad_fn is None, launched=by_launchers,
+                          launches=len(calls))
+json.dump(out, sys.stdout)
+'''
+
+
+@pytest.fixture(scope="module")
+def ready_calls():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _READY_SCRIPT], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+_LAUNCHES = {"LayerNorm (2, 3, 256)": 2, "RMSNorm fp32 (300, 64)": 3, "layer_norm no weight": 2,
+             "add_layer_norm fp32 weight": 3, "add_rms_norm": 3}
+_CASES = tuple(_LAUNCHES)
+
+
+@pytest.mark.parametrize("case", _CASES)
+def test_a_ready_call_hands_the_launcher_what_the_launchers_would(ready_calls, case):
+    """normbook.functional._norm's fast path: the first call of a signature runs the launchers
+    (forward, then backward) and makes it ready; the next ones call neither, and hand the
+    compiled kernels' launcher the same kernels, grids, streams and arguments, forward and
+    backward (with the finish kernel where several programs kept partial sums: M = 300 in the
+    interpreter's grid of 4)."""
+    (first, by_launchers), (second, by_second), (third, by_third) = ready_calls[case]["calls"]
+    assert by_launchers == ["fwd", "bwd"], case
+    assert by_second == [] and by_third == [], case
+    assert second == first and third == first, case
+    # forward, backward, and the finish where 300 rows with a weight left partial sums
+    assert len(first) == _LAUNCHES[case], case
+
+
+def test_every_ready_signature_is_kept_once(ready_calls):
+    assert [ready_calls[c]["ready"] for c in _CASES] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("case", ["misaligned input", "weight not dense", "a launch hook",
+                                  "weight.data in another dtype"])
+def test_what_a_signature_does_not_fix_is_checked_on_every_call(ready_calls, case):
+    """A ready signature's later calls go to the launchers when this call's pointers are off
+    16-byte alignment or its parameters not dense (the kernels were specialized and the
+    launches planned for what the first call had), when a launch hook is set (Triton's path
+    calls it), and when a parameter's data changed dtype in place (another signature)."""
+    assert ready_calls[case][:1] == ["fwd"], (case, ready_calls[case])
+
+
+def test_a_gradient_not_dense_goes_to_the_launcher(ready_calls):
+    """dy expanded from one row: the ready backward declines, norm_backward copies it."""
+    assert ready_calls["dy not dense"] == ["bwd"]
+
+
+def test_a_shape_normalized_over_several_dims_is_never_ready(ready_calls):
+    """normalized_shape (2, 64): rows of 128 to the launchers, which a ready signature,
+    planned for rows of the input's last dim, must not take (the kept (300, 64) kernels
+    match its sizes)."""
+    assert ready_calls["two normalized dims"] == [["fwd"], ["fwd"]]
+
+
+def test_a_new_signature_is_ready_after_its_first_call(ready_calls):
+    assert ready_calls["and then"] == []
+
+
+def test_no_gradient_no_function(ready_calls):
+    """Under no_grad a ready call launches without the autograd Function (no grad_fn) and
+    without the launchers."""
+    assert ready_calls["no grad"] == {"grad_fn": True, "launched": [], "launches": 1}

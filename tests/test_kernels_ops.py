@@ -333,11 +333,13 @@ def _reaches_the_launchers(monkeypatch, device):
     """bf16 rows of ``device`` through normbook's functions and modules: each call's forward
     and backward run the kernels' launchers (normbook.kernels._forward.norm_forward and
     _backward.norm_backward), with the norm's is_rms, and agree with float64. The door calls
-    them through ``functional._K``, the tuple it caches on its first kernel call, so the spies
-    go into that tuple (patching the modules' attributes would not be seen)."""
+    them through ``functional._K``, the named tuple it caches on its first kernel call, so the
+    spies go into that tuple (patching the modules' attributes would not be seen). Each call is
+    its signature's first, which the fast path leaves to the launchers."""
     from normbook import functional
 
-    forward, backward, *rest = functional._kernels()
+    kernels = functional._kernels()
+    forward, backward = kernels.norm_forward, kernels.norm_backward
     calls = []
 
     def spy(direction, launcher):
@@ -346,7 +348,8 @@ def _reaches_the_launchers(monkeypatch, device):
             return launcher(*args)
         return call
 
-    monkeypatch.setattr(functional, "_K", (spy("fwd", forward), spy("bwd", backward), *rest))
+    monkeypatch.setattr(functional, "_K", kernels._replace(norm_forward=spy("fwd", forward),
+                                                            norm_backward=spy("bwd", backward)))
     D, eps = 256, torch.finfo(torch.float32).eps     # rms_norm's eps for bf16 when None
     g = torch.Generator().manual_seed(0)
     x = torch.randn(8, D, generator=g).to(device, torch.bfloat16).requires_grad_()

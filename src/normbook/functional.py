@@ -28,7 +28,7 @@ import functools
 import importlib.util
 import math
 import warnings
-from typing import Iterator, Sequence   # typing's: the book's API page resolves these names
+from typing import Any, Iterator, NamedTuple, Sequence   # typing's: the book's API page resolves these names
 
 import torch
 import torch.autograd.forward_ad as _fwAD
@@ -94,7 +94,8 @@ def backend(name: str) -> Iterator[None]:
         _backend = previous
 
 
-_K = None   # normbook.kernels' launchers and ops, imported on the first kernel call
+_K = None   # normbook.kernels' launchers and ops (a _Kernels), imported on the first kernel call
+_READY: dict = {}   # the fast path's ready signatures: normbook.kernels._launch.READY, once imported
 _TORCH, _LAUNCH, _OPS = 0, 1, 2   # what computes a call: NormFunction's ``kernels`` argument
 # torch's predicates, bound once (each is read on every call; torch.compile knows them by
 # identity, whatever the name)
@@ -105,15 +106,28 @@ _legacy_batched = _math._is_legacy_batched   # autograd's batched gradients (is_
 _tracing = torch._C._is_tracing              # torch.jit.trace
 # torch.export (a torch without is_exporting exports by the torch.compile route)
 _exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+
+
+class _Kernels(NamedTuple):
+    """What the door and the Function call of the kernel layer."""
+    norm_forward: Any       # the launchers, kernels._forward.norm_forward and
+    norm_backward: Any      # kernels._backward.norm_backward
+    ops: Any                # kernels.ops: the custom ops
+    config: Any             # kernels._config
+    ready: Any              # kernels._ready.ready
+    plain: Any              # kernels._launch.plain
 
 
 def _kernels():
     """The kernel layer (imports triton on first use: ``import normbook`` never does)."""
-    global _K
+    global _K, _READY
     if _K is None:
-        from normbook.kernels import _backward, _config, _forward, ops
+        from normbook.kernels import _backward, _config, _forward, _launch, _ready, ops
 
-        _K = (_forward.norm_forward, _backward.norm_backward, ops, _config)
+        _READY = _launch.READY
+        _K = _Kernels(_forward.norm_forward, _backward.norm_backward, ops, _config, _ready.ready,
+                      _launch.plain)
     return _K
 
 
@@ -200,11 +214,12 @@ class NormFunction(torch.autograd.Function):
 
     ``apply(x, residual, weight, bias, cfg) -> y``, or ``(y, h)`` with a residual: x and the
     residual (M, D) rows (a DTensor keeps its leading dims), weight and bias (D,) or None, and
-    the rest one tuple, ``cfg = (eps, is_rms, kernels, bias_dtype, has_residual)``, kept as it
-    is for backward (each argument of an apply, and each object built for backward, costs some
-    work per call: see :func:`_cfg`). ``kernels`` is the backend: ``_TORCH`` (0) the torch ops, ``_LAUNCH`` (1) the
-    Triton kernels' launchers, ``_OPS`` (2) the kernels through their custom ops (under a
-    tracer, or for a DTensor; :func:`_apply` chooses). y = norm(h) with h = x + residual (h = x
+    the rest one tuple, ``cfg = (eps, is_rms, kernels, bias_dtype, has_residual, ready)``, kept
+    as it is for backward (each argument of an apply, and each object built for backward, costs
+    some work per call: see :func:`_cfg`). ``kernels`` is the backend: ``_TORCH`` (0) the torch
+    ops, ``_LAUNCH`` (1) the Triton kernels' launchers, or their kept kernels through ``ready``
+    (a :class:`~normbook.kernels._ready.Ready`, from :func:`_norm`), ``_OPS`` (2) the kernels
+    through their custom ops (under a tracer, or for a DTensor; :func:`_apply` chooses). y = norm(h) with h = x + residual (h = x
     without one, and then not returned). The statistics, (k, M), are saved for backward, not
     returned: a Function with one output, and with ``ctx`` in its forward, costs about 1.5 us
     less per call than one whose ``setup_context`` receives them as a second output (measured,
@@ -220,8 +235,10 @@ class NormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, cfg):
-        eps, is_rms, kernels, _, _ = cfg
-        if kernels == _LAUNCH:   # the commonest case without a call more (see _forward_rows)
+        eps, is_rms, kernels, _, _, ready = cfg
+        if ready is not None:    # the fast path's (see _norm)
+            y, h, stats = ready.forward(x, residual, weight, bias, eps)
+        elif kernels == _LAUNCH:   # the commonest case without a call more (see _forward_rows)
             if x.dim() == 2:
                 y, h, stats = _K[0](x, residual, weight, bias, eps, is_rms)
             else:                # (..., D) (see _whole): the launchers take (M, D) rows
@@ -243,7 +260,7 @@ class NormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, *rest):
-        eps, is_rms, kernels, bias_dtype, has_residual = ctx.cfg
+        eps, is_rms, kernels, bias_dtype, has_residual, ready = ctx.cfg
         dh = rest[0] if has_residual else None
         if dy is None:
             # only h was used downstream: nothing reaches the norm's inputs through y, and h =
@@ -251,6 +268,13 @@ class NormFunction(torch.autograd.Function):
             # in place, is not read, as torch's x + residual would not)
             return dh, dh, None, None, None
         x, weight, stats = ctx.saved_tensors
+        if ready is not None and not (_grad_enabled() or _transformed() or _compiling()
+                                      or _fwAD._current_level >= 0 or _legacy_batched(dy)
+                                      or not _K.plain()):
+            grads = ready.backward(dy, dh, x, weight, stats, bias_dtype)
+            if grads is not None:       # (None: dy or dh not dense, or not kept yet)
+                dx = grads[0]
+                return dx, dx if has_residual else None, grads[1], grads[2], None
         shape = None
         if kernels == _LAUNCH and x.dim() != 2:          # (..., D), see forward
             shape = x.shape
@@ -307,7 +331,7 @@ class _NormFunctionAD(NormFunction):
         """Tangents of (y, h): th = tx + tresidual, ty = weight * J th (ln-jac) plus the
         parameters' terms, in torch ops on the saved statistics."""
         x, weight, stats = ctx.saved_tensors
-        _, is_rms, _, _, has_residual = ctx.cfg
+        _, is_rms, _, _, has_residual, _ = ctx.cfg
         th = tx
         if has_residual and tresidual is not None:
             th = tresidual if th is None else th + tresidual
@@ -331,11 +355,12 @@ _ad_apply = super(torch.autograd.Function, _NormFunctionAD).apply
 
 
 def _cfg(eps, is_rms, kernels, bias, residual) -> tuple:
-    """:class:`NormFunction`'s last argument: (eps, is_rms, kernels, bias_dtype, has_residual).
+    """:class:`NormFunction`'s last argument: (eps, is_rms, kernels, bias_dtype, has_residual,
+    ready), ready None (the fast path's calls bring their :class:`~normbook.kernels._ready.Ready`).
     One tuple, built once by the door and kept by the Function as ``ctx.cfg``: it is what
     backward needs besides the saved tensors, and a tuple built again in forward (or two
     arguments more) costs about a microsecond per call in the host benchmark."""
-    return eps, is_rms, kernels, None if bias is None else bias.dtype, residual is not None
+    return eps, is_rms, kernels, None if bias is None else bias.dtype, residual is not None, None
 
 
 def _apply(x, residual, weight, bias, eps, is_rms, kernels):
@@ -537,51 +562,95 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
     (y, h) in input's shape (h None without a residual). ``kernels``: None to follow
     :func:`backend`, True to force the kernels (:mod:`normbook.kernels`).
 
-    The common case is recognised in a few attribute reads: a floating tensor whose last dim
-    is D, parameters None or (D,) floating tensors on its device, eps a float that is not NaN.
-    Anything else goes through the full checks, which raise with a message or accept the rare
-    case. The commonest case of all, a plain tensor with dense rows on the backend that
-    :func:`backend` chooses, outside any tracer or transform, takes a shorter path first (host
-    time per call is what a user of small batches waits for: ``python -m normbook.bench host``);
-    whatever it does not accept goes on to the checks below, so both give the same results.
+    This is the eager fast path of the kernel backend; everything else goes on to
+    :func:`_slow`. A call is known by its signature: the input's shape, dtype and device, the
+    parameters' and the residual's dtypes, the norm, the backend, D. The first call of a
+    signature takes the slow path: the full checks and the launchers, which plan it, compile
+    or find its kernels and keep them; the signature is then made ready
+    (:func:`normbook.kernels._ready.ready`). Later calls check here what the signature does
+    not fix (a plain tensor, dense rows and parameters, 16-byte aligned pointers, the
+    parameters' length and device, eps, the current CUDA device; no tracer, transform,
+    autocast or launch hook) and launch the kept kernels
+    (:class:`~normbook.kernels._ready.Ready`), through the autograd Function only when a
+    gradient is wanted. Host time per call is what a user of small batches waits for:
+    ``python -m normbook.bench host``.
     """
     t = type(normalized_shape)
     D = normalized_shape if t is int else (
         normalized_shape[0] if t in _SEQUENCES and len(normalized_shape) == 1 else None)
-    if (type(input) is Tensor and type(eps) is float and eps == eps and type(D) is int and D
-            and residual is None
-            and not _compiling() and _fwAD._current_level < 0
+    b = None if bias is _NO_BIAS else bias
+    key = ready = None
+    if type(input) is Tensor and D is not None and type(eps) is float and eps == eps and not (
+            _compiling() or _transformed() or _any_autocast() or _tracing()
+            or _fwAD._current_level >= 0):
+        try:    # (a parameter or residual that is not a tensor: the slow path names it)
+            key = (input.shape, input.dtype, input.device, None if weight is None else weight.dtype,
+                   None if b is None else b.dtype, None if residual is None else residual.dtype,
+                   is_rms, D, _backend, kernels)
+            ready = _READY.get(key)
+            if ready and not (
+                    input.is_contiguous()
+                    and (weight is None or (weight.shape == (D,) and weight.device == key[2]
+                                            and weight.is_contiguous()))
+                    and (b is None or (b.shape == (D,) and b.device == key[2]
+                                       and b.is_contiguous()))
+                    and (residual is None or (residual.shape == key[0]
+                                              and residual.device == key[2]
+                                              and residual.is_contiguous()))
+                    and not (input.data_ptr() | (0 if weight is None else weight.data_ptr())
+                             | (0 if b is None else b.data_ptr())
+                             | (0 if residual is None else residual.data_ptr())) & 15
+                    and (ready.device < 0 or _current_device() == ready.device)
+                    and _K.plain()):
+                ready = None
+        except AttributeError:
+            key = ready = None
+    if not ready:
+        return _slow(input, normalized_shape, weight, bias, eps, is_rms, residual, name, kernels,
+                     D, key)
+    if _grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad)
+                            or (b is not None and b.requires_grad)
+                            or (residual is not None and residual.requires_grad)):
+        cfg = (eps, is_rms, _LAUNCH, None if b is None else b.dtype, residual is not None, ready)
+        out = _eager_apply(input, residual, weight, b, cfg)
+        return (out, None) if residual is None else out
+    y, h, _ = ready.forward(input, residual, weight, b, eps)   # no gradient: no Function
+    return y, h
+
+
+def _slow(input, normalized_shape, weight, bias, eps, is_rms, residual, name, kernels, D, key):
+    """:func:`_norm` past its fast path: on the torch backend a shorter path for its common
+    case (a plain tensor with dense rows, parameters None or (D,) floating tensors on its
+    device, eps a float that is not NaN, outside any tracer or transform); everything else
+    through the full checks (:func:`_checked`), which raise with a message or accept the rare
+    case, so both give the same results. ``key``: the call's signature, made ready when the
+    kernels' launchers took it (None: not a signature the fast path knows)."""
+    if key is not None and _READY.get(key) is None and type(input) is Tensor and (
+            kernels or (kernels is None and _use_kernels(input))):
+        out = _checked(input, normalized_shape, weight, bias, eps, is_rms, residual, name,
+                       kernels, D)
+        if _K.plain():   # (the call is one the fast path checks: key is not None)
+            # what the launchers took as it is, made ready (None: not yet; False: never)
+            made = _K.ready(input, residual, weight, None if bias is _NO_BIAS else bias, is_rms,
+                            D)
+            if made is not None:
+                _READY[key] = made
+        return out
+    if (not kernels and type(input) is Tensor and type(eps) is float and eps == eps
+            and type(D) is int and D and residual is None and (input.is_cpu or input.is_cuda)
+            and not _use_kernels(input) and not _compiling() and _fwAD._current_level < 0
             and not _transformed() and not _any_autocast() and not _tracing()):
-        shape, dtype = input.shape, input.dtype
-        if kernels is None:     # backend(): see _use_kernels
-            kernels = _backend == "kernels" or (_backend == "auto" and input.is_cuda
-                                                and dtype in _KERNEL_DTYPES and _triton_installed())
-        if kernels:             # what the kernels take without a word (else: the checks below)
-            mode, dtypes = _LAUNCH, _KERNEL_DTYPES
-            ok = (D <= _FUSED_D and _K is not None
-                  and (input.is_cuda or (_INTERPRETED and input.is_cpu)))
-        else:   # (autocast on an MPS device is not in _any_autocast: the checks see it)
-            mode, dtypes, ok = _TORCH, _FLOAT_DTYPES, input.is_cpu or input.is_cuda
-        if ok and shape and shape[-1] == D and dtype in dtypes and input.is_contiguous():
-            device = input.device
-            b, bias_dtype = None, None
-            try:        # a parameter that is not a tensor: the checks below name it
-                if weight is not None and not (
-                        weight.shape == (D,) and weight.dtype in dtypes and weight.device == device
-                        and weight.is_contiguous()):
-                    ok = False
-                if bias is not None and bias is not _NO_BIAS:
-                    b, bias_dtype = bias, bias.dtype
-                    if not (b.shape == (D,) and bias_dtype in dtypes and b.device == device
-                            and b.is_contiguous()):
-                        ok = False
-            except AttributeError:
-                ok = False
-            if ok:      # (..., D) as it is: see _whole
-                if mode == _TORCH:      # (with or without the Function: _apply decides)
-                    return _apply(input, None, weight, b, eps, is_rms, False)
-                cfg = (eps, is_rms, mode, bias_dtype, False)
-                return _eager_apply(input, None, weight, b, cfg), None
+        shape, device = input.shape, input.device
+        b = None if bias is _NO_BIAS else bias
+        try:        # a parameter that is not a tensor: the checks below name it
+            if shape and shape[-1] == D and input.dtype in _FLOAT_DTYPES and input.is_contiguous() \
+                    and all(p is None or (p.shape == (D,) and p.dtype in _FLOAT_DTYPES
+                                          and p.device == device and p.is_contiguous())
+                            for p in (weight, b)):
+                # (..., D) as it is (see _whole), with or without the Function (_apply decides)
+                return _apply(input, None, weight, b, eps, is_rms, False)
+        except AttributeError:
+            pass
     if torch.jit.is_tracing() and D is not None:   # (torch.compile knows is_tracing)
         # torch.jit.trace holds sizes as values, and warns each time one decides a branch.
         # Over one dim, the checks below only check this call's arguments: the traced

@@ -478,6 +478,20 @@ def norm_bwd_finish_kernel(
 _KERNELS = globals()
 
 
+def launch_keys(plans, x, dy, dhp, w, ow, ob, stride_x: int, stride_dy: int, stride_dh: int,
+                M: int, D: int) -> tuple:
+    """What the backward's compiled kernels are specialized on besides their pointers' 16-byte
+    alignment (:func:`normbook.kernels._launch.launch`), for the main launch and the finish
+    (None without one): the plans' launches, the tensors' dtypes (``dhp``, ``w``, ``ow``,
+    ``ob``: dh, the weight, dweight and dbias or their placeholders; the partials are fp32),
+    the integers."""
+    main = (plans[0].key, x.dtype, dy.dtype, dhp.dtype, w.dtype, ow.dtype, ob.dtype, stride_x,
+            stride_dy, stride_dh, M, D)
+    if len(plans) == 1:
+        return main, None
+    return (*main, torch.float32), (plans[1].key, ow.dtype, ob.dtype, plans[0].groups, D)
+
+
 def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     """(ln-dx), (rms-dx), (ln-dparams) and (fork-rule): launch the backward on (M, D) rows.
 
@@ -546,17 +560,16 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     w = x if weight is None else weight
     ow = stats if dweight is None else dweight
     ob = stats if dbias is None else dbias
-    # what the compiled kernels are specialized on besides the pointers' 16-byte alignment,
-    # which every pointer must have for the kept kernels (else Triton's path, key None; the
-    # partials' and the slots' alignment follows from the key: they are allocated by D, groups)
+    # every pointer must be 16-byte aligned for the kept kernels (else Triton's path, keys None;
+    # the partials' and the slots' alignment follows from the keys: allocated by D and groups)
     aligned = not (x.data_ptr() | dy.data_ptr() | dhp.data_ptr() | dx.data_ptr() | w.data_ptr()
                    | stats.data_ptr() | ow.data_ptr() | ob.data_ptr()) & 15
-    key = (x.dtype, dy.dtype, dhp.dtype, w.dtype, ow.dtype, ob.dtype, stride_x, stride_dy,
-           stride_dh, M, D) if aligned else None
+    main_key, finish_key = launch_keys(plans, x, dy, dhp, w, ow, ob, stride_x, stride_dy,
+                                       stride_dh, M, D) if aligned else (None, None)
     if plan.simple:     # the common case: one launch of whole rows, no finish
         launch(_KERNELS[plan.kernel], plan.grid, (x, dy, dhp, dx, w, stats, ow, ob, stride_x,
                                                   stride_dy, stride_dh, M, D), plan.flags,
-               key and (plan.key, *key), device)
+               main_key, device)
         return dx, dweight, dbias
     if len(plans) == 1:   # one group writes the sums over rows itself
         pw, pb = ow, ob
@@ -574,7 +587,6 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
                 dbias is not None, (stride_x | stride_dy | stride_dh) & 15,
                 shared_rows(D)) is not None:
             return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)  # measured
-    main_key = key and (plan.key, *key, pw.dtype)
     if plan.slices > 1:
         launch_shared(kernel, plan, args, main_key, device)
     else:
@@ -583,5 +595,5 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
         # the one small reduction, (groups, D) -> (D,), in a fixed order: deterministic
         finish = plans[1]
         launch(_KERNELS[finish.kernel], finish.grid, (pw, pb, ow, ob, plan.groups, D),
-               finish.flags, key and (finish.key, ow.dtype, ob.dtype, plan.groups, D), device)
+               finish.flags, finish_key, device)
     return dx, dweight, dbias

@@ -586,6 +586,13 @@ def norm_fwd_coop_kernel(
 _KERNELS = globals()
 
 
+def launch_key(plan, x, r, w, b, stride_x: int, stride_r: int, M: int, D: int) -> tuple:
+    """What a forward launch's compiled kernel is specialized on besides its pointers' 16-byte
+    alignment (:func:`normbook.kernels._launch.launch`): the plan's launch, the tensors' dtypes
+    (``r``, ``w``, ``b``: the residual, weight and bias or their placeholders), the integers."""
+    return plan.key, x.dtype, r.dtype, w.dtype, b.dtype, stride_x, stride_r, M, D
+
+
 def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     """(ln-y) and (rms-y), with the residual add: launch the forward on (M, D) rows, last dim contiguous.
 
@@ -624,12 +631,10 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     w = x if weight is None else weight  # placeholders: never read when absent
     b = x if bias is None else bias
     args = (x, r, hy, y, w, b, stats, stride_x, stride_r, M, D, eps)
-    # what the compiled kernel is specialized on besides the pointers' 16-byte alignment, which
-    # every pointer must have for the kept kernel (else Triton's path, key None)
+    # every pointer must be 16-byte aligned for the kept kernel (else Triton's path, key None)
     aligned = not (x.data_ptr() | r.data_ptr() | hy.data_ptr() | y.data_ptr() | w.data_ptr()
                    | b.data_ptr() | stats.data_ptr()) & 15
-    key = (plan.key, x.dtype, r.dtype, w.dtype, b.dtype, stride_x, stride_r, M, D) if (
-        aligned) else None
+    key = launch_key(plan, x, r, w, b, stride_x, stride_r, M, D) if aligned else None
     if plan.simple:     # the common case: one launch of whole rows
         launch(_KERNELS[plan.kernel], plan.grid, args, plan.flags, key, device)
         return y, h, stats

@@ -40,7 +40,8 @@ from triton.runtime import driver as _drivers
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-__all__ = ["launch", "direct", "stub_driver", "TESTED", "compiled_variants"]
+__all__ = ["launch", "direct", "stub_driver", "TESTED", "compiled_variants", "kept", "plain",
+           "READY"]
 
 TESTED = ("3.6", "3.9")   # Triton versions whose JITFunction.run this mirrors, and is tested on
 
@@ -49,6 +50,9 @@ MAX_KEPT = 4096          # entries of the kept kernels' table before it is clear
 # (a launcher's key, device) -> (the compiled kernel's launcher, its function handle, packed
 # metadata, constexpr values in signature order): what JITFunction.run passes the launcher
 _compiled: dict = {}
+# the front door's ready calls (normbook.functional._norm): its key -> a Ready of _forward,
+# holding kept kernels; forgotten with them
+READY: dict = {}
 
 
 def direct(kernel) -> bool:
@@ -56,6 +60,21 @@ def direct(kernel) -> bool:
     ``@triton.jit`` kernel (not the interpreter's, nor a stand-in) on a Triton in
     :data:`TESTED`."""
     return _DIRECT and type(kernel) is JITFunction
+
+
+def plain() -> bool:
+    """Whether launches may skip Triton's path now: a :data:`TESTED` Triton, direct launches
+    on (:data:`_DIRECT`), no launch hook set (a hook that is not a HookChain is one that is
+    set)."""
+    rt = knobs.runtime
+    return _DIRECT and not (getattr(rt.launch_enter_hook, "calls", True)
+                            or getattr(rt.launch_exit_hook, "calls", True))
+
+
+def kept(key: tuple, device: int):
+    """The kept kernel of a launcher's ``key`` on ``device``, as :func:`launch` calls it: (its
+    launcher, its function handle, packed metadata, constexpr values), or None."""
+    return _compiled.get((key, device))
 
 
 def compiled_variants() -> int:
@@ -102,6 +121,7 @@ def launch(kernel, grid: tuple, args: tuple, flags: dict, key: Optional[tuple] =
         return
     if len(_compiled) >= MAX_KEPT:   # (many distinct M: start again rather than grow)
         _compiled.clear()
+        READY.clear()
     _compiled[key, device] = kept
 
 
@@ -194,6 +214,7 @@ def _forget() -> None:
     from normbook.kernels import _backward, _forward
 
     _compiled.clear()
+    READY.clear()
     for module in (_forward, _backward):
         for value in vars(module).values():
             caches = getattr(value, "device_caches", None)
