@@ -12,6 +12,8 @@
 #   report     the static compile report, compiled here (Triton of this machine)   120 / 60
 #   host       normbook-bench host --goal: host time per call, real launches (the    45 / 45
 #              dry run: the driver stubbed)
+#   plans      normbook-bench plans: the backward of few rows as one program against    45 / 30
+#              the grid and its finish, device time (the dry run: in the interpreter)
 #   chapter    chapter 9 executed here, its tensors on this GPU (book/_ext/notebooks.py --run;
 #              the dry run: in the interpreter)                                     60 / 90
 #   bench_*    bf16: 4 ops x fwd/bwd, normbook, torch, liger; fp32 layer_norm with compile;
@@ -67,7 +69,7 @@ BUDGET_S=${BUDGET_S:-480}; whole BUDGET_S "$BUDGET_S"
 RESERVE_S=${RESERVE_S:-20}; whole RESERVE_S "$RESERVE_S"
 KILL_AFTER_S=${KILL_AFTER_S:-5}; whole KILL_AFTER_S "$KILL_AFTER_S"
 MIN_STEP_S=3       # a limit shorter than this is no chance to run: the step is not run
-ALL_STEPS=" env wheels gpu_tests report host chapter bench_bf16 bench_fp32 bench_compile"
+ALL_STEPS=" env wheels gpu_tests report host plans chapter bench_bf16 bench_fp32 bench_compile"
 ALL_STEPS+=" merge summary plots overview model "
 ONLY=${ONLY:-}
 IFS=, read -ra only_steps <<< "$ONLY"
@@ -190,7 +192,7 @@ publish() {
     if [ -f "$WORK/$f" ] && [ "$WORK/$f" -nt "$OUT/$f" ]; then copy_in "$WORK/$f"; fi
   done
   # the archive: the pieces that exist, side by side, so that it unpacks into one folder
-  for f in logs plots host.json report.json summary.txt "$WORK"/bench-*; do
+  for f in logs plots host.json plans.json report.json summary.txt "$WORK"/bench-*; do
     [ -e "$WORK/${f#"$WORK"/}" ] && items+=("${f#"$WORK"/}")
   done
   tar -czf "$OUT/logs.tar.gz.part" -C "$WORK" "${items[@]}" 2>> "$LOGS/tar.txt" \
@@ -218,6 +220,8 @@ write_summary() {
   echo; echo "== GPU tests"; tail -n 3 "$LOGS/gpu_tests.txt" 2>/dev/null
   echo; echo "== compile report"; tail -n 1 "$LOGS/report.txt" 2>/dev/null
   echo; echo "== host time per call"; cat "$LOGS/host.txt" 2>/dev/null
+  echo; echo "== the backward of few rows: one program or a grid and its finish"
+  cat "$LOGS/plans.txt" 2>/dev/null
   echo; echo "== benchmark"; cat "$LOGS/summary.txt" 2>/dev/null || echo "no summary (yet)"
   echo; echo "== the model against measurement"; cat "$LOGS/model.txt" 2>/dev/null || echo "not compared (yet)"
   return 0
@@ -307,6 +311,13 @@ JUDGED='"$@" --goal; rc=$?; [ "$rc" = 1 ] && exit 0; exit "$rc"'
 
 step report "$CAP_REPORT" "$PY" -m normbook.kernels.report "${REPORT[@]}" --json "$WORK/report.json"
 step host 45 bash -c "$JUDGED" judged "$PY" -m normbook.bench host --json "$WORK/host.json"
+# the device time of _config.ONE_PROGRAM_ROWS's choice, and the finish's share at large M
+if [ "$DRY" = 1 ]; then
+  step plans 30 env TRITON_INTERPRET=1 "$PY" -m normbook.bench plans --dims 2048 --rows 1,4 \
+    --share-rows 64 --json "$WORK/plans.json"
+else
+  step plans 45 "$PY" -m normbook.bench plans --json "$WORK/plans.json"
+fi
 # chapter 9 as a reader with this GPU runs it: every cell, its claims asserted, the kernel cells'
 # tensors on the GPU (booktools.kernel_device), its "measure it on your GPU" cell included.
 # The dry run has no GPU: the same cells in Triton's interpreter.

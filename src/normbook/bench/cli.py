@@ -36,6 +36,7 @@ Examples:
     normbook-bench --plot r/ --out figures/
     normbook-bench host --json host.json              # host time per call, launches stubbed
     normbook-bench cpu --json cpu.json --goal         # the CPU backend against torch
+    normbook-bench plans --json plans.json            # the backward's plans for few rows (GPU)
 """
 
 from __future__ import annotations
@@ -114,9 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Benchmark LayerNorm/RMSNorm (and the fused residual adds) in GB/s and as "
-                    "a fraction of the device's copy bandwidth; write JSON and plots. Two more "
-                    "commands: 'normbook-bench host' (host time per call) and 'normbook-bench "
-                    "cpu' (the CPU backend against torch); each has its --help.",
+                    "a fraction of the device's copy bandwidth; write JSON and plots. Three more "
+                    "commands: 'normbook-bench host' (host time per call), 'normbook-bench "
+                    "cpu' (the CPU backend against torch) and 'normbook-bench plans' (the "
+                    "backward's plans for few rows); each has its --help.",
         epilog="examples:" + __doc__.split("Examples:", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if available")
@@ -327,7 +329,7 @@ def main(argv=None) -> int:
     """The command line; returns the exit status: 0; 1 for a goal not met (only with --goal);
     2 for a refusal (one line on stderr); 130 when interrupted."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["host"], ["cpu"]):
+    if argv[:1] in (["host"], ["cpu"], ["plans"]):
         mode = importlib.import_module(f"normbook.bench.{argv[0]}")
         try:
             return mode.main(argv[1:])

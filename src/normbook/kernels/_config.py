@@ -74,6 +74,12 @@ TILE_ELEMS = 4096         # target elements per tile when several small rows sha
 MAX_ROWS = 32             # at most this many rows per tile
 MIN_BLOCK_D = 16          # narrower blocks only waste the 128-bit loads
 CPU_PROGRAMS = 4          # persistent grid size in the interpreter (any fixed number is deterministic)
+ONE_PROGRAM_ROWS = 8      # the backward of at most this many rows runs as one program, which
+# writes dweight and dbias itself: one launch, no partials, no finish. The H200 (2026-12-04,
+# ../shared/measured: M = 4, D = 4096, bf16, 257 us forward+backward against torch's 102 us)
+# showed small batches bound by host time, a launch and an allocation each; one program's
+# serial rows cost device time that the host time hides there. An estimate, not measured:
+# the GPU check's `one_program` step times both plans.
 EXCHANGE_POLLS = 1 << 16  # bound of a wait for the other slices of a row: about 50 ms of
                           # L2 reads, far past the programs' skew under a cooperative launch
 RING = 2                  # rows of a group whose slots are kept at once: one being read, the
@@ -537,6 +543,8 @@ def backward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool, has
                             partials=0, **counts)
         if main is None:
             return None
+    if not cfg.SLICES and M <= ONE_PROGRAM_ROWS and n_par and main.groups > 1:
+        main = main._replace(grid=(1,), groups=1)       # one launch for a few rows
     if main.groups == 1 or not n_par:      # one group writes dweight and dbias itself
         return (main,)
     main = main._replace(partials=main.groups * n_par, simple=False)

@@ -1,0 +1,153 @@
+"""The backward's two plans for few rows, timed on the device: one program, or a grid and a finish.
+
+    normbook-bench plans [--json FILE] [--dims 1024,4096,8192] [--rows 1,2,4,8,16,32]
+                         [--share-rows 32768]
+
+The rows backward with a weight keeps sums over rows (dweight, dbias). On a grid of several
+programs each keeps partial sums, and a second kernel, the finish, adds them in a fixed order;
+one program writes the sums itself: one launch, no partials to allocate, but its rows run one
+after another. The kernels plan one program for at most ``ONE_PROGRAM_ROWS`` rows
+(:mod:`normbook.kernels._config`), a choice made for host time, whose device cost this
+measures: LayerNorm with weight and bias, bf16, for each D and M:
+
+- ``one_us``: the backward as one program;
+- ``grid_us``: the backward on the persistent grid (``grid_programs`` programs), with its
+  finish;
+- ``finish_us``: the finish alone, on that grid's partials, and ``finish_share``, its part
+  of ``grid_us`` (``--share-rows``: large batches, where only the grid is timed).
+
+Device time: :func:`normbook.bench.timing.bench` (replays of a CUDA graph on a GPU; on a CPU,
+in Triton's interpreter, wall clock, which says only that the code runs). JSON: ``rows``, a
+list of those keys with ``D`` and ``M``, the device, the versions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+import torch
+
+__all__ = ["main", "measure", "one_program_rows"]
+
+DESCRIPTION = __doc__.split("\n\n")[0]
+
+
+@contextlib.contextmanager
+def one_program_rows(n: int):
+    """Plans made with ``_config.ONE_PROGRAM_ROWS = n`` for the duration (0: never one
+    program), the plans cached before and after forgotten."""
+    from normbook.kernels import _config
+
+    was = _config.ONE_PROGRAM_ROWS
+    _config.ONE_PROGRAM_ROWS = n
+    _config.backward_plan.cache_clear()
+    try:
+        yield
+    finally:
+        _config.ONE_PROGRAM_ROWS = was
+        _config.backward_plan.cache_clear()
+
+
+def _case(M: int, D: int, device: str):
+    """(backward call, finish call or None, programs) on the plan in force for (M, D)."""
+    from normbook.kernels import _backward, _config, _forward, _launch
+
+    g = torch.Generator().manual_seed(M * 7 + D)
+    x, dy = (torch.randn(M, D, generator=g).to(device, torch.bfloat16) for _ in range(2))
+    w, b = (torch.randn(D, generator=g).to(device, torch.bfloat16) for _ in range(2))
+    _, _, stats = _forward.norm_forward(x, None, w, b, 1e-5, False)
+
+    def backward():
+        return _backward.norm_backward(dy, None, x, w, stats, torch.bfloat16, False)
+
+    backward()     # compiled, measured (a GPU plans its grid after the first launch), warm
+    index = x.get_device()
+    plans = _config.backward_plan(M, D, index, 2, False, False, True, True, D & 15, False)
+    if len(plans) == 1:
+        return backward, None, plans[0].grid[0]
+    main, finish = plans
+    pw, pb = torch.zeros(2, main.groups, D, device=device)
+    ow, ob = torch.empty(D, device=device, dtype=torch.bfloat16), torch.empty_like(w)
+    kernel = _backward._KERNELS[finish.kernel]
+
+    def finish_only():
+        _launch.launch(kernel, finish.grid, (pw, pb, ow, ob, main.groups, D), finish.flags,
+                       None, index)
+
+    return backward, finish_only, main.grid[0]
+
+
+def measure(dims, rows, share_rows, device: str) -> list[dict]:
+    """One dict per (D, M): see the module docstring."""
+    from normbook.bench.timing import bench
+
+    out = []
+    for D in dims:
+        for M in (*rows, *share_rows):
+            row = {"D": D, "M": M, "one_us": None}
+            if M in rows:
+                with one_program_rows(M):
+                    fn, _, programs = _case(M, D, device)
+                    assert programs == 1, programs
+                    row["one_us"] = 1e3 * bench(fn, device)[0]
+            with one_program_rows(0):
+                fn, finish, programs = _case(M, D, device)
+                row["grid_us"] = 1e3 * bench(fn, device)[0]
+                row["grid_programs"] = programs
+                row["finish_us"] = None if finish is None else 1e3 * bench(finish, device)[0]
+            row["finish_share"] = (None if row["finish_us"] is None
+                                   else row["finish_us"] / row["grid_us"])
+            out.append(row)
+            print(_line(row), flush=True)
+    return out
+
+
+def _line(row: dict) -> str:
+    f = (lambda v, fmt: "-" if v is None else format(v, fmt))
+    return (f"D {row['D']:6d} M {row['M']:6d}  one {f(row['one_us'], '8.2f')} us  grid "
+            f"{row['grid_us']:8.2f} us ({row['grid_programs']} programs)  finish "
+            f"{f(row['finish_us'], '7.2f')} us = {f(row['finish_share'], '.3f')} of it")
+
+
+def main(argv=None) -> int:
+    """``normbook-bench plans``; 0. A refusal raises (printed by :mod:`normbook.bench.cli`)."""
+    import argparse
+
+    from normbook.bench.cli import PROG, BenchError, _sizes, writable_file
+
+    p = argparse.ArgumentParser(prog=f"{PROG} plans", description=DESCRIPTION)
+    p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    p.add_argument("--dims", default="1024,4096,8192", help="D, comma-separated")
+    p.add_argument("--rows", default="1,2,4,8,16,32", help="M timed both ways")
+    p.add_argument("--share-rows", default="32768", help="M timed on the grid alone")
+    args = p.parse_args(argv)
+    dims, rows = _sizes(p, "--dims", args.dims), _sizes(p, "--rows", args.rows)
+    share = _sizes(p, "--share-rows", args.share_rows)
+    writable_file("--json", args.json)
+    try:
+        import triton
+        from normbook.kernels import _config
+    except ImportError as e:
+        raise BenchError(f"the kernels it times cannot be imported: {e}") from None
+    if max(dims) > _config.MAX_FUSED_D_BWD:
+        raise BenchError(f"--dims: the rows backward takes D up to {_config.MAX_FUSED_D_BWD}, "
+                         f"got {max(dims)}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise BenchError("no CUDA device: set TRITON_INTERPRET=1 to run it in Triton's "
+                         "interpreter (which says only that it runs)")
+    found = measure(dims, rows, share, device)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": found, "device": torch.cuda.get_device_name()
+                       if device == "cuda" else "cpu (Triton's interpreter)",
+                       "torch": torch.__version__, "triton": triton.__version__,
+                       "one_program_rows": _config.ONE_PROGRAM_ROWS}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

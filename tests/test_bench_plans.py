@@ -1,0 +1,64 @@
+"""normbook-bench plans (normbook.bench.plans): the backward of few rows timed as one program and
+as a grid with its finish. Here in Triton's interpreter, which times nothing worth keeping:
+that each side runs the plan it names, and that the command writes what it says."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from normbook.bench import plans  # noqa: E402
+from normbook.kernels import _config  # noqa: E402
+
+
+def test_one_program_rows_switches_the_plans_and_restores_them():
+    before = _config.backward_plan(4, 4096, -1, 2, False, False, True, True, 0, False)
+    with plans.one_program_rows(0):
+        grid = _config.backward_plan(4, 4096, -1, 2, False, False, True, True, 0, False)
+    after = _config.backward_plan(4, 4096, -1, 2, False, False, True, True, 0, False)
+    assert before[0].grid == (1,) and len(before) == 1      # M = 4 <= ONE_PROGRAM_ROWS
+    assert grid[0].grid[0] > 1 and len(grid) == 2            # partials and the finish
+    assert after == before and _config.ONE_PROGRAM_ROWS >= 4
+
+
+def test_each_side_runs_its_plan(tmp_path, capsys):
+    from normbook.bench.cli import main
+
+    out = tmp_path / "plans.json"
+    assert main(["plans", "--dims", "2048", "--rows", "4", "--share-rows", "64",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["D"], r["M"]) for r in rows] == [(2048, 4), (2048, 64)]
+    few, many = rows
+    assert few["one_us"] > 0 and few["grid_programs"] > 1 and few["finish_us"] > 0
+    assert many["one_us"] is None and many["grid_programs"] > 1
+    assert 0 < many["finish_share"] < 1
+    assert "D   2048 M      4" in capsys.readouterr().out
+
+
+def test_it_refuses_rows_the_rows_backward_does_not_take(capsys):
+    from normbook.bench.cli import main
+
+    assert main(["plans", "--dims", str(2 * _config.MAX_FUSED_D_BWD)]) == 2
+    assert "--dims: the rows backward takes D up to" in capsys.readouterr().err
+
+
+def test_the_one_program_backward_matches_the_grid_s():
+    """The same sums either way (not bitwise: the grid adds partials in another order)."""
+    from normbook.kernels import _backward, _forward
+
+    g = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(6, 2048, generator=g), torch.randn(6, 2048, generator=g)
+    w, b = torch.randn(2048, generator=g), torch.randn(2048, generator=g)
+    _, _, stats = _forward.norm_forward(x, None, w, b, 1e-5, False)
+    one = _backward.norm_backward(dy, None, x, w, stats, torch.float32, False)
+    with plans.one_program_rows(0):
+        grid = _backward.norm_backward(dy, None, x, w, stats, torch.float32, False)
+    assert _config.backward_plan(6, 2048, -1, 4, False, False, True, True, 0, False)[0].grid \
+        == (1,)
+    for a, c in zip(one, grid):
+        torch.testing.assert_close(a, c)
