@@ -297,6 +297,31 @@ def test_recorded_gpu_results_ignores_cpu_and_synthetic_runs(tmp_path):
     assert [r["provenance"] for r in found] == [{"device_type": "cuda"}]
 
 
+def test_newest_gpu_result_is_the_latest_dated_gpu_run(tmp_path):
+    import json
+
+    from normbook.bench.plot import newest_gpu_result
+
+    assert newest_gpu_result(tmp_path / "missing") is None
+    for name, date, kind in [("a", "2026-12-04T14:53:39+00:00", "cuda"), ("b", "2027-01-02T00:00:00+00:00", "cuda"),
+                             ("c", "2026-11-01T00:00:00+00:00", "cuda"), ("d", "2028-01-01T00:00:00+00:00", "cpu")]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(
+            {"provenance": {"device_type": kind, "date": date}, "copy_bandwidth_gbps": 1.0, "rows": []}))
+    assert newest_gpu_result(tmp_path)["provenance"]["date"].startswith("2027-01-02")   # not the CPU run's
+
+
+def test_the_recorded_h200_run_is_the_reference():
+    """The first GPU run, recorded in the repo with its provenance: found, dated, on an H200."""
+    from normbook.bench.plot import newest_gpu_result, recorded_gpu_results
+
+    runs = recorded_gpu_results()
+    h200 = [r for r in runs if r["provenance"]["date"].startswith("2026-12-04")]
+    assert len(h200) == 1 and h200[0]["provenance"]["device"] == "NVIDIA H200"
+    assert (h200[0]["provenance"]["torch"], h200[0]["provenance"]["triton"]) == ("2.11.0+cu130", "3.6.0")
+    assert newest_gpu_result()["provenance"]["date"] >= h200[0]["provenance"]["date"]
+
+
 # ---- timing: the graph timer's pure parts, its fallback, host time beside device time -------
 def test_graph_calls_fill_the_rep_time_within_bounds():
     fewest = -(-timing.MIN_REPS // timing.REPLAYS)

@@ -739,3 +739,20 @@ def test_summary_judges_the_goal_only_with_goal(tmp_path):
     assert rc == 1 and "goal: not met" in out, err          # the grid's other D: not measured
     rc, _, err = _main(["--plot", tmp_path, "--out", tmp_path / "f", "--goal"])
     assert rc == 2 and "--goal: judges a run or --summary" in err
+
+
+def test_the_recorded_h200_run_reads_with_summary_plot_and_model_check(tmp_path):
+    """benchmarks/results/2026-12-04-h200 (commit 98327f3, copied from the run's archive) is read
+    by every mode that reads recorded results: the summary's tables, the figures, the model check."""
+    run = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "2026-12-04-h200"
+    assert "98327f3" in (run / "README.md").read_text()
+    rc, out, err = _main(["--summary", run])
+    assert rc == 0, err
+    assert "copy bandwidth: 4254.1 GB/s" in out and "layer_norm fwd bf16" in out
+    rc, out, err = _main(["--plot", run, "--out", tmp_path / "figs"])
+    assert rc == 0, err
+    figs = sorted((tmp_path / "figs").glob("*.png"))
+    assert figs and all(f.read_bytes().startswith(PNG) for f in figs)
+    rc, out, err = _main(["--model-check", run, "--report", run / "report.json", "--out", tmp_path / "model.png"])
+    assert rc == 0, err
+    assert "largest shortfall against the model" in out and (tmp_path / "model.png").read_bytes().startswith(PNG)

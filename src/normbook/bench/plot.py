@@ -14,7 +14,8 @@ from pathlib import Path
 from normbook.bench.schema import check_report, load_results, read_json
 
 __all__ = ["load_results", "plot_results", "plot_overview", "provenance_line", "model_vs_measured",
-           "model_table", "plot_model_vs_measured", "figure_path", "recorded_gpu_results"]
+           "model_table", "plot_model_vs_measured", "figure_path", "recorded_gpu_results",
+           "newest_gpu_result"]
 
 _MODE_TITLE = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
 # benchmark op -> (norm, residual) of the compile report's paths
@@ -37,6 +38,14 @@ def recorded_gpu_results(folder=None) -> list[dict]:
     files = sorted(folder.rglob("results.json")) if folder.is_dir() else []
     return [r for r in load_results(files)
             if r["provenance"].get("device_type") == "cuda" and not r["provenance"].get("synthetic")]
+
+
+def newest_gpu_result(folder=None) -> dict | None:
+    """The reference run: the newest of :func:`recorded_gpu_results` by its provenance's date
+    (ISO 8601, so that text order is time order), or None when no GPU run is recorded. Every
+    later GPU run is recorded beside the first; the book and README quote this one."""
+    runs = recorded_gpu_results(folder)
+    return max(runs, key=lambda r: str(r["provenance"].get("date", ""))) if runs else None
 
 
 def provenance_line(result: dict) -> str:
