@@ -25,16 +25,15 @@ from helpers import DEVICE  # noqa: E402
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])
-def test_shared_forward_is_finite_near_1e20(norm):
-    """Rows of 1e20 + 1e19 N(0, 1), D = 32769 (fp32), on the forward that shares a row among
-    slices (the last one a column wide): each slice's M2 overflows, and the rescue (slices
-    sending minus the root of their scaled sum) gives the float64 reference's answer."""
+def test_wide_forward_is_finite_near_1e20(norm):
+    """Rows of 1e20 + 1e19 N(0, 1), D = 32769 (fp32), on the forward that sweeps a row in
+    chunks (the last one a column wide): each chunk's M2 overflows, and the rescue (two more
+    sweeps, the sum taken on (x - mean) / max |x - mean|) gives the float64 reference's answer."""
     g = torch.Generator().manual_seed(0)
     D = 32769
     x = (1e20 + 1e19 * torch.randn(2, D, generator=g)).to(DEVICE)
-    plan = _config.forward_plan(2, D, x.get_device(), 4, norm == "rms", False, False, False, 0,
-                                _config.shared_rows(D))[0]
-    assert plan.slices > 1 and plan.kernel == "norm_fwd_coop_kernel"
+    plan = _config.forward_plan(2, D, x.get_device(), 4, norm == "rms", False, False, False)[0]
+    assert plan.kernel == "norm_fwd_loop_kernel" and D % plan.constexprs["BLOCK_D"] == 1
     if norm == "layer":
         y, y64 = K.layer_norm(x, D), reference.layer_norm_forward(x.double(), None, None, 1e-5)[0]
     else:
@@ -62,7 +61,8 @@ def test_shared_rows_switch_refuses_a_guess(monkeypatch):
 def test_shared_rows_switch_takes_effect_after_plans_are_cached(monkeypatch):
     """Changed after a wide row's plan was made and cached, the switch still decides the next
     launch (the plan cache is keyed by it): off, rows wider than one program holds have no
-    plan, the kernels do not take them and the launcher refuses them."""
+    backward plan, the kernels do not take them and the backward's launcher refuses them (the
+    forward shares no row: it takes them still)."""
     monkeypatch.delenv("NORMBOOK_SHARED_ROWS", raising=False)
     D = 20000
     x = torch.randn(3, D, device=DEVICE)
@@ -76,8 +76,7 @@ def test_shared_rows_switch_takes_effect_after_plans_are_cached(monkeypatch):
     monkeypatch.setenv("NORMBOOK_SHARED_ROWS", "off")
     assert plan() is None and not _config.kernels_take(D, 4, False, x.get_device())
     assert _config.kernels_take(_config.MAX_FUSED_D_BWD, 4, True, x.get_device())
-    with pytest.raises(ValueError, match=r"D = 20000 .*wider than 16384.*NORMBOOK_SHARED_ROWS is off"):
-        _forward.norm_forward(x, None, None, None, 1e-5, False)
+    assert torch.equal(_forward.norm_forward(x, None, None, None, 1e-5, False)[2], stats)
     with pytest.raises(ValueError, match=r"D = 20000 .*wider than 8192.*NORMBOOK_SHARED_ROWS is off"):
         _backward.norm_backward(x, None, x, None, stats, None, False)
 
@@ -105,32 +104,28 @@ def few_cpu_slices(monkeypatch):
 
 
 def test_rows_too_wide_to_share_are_not_taken(few_cpu_slices):
-    """fp32 slices are 4096 values forward (2048 with the residual), 2048 backward: 8 of them
-    hold rows of 16384 backward, so 16385 has no backward plan; the forward holds 16384 in
-    registers and shares wider rows, 32768 at most in 8 slices, so 32769 has no forward plan
-    (with the residual: 16385, in registers up to 16384)."""
-    fwd, bwd = _config.COOP_FWD_BYTES // 4, _config.COOP_BYTES // 4
+    """fp32 slices are 2048 values backward: 8 of them hold rows of 16384, so 16385 has no
+    backward plan, and the kernels do not take it; the forward holds 16384 in registers and
+    sweeps wider rows in chunks, any D (it shares no row)."""
+    bwd = _config.COOP_BYTES // 4
     assert _config.kernels_take(few_cpu_slices * bwd, 4, False, -1)
     assert not _config.kernels_take(few_cpu_slices * bwd + 1, 4, False, -1)
     # bf16 with the residual: 8 slices of 4096 both ways hold 32768
     assert _config.kernels_take(few_cpu_slices * 2 * bwd, 2, True, -1)
     assert not _config.kernels_take(few_cpu_slices * 2 * bwd + 1, 2, True, -1)
-    wide = few_cpu_slices * fwd + 1                               # 32769
-    assert _config.forward_plan(1, wide, -1, 4, False, False, True, True) is None
-    assert _config.forward_plan(1, wide - 1, -1, 4, False, False, True, True)[0].slices == 8
-    assert _config.forward_plan(1, _config.MAX_FUSED_D_FWD, -1, 4, False, False, True,
-                                True)[0].slices == 1
-    assert _config.forward_plan(1, 16385, -1, 4, False, True, True, True) is None  # x and r
-    assert _config.forward_plan(1, 16384, -1, 4, False, True, True, True)[0].slices == 1
+    for D, kernel in ((_config.MAX_FUSED_D_FWD, "norm_fwd_rows_kernel"),
+                      (_config.MAX_FUSED_D_FWD + 1, "norm_fwd_loop_kernel"),
+                      (1 << 24, "norm_fwd_loop_kernel")):
+        for residual in (False, True):
+            (plan,) = _config.forward_plan(1, D, -1, 4, False, residual, True, True)
+            assert plan.kernel == kernel and plan.slices == 1
 
 
 def test_launchers_refuse_rows_too_wide_by_name(few_cpu_slices):
-    """A launcher called for rows that no plan takes says which D and what the limit is."""
+    """The backward's launcher, called for rows that no plan takes, says which D and what the
+    limit is."""
     if DEVICE != "cpu":
         pytest.skip("the interpreter's CPU_SLICES sets the limit here")
-    x = torch.randn(2, 32769)
-    with pytest.raises(ValueError, match=r"norm_forward: rows of D = 32769 .*at most D = 32768"):
-        _forward.norm_forward(x, None, None, None, 1e-5, False)
     x = torch.randn(2, 16400)                                     # 9 slices of 2048
     with pytest.raises(ValueError, match=r"norm_backward: rows of D = 16400 .*at most D = 16384"):
         _backward.norm_backward(x, None, x, None, torch.ones(2, 2), None, False)
@@ -210,7 +205,7 @@ def test_report_and_launchers_use_one_plan(monkeypatch, D):
         plans = report.launches(D, is_rms, True, "fp32", M=M, sms=0)
         assert [(p.kernel, p.grid, p.flags) for p in plans] == seen
         names = {p.kernel for p in plans}
-        assert names <= {"norm_fwd_rows_kernel", "norm_fwd_coop_kernel", "norm_bwd_rows_kernel",
+        assert names <= {"norm_fwd_rows_kernel", "norm_fwd_loop_kernel", "norm_bwd_rows_kernel",
                          "norm_bwd_coop_kernel", "norm_bwd_finish_kernel"}
 
 
@@ -315,8 +310,8 @@ def test_bounded_wait_runs_out_and_gives_the_same_bits(monkeypatch, norm, residu
     on the first program of each row: it computes the missing slots itself, publishes them,
     and stops waiting for later rows; the later programs find their slots taken and use the
     winner's sums. The answer is bitwise the one of waits of 0 reads (the interpreter's
-    default), in both directions (D = 40000 bf16 with the add: 10 slices each way, half as
-    many as fp32 for the interpreter to compute one program after another)."""
+    default), in the backward (D = 40000 bf16 with the add: 10 slices, half as many as fp32
+    for the interpreter to compute one program after another)."""
     if DEVICE != "cpu":
         pytest.skip("the interpreter's sequential programs are what make the wait run out")
     D = 40000
@@ -325,8 +320,8 @@ def test_bounded_wait_runs_out_and_gives_the_same_bits(monkeypatch, norm, residu
     _config.forward_plan.cache_clear()
     _config.backward_plan.cache_clear()
     try:
-        plan = _config.forward_plan(2, D, -1, 2, norm == "rms", True, True, norm == "layer", 0,
-                                    True)[0]
+        plan = _config.backward_plan(2, D, -1, 2, norm == "rms", True, True, norm == "layer",
+                                     0, True)[0]
         assert plan.flags["POLLS"] == 3 and plan.slices == 10
         waited = _wide(norm, D, residual)
     finally:
@@ -434,37 +429,57 @@ def fake_h200(monkeypatch):
     _clear_plans()
 
 
-def _wide_forward(M=64, D=65536):
+def _wide_backward(M=64, D=65536):
     x = torch.randn(M, D).to(torch.bfloat16).as_subclass(_OnGPU)
-    return _forward.norm_forward(x, None, None, None, 1e-5, False)
+    return _backward.norm_backward(torch.randn_like(x), None, x, None, torch.ones(2, M), None,
+                                   False)
+
+
+def _wide_plan():
+    return _config.backward_plan(64, 65536, 0, 2, False, False, False, False, 0, True)[0]
 
 
 def test_the_grid_is_sized_by_the_compiled_kernels_registers(fake_h200, monkeypatch):
-    """bf16 rows of 65536: S = 8 slices of 8192, assumed two programs per SM (8 warps, at most
-    128 registers): 33 groups, 264 programs. The compiled kernel takes 168 registers, one
-    program per SM: the cooperative grid shrinks to 16 groups, 128 programs, all resident;
-    measured once, for the first launch, and the plan carries it from then on."""
+    """bf16 rows of 65536 backward: S = 16 slices of 4096, assumed two programs per SM (8
+    warps, at most 128 registers): 16 groups, 256 programs. The compiled kernel takes 168
+    registers, one program per SM: the cooperative grid shrinks to 8 groups, 128 programs, all
+    resident; measured once, for the first launch, and the plan carries it from then on."""
     kernel = _Compiling(n_regs=168)
-    monkeypatch.setattr(_forward, "norm_fwd_coop_kernel", kernel)
-    assumed = _config.forward_plan(64, 65536, 0, 2, False, False, False, False, 0, True)[0]
-    assert (assumed.per_sm, assumed.grid, assumed.slices, assumed.measured) == (2, (264,), 8, False)
-    _wide_forward()
+    monkeypatch.setattr(_backward, "norm_bwd_coop_kernel", kernel)
+    assumed = _wide_plan()
+    assert (assumed.per_sm, assumed.grid, assumed.slices, assumed.measured) == (2, (256,), 16, False)
+    _wide_backward()
     assert [grid for grid, _ in kernel.launches] == [(128,)]
-    assert kernel.warmups == [((264,), assumed.flags)]
-    _wide_forward()
+    assert kernel.warmups == [((256,), assumed.flags)]
+    _wide_backward()
     assert len(kernel.warmups) == 1 and [g for g, _ in kernel.launches] == [(128,), (128,)]
-    plan = _config.forward_plan(64, 65536, 0, 2, False, False, False, False, 0, True)[0]
-    assert (plan.per_sm, plan.groups, plan.grid, plan.measured) == (1, 16, (128,), True)
+    plan = _wide_plan()
+    assert (plan.per_sm, plan.groups, plan.grid, plan.measured) == (1, 8, (128,), True)
 
 
 def test_a_measurement_equal_to_the_assumption_keeps_the_grid(fake_h200, monkeypatch):
     kernel = _Compiling(n_regs=128)          # 128 x 256 threads: two programs per SM
-    monkeypatch.setattr(_forward, "norm_fwd_coop_kernel", kernel)
-    _wide_forward()
-    _wide_forward()
-    assert len(kernel.warmups) == 1 and [g for g, _ in kernel.launches] == [(264,), (264,)]
-    plan = _config.forward_plan(64, 65536, 0, 2, False, False, False, False, 0, True)[0]
-    assert (plan.per_sm, plan.grid, plan.measured) == (2, (264,), True)
+    monkeypatch.setattr(_backward, "norm_bwd_coop_kernel", kernel)
+    _wide_backward()
+    _wide_backward()
+    assert len(kernel.warmups) == 1 and [g for g, _ in kernel.launches] == [(256,), (256,)]
+    plan = _wide_plan()
+    assert (plan.per_sm, plan.grid, plan.measured) == (2, (256,), True)
+
+
+def test_the_wide_forward_has_nothing_to_measure(fake_h200, monkeypatch):
+    """The forward's wide rows: one program a row up to LOOP_WIDE_FROM, LOOP_PER_SM per SM
+    past it, whatever the compiled kernel's registers: no warmup, one launch."""
+    kernel = _Compiling(n_regs=255)
+    monkeypatch.setattr(_forward, "norm_fwd_loop_kernel", kernel)
+    for D, grid in ((32768, 64), (65536, 64), (131072, 64)):
+        x = torch.randn(64, D).to(torch.bfloat16).as_subclass(_OnGPU)
+        _forward.norm_forward(x, None, None, None, 1e-5, False)
+        assert kernel.launches[-1][0] == (grid,)
+    assert _config.forward_plan(5000, 32768, 0, 2, False, False, False, False)[0].grid == (5000,)
+    assert _config.forward_plan(5000, 65536, 0, 2, False, False, False, False)[0].grid == (
+        _config.LOOP_PER_SM * 132,)
+    assert kernel.warmups == []
 
 
 def test_shared_memory_and_spare_registers_size_the_rows_grid(fake_h200, monkeypatch):
@@ -503,7 +518,7 @@ def test_the_interpreter_never_measures(monkeypatch):
     """Device -1 (the interpreter): plans are final, CPU_PROGRAMS programs, no warmup."""
     kernel = _Compiling(n_regs=255)
     monkeypatch.setattr(_forward, "norm_fwd_rows_kernel", kernel)
-    plan = _config.forward_plan(64, 256, -1, 4, False, False, False, False, 0, False)[0]
+    plan = _config.forward_plan(64, 256, -1, 4, False, False, False, False, 0)[0]
     assert plan.measured and plan.grid == (_config.CPU_PROGRAMS,)
     _forward.norm_forward(torch.randn(64, 256), None, None, None, 1e-5, False)
     assert kernel.warmups == [] and [g for g, _ in kernel.launches] == [plan.grid]

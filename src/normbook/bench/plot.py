@@ -15,7 +15,7 @@ from normbook.bench.schema import check_report, load_results, read_json
 
 __all__ = ["load_results", "plot_results", "plot_overview", "provenance_line", "model_vs_measured",
            "model_table", "plot_model_vs_measured", "figure_path", "recorded_gpu_results",
-           "newest_gpu_result"]
+           "newest_gpu_result", "results_folder"]
 
 _MODE_TITLE = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
 # benchmark op -> (norm, residual) of the compile report's paths
@@ -26,6 +26,12 @@ _STYLE = {"normbook": ("C3", "o"), "torch": ("C0", "s"), "compile": ("C2", "^"),
           "quack": ("C4", "P")}
 
 
+def results_folder() -> Path:
+    """The checkout's ``benchmarks/results``, where GPU runs are recorded (an installed wheel
+    has none: then a folder that does not exist)."""
+    return Path(__file__).resolve().parents[3] / "benchmarks" / "results"
+
+
 def recorded_gpu_results(folder=None) -> list[dict]:
     """The real GPU runs recorded under ``folder`` (each run's ``results.json``, searched recursively);
     by default the checkout's ``benchmarks/results`` (which an installed wheel does not have).
@@ -33,8 +39,7 @@ def recorded_gpu_results(folder=None) -> list[dict]:
     CPU runs and synthetic test fixtures are left out, so that nothing but a measurement on a GPU
     is ever plotted as one. Returns [] when the folder does not exist or holds none.
     """
-    folder = Path(folder) if folder is not None else (
-        Path(__file__).resolve().parents[3] / "benchmarks" / "results")
+    folder = Path(folder) if folder is not None else results_folder()
     files = sorted(folder.rglob("results.json")) if folder.is_dir() else []
     return [r for r in load_results(files)
             if r["provenance"].get("device_type") == "cuda" and not r["provenance"].get("synthetic")]

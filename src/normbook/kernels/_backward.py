@@ -36,8 +36,9 @@ import triton.language as tl
 from normbook.kernels._config import (MAX_FUSED_D_BWD, backward_plan, launch_shared, narrow_loads,
                                       other_device, refusal, shared_rows, slot_words)
 from normbook.kernels._launch import launch
-from normbook.kernels._forward import (_agreed_start, _claim_words, _exchange, _pack, _publish,
-                                       _ring, _slot_words, _unpack, multiple)
+from normbook.kernels._exchange import (_agreed_start, _claim_words, _exchange, _pack, _publish,
+                                        _ring, _slot_words, _unpack)
+from normbook.kernels._forward import multiple
 
 
 @triton.jit
@@ -554,7 +555,7 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
             plans = backward_plan(M, D, device, e, is_rms, dh is not None, dweight is not None,
                                   dbias is not None, D & 15, shared_rows(D))
         if plans is None:
-            raise refusal("bwd", D, e, dh is not None, device, narrow_loads(D, e))
+            raise refusal(D, e, dh is not None, device, narrow_loads(D, e))
     plan = plans[0]
     # placeholders where a tensor is absent: never read or written then
     w = x if weight is None else weight

@@ -1,7 +1,9 @@
 """Launch configuration as data: how a (M, D) problem maps onto Triton programs.
 
-Each direction splits a row into S slices, and one plan says how: S = 1 runs the rows kernel,
-S > 1 the sharing ("coop") kernel; the backward adds its small finish kernel. A :class:`Plan`
+Each direction picks its kernel by row length: whole rows in registers (the rows kernels), or,
+for wider rows, the forward's two sweeps of chunks by one program (the loop kernel) and the
+backward's S slices of a row shared by S programs (S > 1, the sharing "coop" kernel); the
+backward adds its small finish kernel. A :class:`Plan`
 is one launch as data: the kernel, its grid, its constexprs and
 launch options, and what the compile report needs to count its traffic.
 :func:`forward_plan` and :func:`backward_plan` build them (cached: a launch computes
@@ -19,14 +21,15 @@ that is what lets the loads be 128 bits wide.)
   registers; statistics take two passes over those registers and HBM is read once. When D is
   small a program takes several rows (ROWS), so each program still moves a useful number of
   bytes (``norm_fwd_rows_kernel``, ``norm_bwd_rows_kernel``).
-- S > 1, wider rows: each row is split into S slices, one program per slice holding it in
-  registers (COOP_FWD_BYTES of loads in the forward, COOP_BYTES of x in the backward), and
-  the S programs of a row exchange their partial sums (forward: mean and M2; backward: the
-  shares of c1, c2) through tagged 64-bit slots with a bounded wait (a ring of two rows per
-  group of S programs, zeroed per launch), launched cooperatively so that
-  all are resident: the row is read once (``norm_fwd_coop_kernel``, ``norm_bwd_coop_kernel``).
-- Rows with more slices than the device runs programs at once (the interpreter: CPU_SLICES),
-  and every row wider than MAX_FUSED_D_BWD when NORMBOOK_SHARED_ROWS is off
+- Wider rows, forward: one program a row sweeps it twice in chunks, statistics then
+  normalization, the row re-read from L2 (``norm_fwd_loop_kernel``); rows of any length.
+- Wider rows, backward: each row is split into S slices, one program per slice holding it in
+  registers (COOP_BYTES of x), and the S programs of a row exchange their shares of c1, c2
+  through tagged 64-bit slots with a bounded wait (a ring of two rows per group of S programs,
+  zeroed per launch; ``_exchange``), launched cooperatively so that all are resident: the row
+  is read once (``norm_bwd_coop_kernel``).
+- Rows whose backward has more slices than the device runs programs at once (the interpreter:
+  CPU_SLICES), and every row wider than MAX_FUSED_D_BWD when NORMBOOK_SHARED_ROWS is off
   (:func:`shared_rows`), have no plan: :func:`kernels_take` says so, and the front door sends
   them to the torch-ops backend (see there why not a launch without the cooperative
   attribute).
@@ -63,9 +66,20 @@ MAX_REGISTERS = 255       # the most registers a thread can have (sm_80, sm_90)
 COOP_BYTES = 8192         # slice of x per program of the wide-row backward: 4096 bf16 or 2048
                           # fp32 values; its x and dy for the next row (16 KB) are in flight
                           # while it waits for the row's sums, two programs per SM: 32 KB
-COOP_FWD_BYTES = 16384    # the wide forward's loads per program and row: 8192 bf16 values of
-                          # x, or 4096 of x and of the residual; next row's in flight: two
-                          # programs per SM keep 32 KB in flight
+# The wide forward (norm_fwd_loop_kernel): one program a row, two sweeps of chunks. Its shape is
+# the best of a probe on the H200 (benchmarks/results/2026-12-04-h200/README.md, the last table:
+# a plain two-pass forward, bf16, BLOCK 2048-8192, 8-16 warps, grid M or 1-8 programs per SM):
+# 0.888 of copy at D = 32768 with chunks of 4096 and grid M, 0.751 at 65536 and 0.659 at 131072
+# with chunks of 8192 and 8 programs per SM, where the kernel that shared a row measured 0.671,
+# 0.634 and 0.585. Untried: the residual add, fp32 (chunks of the same bytes: half the values,
+# which Triton 3.6 compiles for sm_90 without spilling at D = 65536, where a chunk of 8192 fp32
+# values spilled), rows between 16384 and 32768.
+LOOP_CHUNK_BYTES = 8192   # a chunk, up to D = LOOP_WIDE_FROM: 4096 bf16 values
+LOOP_WIDE_CHUNK_BYTES = 16384  # a chunk of wider rows: 8192 bf16 values
+LOOP_WIDE_FROM = 32768    # rows wider than this: LOOP_PER_SM programs per SM loop over them;
+LOOP_PER_SM = 8           # up to it, one program per row (grid M)
+LOOP_WARPS = 16
+LOOP_MAXNREG = 64         # two programs of 16 warps per SM: half the register file each
 COOP_WARPS = 8            # 256 threads, 16 values each (bf16 on sm_90): about 123 registers
 COOP_MAXNREG = 128        # half the register file, so that two programs are resident
 COOP_VALUES_SM80 = 8      # before Hopper, values a thread of it holds: ptxas for sm_80 needs
@@ -205,14 +219,13 @@ def maxnreg_for(num_warps: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def forward_config(M: int, D: int, has_residual: bool = False, itemsize: int = 2,
-                   arch: int = 90) -> Config:
+def forward_config(M: int, D: int, itemsize: int = 2) -> Config:
     """Block shape of the forward for M rows of length D (cached).
-    Rows up to MAX_FUSED_D_FWD are held in registers. Wider rows: slices whose loads are
-    COOP_FWD_BYTES (x, and the residual) that exchange their statistics (``SLICES``).
-    ``arch``: the compute capability (see :func:`arch`)."""
+    Rows up to MAX_FUSED_D_FWD are held in registers. Wider rows are swept in chunks of
+    LOOP_CHUNK_BYTES (LOOP_WIDE_CHUNK_BYTES past LOOP_WIDE_FROM), LOOP_WARPS warps."""
     if D > MAX_FUSED_D_FWD:
-        return _shared_config(D, COOP_FWD_BYTES // itemsize // (2 if has_residual else 1), arch)
+        chunk = LOOP_CHUNK_BYTES if D <= LOOP_WIDE_FROM else LOOP_WIDE_CHUNK_BYTES
+        return Config(chunk // itemsize, 1, LOOP_WARPS, LOOP_MAXNREG)
     return _config(M, D, MAX_FUSED_D_FWD, ELEMS_FWD)
 
 
@@ -497,26 +510,29 @@ def measure(kernel, plan: Plan, args: tuple, device_index: int) -> bool:
 @functools.lru_cache(maxsize=4096)
 def forward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool,
                  has_residual: bool, has_weight: bool, has_bias: bool,
-                 strides: int = 0, shared: bool = True) -> Optional[tuple[Plan]]:
-    """The forward's launches, one :class:`Plan`, on a device (Tensor.get_device(): -1 for the
-    interpreter; or a :class:`Device`), cached: a launch computes and builds nothing. None when
-    no plan takes the rows (too wide to share, or ``shared`` off: :func:`shared_rows`).
-    ``strides``: the low four bits of the row strides ORed (see :func:`vec`)."""
+                 strides: int = 0) -> tuple[Plan]:
+    """The forward's launch, one :class:`Plan`, on a device (Tensor.get_device(): -1 for the
+    interpreter; or a :class:`Device`), cached: a launch computes and builds nothing. Rows of
+    any length have one. ``strides``: the low four bits of the row strides ORed (see
+    :func:`vec`)."""
     dev = device(device_index)
-    cfg = forward_config(M, D, has_residual, itemsize, dev.arch)
+    cfg = forward_config(M, D, itemsize)
     flags = dict(IS_RMS=is_rms, HAS_RESIDUAL=has_residual, HAS_WEIGHT=has_weight,
                  HAS_BIAS=has_bias, VEC=vec(D, itemsize, strides))
     inputs = 2 if has_residual else 1                  # x (and the residual) in, y (and h) out
     counts = dict(reads=inputs, writes=inputs, stats=1 if is_rms else 2,
                   params=int(has_weight) + int(has_bias), partials=0)
-    if not cfg.SLICES:
+    if D <= MAX_FUSED_D_FWD:
         return (_rows_plan("norm_fwd_rows_kernel", M, D, cfg, dev, itemsize, inputs, flags,
                            device_index, **counts),)
-    if not shared:
-        return None
-    plan = _shared_plan("norm_fwd_coop_kernel", M, D, cfg, dev, itemsize, inputs, flags,
-                        device_index, **counts)
-    return None if plan is None else (plan,)
+    # one program a row up to LOOP_WIDE_FROM, else LOOP_PER_SM per SM looping over the rows;
+    # CPU_PROGRAMS in the interpreter. The grid depends on the device alone: nothing to measure
+    programs = M if D <= LOOP_WIDE_FROM else LOOP_PER_SM * dev.sms
+    grid = max(1, min(M, programs if dev.sms else CPU_PROGRAMS))
+    constexprs = dict(flags, BLOCK_D=cfg.BLOCK_D)
+    return (_plan("norm_fwd_loop_kernel", grid, constexprs, cfg.launch(), slices=1, groups=grid,
+                  rows=1, per_sm=resident_per_sm(cfg), ahead=inputs, elem_bytes=itemsize,
+                  **counts),)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -618,38 +634,32 @@ def kernels_take(D: int, itemsize: int, has_residual: bool, device_index: int) -
 
 @functools.lru_cache(maxsize=4096)
 def _fits(D: int, itemsize: int, has_residual: bool, device_index) -> bool:
-    """Both directions have a plan for rows of D with contiguous rows (any M: one row is
-    the hardest to fit, it needs one group)."""
-    return (forward_plan(1, D, device_index, itemsize, False, has_residual, True, True) is not None
-            and backward_plan(1, D, device_index, itemsize, False, has_residual, True,
-                              True) is not None)
+    """The backward has a plan for rows of D with contiguous rows (any M: one row is the
+    hardest to fit, it needs one group); the forward has one for every D."""
+    return backward_plan(1, D, device_index, itemsize, False, has_residual, True,
+                         True) is not None
 
 
-def widest_shared(direction: str, itemsize: int, has_residual: bool, device_index,
-                  narrow: bool = False) -> int:
-    """The widest row a direction has a plan for on the device, whole in one program or
-    shared by slices that all run at once (for the launchers' error)."""
+def widest_shared(itemsize: int, has_residual: bool, device_index, narrow: bool = False) -> int:
+    """The widest row the backward has a plan for on the device, whole in one program or
+    shared by slices that all run at once (for the launcher's error). (The forward takes rows
+    of any length.)"""
     dev = device(device_index)
-    if direction == "fwd":
-        held = MAX_FUSED_D_FWD
-        cfg = forward_config(1, 1 << 40, has_residual, itemsize, dev.arch)
-    else:
-        held = MAX_FUSED_D_BWD
-        cfg = backward_config(1, 1 << 40, narrow, itemsize, dev.arch)
-    return max(held, shared_capacity(cfg, dev) * cfg.BLOCK_D)
+    cfg = backward_config(1, 1 << 40, narrow, itemsize, dev.arch)
+    return max(MAX_FUSED_D_BWD, shared_capacity(cfg, dev) * cfg.BLOCK_D)
 
 
-def refusal(direction: str, D: int, itemsize: int, has_residual: bool, device_index,
+def refusal(D: int, itemsize: int, has_residual: bool, device_index,
             narrow: bool = False) -> ValueError:
-    """The launchers' error for rows that no plan takes, naming D and the limit."""
-    name = dict(fwd="norm_forward", bwd="norm_backward")[direction]
+    """The backward launcher's error for rows that no plan takes, naming D and the limit."""
     if not shared_rows(D):
-        limit = MAX_FUSED_D_BWD if direction == "bwd" else MAX_FUSED_D_FWD
-        return ValueError(f"{name}: rows of D = {D} values are wider than {limit}, the widest "
-                          "one program holds, and NORMBOOK_SHARED_ROWS is off; use the torch-ops "
-                          "backend (normbook.layer_norm / normbook.rms_norm route such rows there)")
-    limit = widest_shared(direction, itemsize, has_residual, device_index, narrow)
+        return ValueError(f"norm_backward: rows of D = {D} values are wider than "
+                          f"{MAX_FUSED_D_BWD}, the widest one program holds, and "
+                          "NORMBOOK_SHARED_ROWS is off; use the torch-ops backend "
+                          "(normbook.layer_norm / normbook.rms_norm route such rows there)")
+    limit = widest_shared(itemsize, has_residual, device_index, narrow)
     odd = ", for rows whose loads are narrower than 16 bytes" if narrow else ""
-    return ValueError(f"{name}: rows of D = {D} values need more programs sharing a row than the "
-                      f"device runs at once (at most D = {limit} here{odd}); use the torch-ops "
-                      "backend (normbook.layer_norm / normbook.rms_norm route such rows there)")
+    return ValueError(f"norm_backward: rows of D = {D} values need more programs sharing a row "
+                      f"than the device runs at once (at most D = {limit} here{odd}); use the "
+                      "torch-ops backend (normbook.layer_norm / normbook.rms_norm route such rows "
+                      "there)")

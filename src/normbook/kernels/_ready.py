@@ -131,10 +131,10 @@ def ready(x, residual, weight, bias, is_rms: bool, D: int):
     e = x.element_size()
     has_h = residual is not None
     fplans = forward_plan(M, D, device, e, is_rms, has_h, weight is not None, bias is not None,
-                          D & 15, False)
+                          D & 15)
     bplans = backward_plan(M, D, device, e, is_rms, has_h, weight is not None, bias is not None,
                            D & 15, False)
-    if fplans is None or bplans is None or not (fplans[0].simple and bplans[0].slices == 1):
+    if bplans is None or not (fplans[0].simple and bplans[0].slices == 1):
         return False
     r = x if residual is None else residual
     w = x if weight is None else weight

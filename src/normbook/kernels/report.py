@@ -80,7 +80,7 @@ def launches(D: int, is_rms: bool, residual: bool, dtype: str = "bf16", arch: in
     dev, e = Device(arch, sms), bytemodel.itemsize(dtype)
     fwd = forward_plan(M, D, dev, e, is_rms, residual, True, not is_rms)
     bwd = backward_plan(M, D, dev, e, is_rms, residual, True, not is_rms)
-    return [*(fwd or ()), *(bwd or ())]
+    return [*fwd, *(bwd or ())]
 
 
 def kernel_of(plan: Plan):

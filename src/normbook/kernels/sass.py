@@ -466,7 +466,7 @@ def kernel_serial_paths(arch: int = 90, dtype: str = "bf16", ds=(16384, 32768, 6
     dev, e = Device(arch, H200["sms"]), {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
     out = []
     for D in sorted(set(ds) | set(rows_ds)):
-        plans = [*(forward_plan(M, D, dev, e, False, False, True, True) or ()),
+        plans = [*forward_plan(M, D, dev, e, False, False, True, True),
                  *(backward_plan(M, D, dev, e, False, False, True, True) or ())]
         for plan in plans:
             if plan.kernel == "norm_bwd_finish_kernel":
