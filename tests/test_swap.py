@@ -159,6 +159,28 @@ def test_swapped_model_gives_the_originals_logits_and_gradients(kind, norm_class
         assert_rounding_close(got_grads[name], g, name)
 
 
+def test_a_norm_held_under_several_names_becomes_one_module_everywhere():
+    """Aliases in one parent (two attributes; a ModuleList of one norm three times) and across
+    parents: every name holds the same replacement, torch's norms and Hugging Face's alike (a
+    torch norm keeps its identity; a Hugging Face one is replaced by one module, not one per
+    name)."""
+    llama = tiny("llama")
+    hf = llama.model.norm
+    ln = torch.nn.LayerNorm(32)
+    model = torch.nn.Module()
+    model.a, model.b = hf, hf
+    model.many = torch.nn.ModuleList([hf] * 3)
+    model.inner = torch.nn.Sequential(hf, ln)
+    model.ln, model.lns = ln, torch.nn.ModuleList([ln, ln])
+    assert normbook.swap_norms(model) == 2
+    new = model.a
+    assert type(new) is normbook.RMSNorm and new.weight is hf.weight
+    assert model.b is new and all(m is new for m in model.many) and model.inner[0] is new
+    assert type(ln) is normbook.LayerNorm
+    assert model.ln is ln and model.inner[1] is ln and all(m is ln for m in model.lns)
+    assert not [m for m in model.modules() if type(m) is type(hf)]
+
+
 def test_llama_norm_maps_weight_and_eps_and_keeps_hooks():
     model = tiny("llama")
     old = model.model.norm

@@ -736,6 +736,18 @@ def _nested(fn, input, normalized_shape, *args):
     return torch.nested.nested_tensor_from_jagged(values, input.offsets(), lengths=input.lengths())
 
 
+_Proxy = torch.fx.Proxy
+
+
+def _fx_node(fn, *args):
+    """The call ``fn(*args)`` as torch.fx.symbolic_trace records it, one node, for arguments
+    that hold a tracer's Proxy (which the door's checks cannot read): fx records torch's norms
+    so, as leaf modules or functions, and the traced GraphModule calls ``fn`` when it runs.
+    normbook's modules pass a Proxy on to the public functions, so they trace the same way."""
+    proxy = next(a for a in args if isinstance(a, _Proxy))
+    return proxy.tracer.create_proxy("call_function", fn, args, {})
+
+
 def _ln_eps(eps):
     return eps if type(eps) is float else _validate.as_eps(eps)
 
@@ -777,8 +789,11 @@ def layer_norm(input: Tensor, normalized_shape: int | Sequence[int],
     of NaN (ValueError) or a bool (TypeError) is refused, where torch returns NaN or takes
     True as 1.0. Any other eps that is not a number is a TypeError, as in torch.
     """
-    if type(input) is not Tensor and isinstance(input, Tensor) and input.is_nested:
-        return _nested(layer_norm, input, normalized_shape, weight, bias, eps)
+    if type(input) is not Tensor:
+        if isinstance(input, _Proxy):     # torch.fx.symbolic_trace
+            return _fx_node(layer_norm, input, normalized_shape, weight, bias, eps)
+        if isinstance(input, Tensor) and input.is_nested:
+            return _nested(layer_norm, input, normalized_shape, weight, bias, eps)
     return _norm(input, normalized_shape, weight, bias, _ln_eps(eps), False)[0]
 
 
@@ -807,8 +822,11 @@ def rms_norm(input: Tensor, normalized_shape: int | Sequence[int],
     finite, correct answer where torch gives zeros (measured on the CPU, torch 2.13, for
     [1e20, 2e20, 3e20, 4e20]); an eps of NaN or a bool is refused, as by :func:`layer_norm`.
     """
-    if type(input) is not Tensor and isinstance(input, Tensor) and input.is_nested:
-        return _nested(rms_norm, input, normalized_shape, weight, eps)
+    if type(input) is not Tensor:
+        if isinstance(input, _Proxy):     # torch.fx.symbolic_trace
+            return _fx_node(rms_norm, input, normalized_shape, weight, eps)
+        if isinstance(input, Tensor) and input.is_nested:
+            return _nested(rms_norm, input, normalized_shape, weight, eps)
     return _norm(input, normalized_shape, weight, _NO_BIAS, _rms_eps(input, eps), True)[0]
 
 
@@ -851,6 +869,9 @@ def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None,
     Returns:
         (y, h), both of x's shape and dtype.
     """
+    if (type(x) is not Tensor or type(residual) is not Tensor) and (
+            isinstance(x, _Proxy) or isinstance(residual, _Proxy)):   # torch.fx.symbolic_trace
+        return _fx_node(add_layer_norm, x, residual, weight, bias, eps)
     return _add_norm(x, residual, weight, bias, _ln_eps(eps), False)
 
 
@@ -870,4 +891,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None,
     Returns:
         (y, h), both of x's shape and dtype.
     """
+    if (type(x) is not Tensor or type(residual) is not Tensor) and (
+            isinstance(x, _Proxy) or isinstance(residual, _Proxy)):   # torch.fx.symbolic_trace
+        return _fx_node(add_rms_norm, x, residual, weight, eps)
     return _add_norm(x, residual, weight, _NO_BIAS, _rms_eps(x, eps), True)

@@ -208,8 +208,10 @@ def swap_norms(model: torch.nn.Module, *, strict: bool = True) -> int:
                 done[id(module)] = _replacement(module, entry)
         elif _looks_like_a_norm(cls):
             left[where] = "not in normbook.swap.HF_NORMS"
+    # every name of every parent: named_children() gives a module held under two names of
+    # one parent (s.a = s.b = norm, ModuleList([norm] * 3)) at its first name only
     for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
+        for name, child in list(parent._modules.items()):
             new = done.get(id(child))
             if new is not None and new is not child:
                 setattr(parent, name, new)

@@ -63,6 +63,8 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         Tensor of input's shape and dtype (also when weight is fp32 and input bf16). Rows wider
         than the device's programs can share are computed by the torch backend, with a warning.
     """
+    if type(input) is not Tensor and isinstance(input, _F._Proxy):   # torch.fx.symbolic_trace
+        return _F._fx_node(layer_norm, input, normalized_shape, weight, bias, eps)
     return _F._norm(input, normalized_shape, weight, bias, _F._ln_eps(eps), False, kernels=True)[0]
 
 
@@ -80,6 +82,8 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     Returns:
         Tensor of input's shape and dtype.
     """
+    if type(input) is not Tensor and isinstance(input, _F._Proxy):   # torch.fx.symbolic_trace
+        return _F._fx_node(rms_norm, input, normalized_shape, weight, eps)
     return _F._norm(input, normalized_shape, weight, _F._NO_BIAS, _F._rms_eps(input, eps), True,
                     kernels=True)[0]
 
@@ -96,6 +100,9 @@ def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5):
     Returns:
         (y, h), both of x's shape and dtype.
     """
+    if (type(x) is not Tensor or type(residual) is not Tensor) and (
+            isinstance(x, _F._Proxy) or isinstance(residual, _F._Proxy)):   # torch.fx.symbolic_trace
+        return _F._fx_node(add_layer_norm, x, residual, weight, bias, eps)
     return _F._add_norm(x, residual, weight, bias, _F._ln_eps(eps), False, kernels=True)
 
 
@@ -111,6 +118,9 @@ def add_rms_norm(x, residual, weight=None, eps=None):
     Returns:
         (y, h), both of x's shape and dtype.
     """
+    if (type(x) is not Tensor or type(residual) is not Tensor) and (
+            isinstance(x, _F._Proxy) or isinstance(residual, _F._Proxy)):   # torch.fx.symbolic_trace
+        return _F._fx_node(add_rms_norm, x, residual, weight, eps)
     return _F._add_norm(x, residual, weight, _F._NO_BIAS, _F._rms_eps(x, eps), True,
                         kernels=True)
 
