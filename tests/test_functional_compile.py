@@ -161,3 +161,31 @@ def test_fake_tensors_give_shapes():
             assert y.shape == (5, 16)
             (dx,) = torch.autograd.grad(y.sum(), x)
             assert dx.shape == (5, 16)
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+def test_fused_add_of_a_tensor_to_itself_compiles_whole(backend, request):
+    """add_*(a, a, ...): h = 2a. The door hands the Function a view of a as the residual, so
+    that Dynamo is not given one tensor for two inputs (it refused: "duplicate tensor input");
+    fullgraph, no graph break, and eager's composition's numbers, forward and backward."""
+    if backend == "kernels":
+        request.getfixturevalue("kernels")
+    torch.manual_seed(0)
+    a = torch.randn(4, 16, requires_grad=True)
+    w, b = torch.rand(16, requires_grad=True), torch.randn(16, requires_grad=True)
+    calls = {"add_rms_norm": (lambda a, w, b: normbook.add_rms_norm(a, a, w),
+                              lambda h, w, b: torch.nn.functional.rms_norm(h, (16,), w)),
+             "add_layer_norm": (lambda a, w, b: normbook.add_layer_norm(a, a, w, b),
+                                lambda h, w, b: torch.nn.functional.layer_norm(h, (16,), w, b))}
+    with normbook.backend(backend):
+        for name, (fused, composed) in calls.items():
+            torch._dynamo.reset()
+            assert torch._dynamo.explain(fused)(a, w, b).graph_break_count == 0, name
+            y, h = torch.compile(fused, backend="aot_eager", fullgraph=True)(a, w, b)
+            got = torch.autograd.grad((y * y).sum() + h.sum(), (a, w, b), allow_unused=True)
+            h2 = a + a
+            y2 = composed(h2, w, b)
+            want = torch.autograd.grad((y2 * y2).sum() + h2.sum(), (a, w, b), allow_unused=True)
+            torch.testing.assert_close(y, y2, msg=name)
+            for g, g2 in zip(got, want):
+                torch.testing.assert_close(g, g2, msg=name)

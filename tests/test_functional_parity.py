@@ -266,6 +266,32 @@ def test_overflowing_rows_give_the_exact_finite_answer(exponent, D, dtype):
         assert torch.isfinite(dx).all()
 
 
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+def test_eps_zero_on_a_constant_row_is_torchs_nan_on_both_backends(backend, kernels, device):
+    """var + eps = 0 exactly: rstd = inf and (x - mean) * rstd = 0 * inf, NaN in torch. The
+    kernels once raised 0 to the smallest normal float and gave 0; one input, one answer. A
+    row with a subnormal variance (not 0) keeps a finite answer (tests/test_kernels_gpu.py)."""
+    rows = torch.tensor([[3.0] * 16, [0.0] * 16, list(range(16))], device=device)
+    with normbook.backend(backend):
+        y_ln = normbook.layer_norm(rows, 16, eps=0.0)
+        y_rms = normbook.rms_norm(rows, 16, eps=0.0)
+    torch.testing.assert_close(y_ln, F.layer_norm(rows, (16,), eps=0.0), equal_nan=True)
+    torch.testing.assert_close(y_rms, F.rms_norm(rows, (16,), eps=0.0), equal_nan=True)
+    assert y_ln[:2].isnan().all() and y_rms[1].isnan().all() and y_ln[2].isfinite().all()
+
+
+def test_an_eps_tensor_that_requires_grad_is_refused_as_torch_refuses_it():
+    x = torch.randn(2, 4)
+    eps = torch.tensor(1e-5, requires_grad=True)
+    with pytest.raises(TypeError):
+        F.layer_norm(x, (4,), eps=eps)
+    for call in (lambda: normbook.layer_norm(x, 4, eps=eps), lambda: normbook.rms_norm(x, 4, eps=eps),
+                 lambda: normbook.add_layer_norm(x, x, eps=eps), lambda: normbook.LayerNorm(4, eps=eps)(x)):
+        with pytest.raises(TypeError, match="eps: .*requires grad"):
+            call()
+    assert torch.equal(normbook.layer_norm(x, 4, eps=eps.detach()), F.layer_norm(x, (4,), eps=1e-5))
+
+
 def test_empty_normalized_shape_gives_empty_result():
     x = torch.randn(3, 0, requires_grad=True)
     for fn, ft in ((normbook.layer_norm, F.layer_norm), (normbook.rms_norm, F.rms_norm)):

@@ -1,8 +1,9 @@
 """What Triton's interpreter hides: behaviour that differs between the CPU interpreter and a GPU.
 
 - rsqrt on a GPU (rsqrt.approx.ftz) flushes a subnormal argument to zero: with eps = 0 and a
-  near-constant row, var + eps is subnormal and rstd would be inf. The kernels clamp the
-  argument to the smallest normal float; the output stays finite (checked everywhere).
+  near-constant row, var + eps is subnormal and rstd would be inf. The kernels raise a positive
+  argument to the smallest normal float; the output stays finite (checked everywhere). (0 stays
+  0: a constant row at eps = 0 gives torch's NaN.)
 - A GPU rounds fp32 -> bf16 stores to nearest even; the interpreter truncates. Checked on a GPU
   only (marked gpu): almost every bf16 output is the correctly rounded reference.
 - Strided rows: see test_kernels_launchers.test_strided_rows_are_read_in_place (bitwise only in

@@ -86,8 +86,13 @@ def check_param(param, name: str, input: torch.Tensor, shape: tuple[int, ...], d
 
 def as_eps(eps):
     """eps as a Python float: a real number or a 0-d (or one-element) tensor, as torch accepts.
-    Anything else is returned unchanged for :func:`check_eps` to reject."""
+    A tensor that requires grad is refused, as torch refuses it (a float eps is a constant:
+    no gradient could reach it). Anything else is returned unchanged for :func:`check_eps` to
+    reject."""
     if isinstance(eps, torch.Tensor) and eps.numel() == 1 and not eps.is_complex():
+        if eps.requires_grad:
+            raise TypeError("eps: expected a real number or a 0-d tensor that does not require "
+                            "grad (as torch's norms), got a tensor that requires grad")
         return float(eps)
     if isinstance(eps, numbers.Real) and not isinstance(eps, bool):
         return float(eps)

@@ -33,8 +33,10 @@ FP32_MAX = tl.constexpr(3.4028234663852886e38)           # torch.finfo(torch.flo
 
 @triton.jit
 def _clamp_tiny(v):
-    """v, with values in [0, smallest normal float) raised to it: rsqrt stays finite."""
-    return tl.where(v >= 0, tl.maximum(v, FP32_MIN_NORMAL), v)
+    """v, with values in (0, smallest normal float) raised to it: rsqrt of a subnormal stays
+    finite (a GPU's rsqrt flushes it to 0, giving inf). 0 stays 0: a constant row at eps = 0
+    has rstd = inf and y = 0 * inf = NaN, torch's answer, on every backend."""
+    return tl.where(v > 0, tl.maximum(v, FP32_MIN_NORMAL), v)
 
 
 @triton.jit
