@@ -312,3 +312,58 @@ def test_every_registry_entry_is_a_real_class_that_the_swap_reproduces(entry):
         if dtype == torch.float32:
             assert_rounding_close(got_dx, want_dx, "dx")
             assert_rounding_close(got_dw, want_dw, "dweight")
+
+
+# ------------------------------------------------------------------ patching before loading
+
+def test_patch_hf_makes_models_build_normbooks_norms_until_undone(tmp_path):
+    """patch_hf("llama"): a model built from a config, and one from from_pretrained, hold
+    normbook's RMSNorm under Hugging Face's class name, with Hugging Face's state_dict keys and
+    bitwise its fp32 logits; bf16 under strict runs the original forward (exact, not faster);
+    undo puts the class back, and models built before keep normbook's norms."""
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaRMSNorm
+    ref = tiny("llama")
+    ref.save_pretrained(tmp_path)
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    with normbook.patch_hf("llama") as patch:
+        assert patch.classes == ("transformers.models.llama.modeling_llama.LlamaRMSNorm",)
+        built = tiny("llama")
+        loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+        half = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+        assert modeling_llama.LlamaRMSNorm is not original
+    assert modeling_llama.LlamaRMSNorm is original
+    ref_half = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    for model in (built, loaded, half):
+        norms = [m for m in model.modules() if "RMSNorm" in type(m).__name__]
+        assert norms and all(isinstance(m, normbook.RMSNorm) for m in norms)
+        assert sorted(model.state_dict()) == sorted(ref.state_dict())
+    assert built.model.norm.variance_epsilon == built.model.norm.eps == ref.model.norm.variance_epsilon
+    assert torch.equal(built(ids).logits, ref(ids).logits)
+    assert torch.equal(loaded(ids).logits, ref(ids).logits)
+    assert torch.equal(half(ids).logits, ref_half(ids).logits)
+    assert not any(isinstance(m, normbook.RMSNorm) for m in tiny("llama").modules())
+
+
+def test_patch_hf_every_family_and_its_refusals():
+    """None patches every family the registry swaps (and names those it leaves: Gemma's);
+    patching twice and undoing both restores the original; a family it does not know is a
+    ValueError naming it."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen3 import modeling_qwen3
+
+    originals = modeling_llama.LlamaRMSNorm, modeling_qwen3.Qwen3RMSNorm
+    first = normbook.patch_hf()
+    second = normbook.patch_hf(["llama", "qwen3"])
+    try:
+        swapped = {e.name for e in swap.HF_NORMS if e.exact}
+        assert {c.rsplit(".", 1)[1] for c in first.classes} == swapped
+        assert {c.rsplit(".", 1)[1] for c in first.left} == {e.name for e in swap.HF_NORMS if not e.exact}
+        assert issubclass(modeling_qwen3.Qwen3RMSNorm, normbook.RMSNorm)
+    finally:
+        second.undo()
+        first.undo()
+    assert (modeling_llama.LlamaRMSNorm, modeling_qwen3.Qwen3RMSNorm) == originals
+    with pytest.raises(ValueError, match=r"families: expected .* got \['gpt7'\]"):
+        normbook.patch_hf(["llama", "gpt7"])

@@ -13,7 +13,7 @@ import types as _types
 from normbook import _ops  # noqa: F401  (the custom ops, for exported programs)
 from normbook.functional import add_layer_norm, add_rms_norm, backend, layer_norm, rms_norm
 from normbook.modules import LayerNorm, RMSNorm
-from normbook.swap import swap_norms
+from normbook.swap import patch_hf, swap_norms
 
 
 def _version() -> str:
@@ -61,4 +61,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | _SUBMODULES)
 
 __all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "LayerNorm", "RMSNorm", "backend",
-           "swap_norms", "__version__"]
+           "swap_norms", "patch_hf", "__version__"]

@@ -28,14 +28,16 @@ so ``transformers`` is never imported here: without it, only torch's classes can
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from dataclasses import dataclass
+from typing import Iterable, Optional, Union
 
 import torch
 
 from normbook.modules import LayerNorm, RMSNorm
 
-__all__ = ["HFNorm", "HF_NORMS", "swap_norms"]
+__all__ = ["HFNorm", "HF_NORMS", "swap_norms", "patch_hf", "HFPatch"]
 
 
 @dataclass(frozen=True)
@@ -219,3 +221,120 @@ def swap_norms(model: torch.nn.Module, *, strict: bool = True) -> int:
         warnings.warn(f"normbook.swap_norms left {name} as it is: {why}", UserWarning,
                       stacklevel=2)
     return len(done)
+
+
+class HFPatch:
+    """What :func:`patch_hf` changed: the Hugging Face modeling modules whose norm class it
+    replaced, undone by :meth:`undo` (or on leaving a ``with`` block). ``classes`` names the
+    replaced classes; ``left`` the known ones it left, with the reason."""
+
+    def __init__(self, replaced: list, left: dict) -> None:
+        self._replaced = replaced              # (modeling module, class name, original class)
+        self.classes = tuple(f"{m.__name__}.{name}" for m, name, _ in replaced)
+        self.left = left
+
+    def undo(self) -> None:
+        """Put the original classes back (models built meanwhile keep normbook's norms)."""
+        for module, name, original in reversed(self._replaced):
+            setattr(module, name, original)
+        self._replaced = []
+
+    def __enter__(self) -> "HFPatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+    def __repr__(self) -> str:
+        return f"HFPatch(classes={self.classes!r})"
+
+
+def _family(entry: HFNorm) -> str:
+    return entry.module.split(".")[2]        # transformers.models.<family>.modeling_<family>
+
+
+def _patched_class(entry: HFNorm, original: type, strict: bool) -> type:
+    """A :class:`normbook.RMSNorm` that Hugging Face's model code builds in place of
+    ``original``: the same constructor, the same ``weight`` Parameter (its state_dict key) and
+    attributes (``variance_epsilon``), computed by normbook where it reproduces ``original``
+    (the weight's dtype in ``entry.exact``, or anywhere without ``strict``) and by
+    ``original``'s own forward elsewhere, so a model is exact in every dtype."""
+
+    def __init__(self, *args, **kwargs):
+        proto = original(*args, **kwargs)   # its parameters, as its model code asks for them
+        _adopt(self, proto, entry)
+
+    def forward(self, hidden_states):
+        if strict and self.weight.dtype not in entry.exact:
+            return original.forward(self, hidden_states)
+        return RMSNorm.forward(self, hidden_states)
+
+    return type(original.__name__, (RMSNorm,), {
+        "__init__": __init__, "forward": forward, "__module__": original.__module__,
+        "__qualname__": original.__qualname__, "_normbook_original": original,
+        "__doc__": f"normbook's RMSNorm in place of {original.__module__}.{original.__qualname__} "
+                   f"(normbook.patch_hf): {entry.note}"})
+
+
+def _adopt(new: RMSNorm, old: torch.nn.Module, entry: HFNorm) -> None:
+    """Make ``new`` (not yet initialised) a normbook.RMSNorm holding ``old``'s weight and
+    attributes, as :func:`_replacement` builds one."""
+    weight = getattr(old, entry.weight)
+    RMSNorm.__init__(new, tuple(weight.shape), eps=float(getattr(old, entry.eps)), device="meta")
+    new.weight = weight
+    for key, value in vars(old).items():
+        if key not in new.__dict__ and key != entry.weight:
+            new.__dict__[key] = value
+
+
+def patch_hf(families: Optional[Union[str, Iterable[str]]] = None, *,
+             strict: bool = True) -> HFPatch:
+    """Make Hugging Face's model code build normbook's norms, before a model is loaded, as
+    Liger's ``apply_liger_kernel_to_*``: each Llama-style norm class of :data:`HF_NORMS` (for
+    ``families``, e.g. ``"llama"`` or ``["qwen2", "mistral"]``; None: every family it knows
+    that the installed transformers has) is replaced in its modeling module by a
+    :class:`normbook.RMSNorm` subclass of the same name and constructor, so that
+    ``from_pretrained`` (or a model built from a config) holds normbook's norms, with the
+    state_dict keys, parameters and attributes of Hugging Face's.
+
+    Each patched norm computes (rms-y) by normbook where that is the class's forward op for op
+    (:func:`swap_norms`'s rule: the weight's dtype in the entry's ``exact``, or every dtype
+    with ``strict=False``) and by the original class's forward elsewhere (a bf16 Llama with
+    ``strict``), so the model's outputs are Hugging Face's either way. Classes normbook cannot
+    reproduce (Gemma's 1 + weight) are left, and named in the result's ``left``.
+
+    Returns:
+        An :class:`HFPatch`: ``undo()`` (or a ``with`` block) puts the original classes back;
+        models built meanwhile keep normbook's norms.
+
+    Raises:
+        ValueError: a family :data:`HF_NORMS` does not know, named.
+        ImportError: a family named explicitly whose modeling module transformers lacks.
+    """
+    known = {_family(e) for e in HF_NORMS}
+    if families is None:
+        wanted, explicit = known, False
+    else:
+        wanted = {families} if isinstance(families, str) else set(families)
+        explicit = True
+        unknown = sorted(wanted - known)
+        if unknown:
+            raise ValueError(f"families: expected some of {sorted(known)}, got {unknown}")
+    replaced, left = [], {}
+    for entry in HF_NORMS:
+        if _family(entry) not in wanted:
+            continue
+        if not entry.exact:
+            left[f"{entry.module}.{entry.name}"] = entry.note
+            continue
+        try:
+            module = importlib.import_module(entry.module)
+        except ImportError:
+            if explicit:
+                raise
+            continue             # an older transformers without this family
+        original = getattr(module, entry.name)
+        original = getattr(original, "_normbook_original", original)   # patched twice: once
+        setattr(module, entry.name, _patched_class(entry, original, strict))
+        replaced.append((module, entry.name, original))
+    return HFPatch(replaced, left)
