@@ -584,7 +584,7 @@ def test_host_stub_launcher_enters_no_python_frame():
 
 
 def test_cpu_benchmark_writes_every_ratio(tmp_path, monkeypatch):
-    """python -m normbook.bench cpu: both norms x fwd/fwd_bwd x fp32/bf16 x D = 1024, 4096, each
+    """python -m normbook.bench cpu: both norms x fwd/fwd_bwd x fp32/bf16 x D = 1024 to 131072, each
     a positive ratio of two positive timings (one repeat on a few rows: a smoke test, not a
     measurement)."""
     from normbook.bench import cpu
@@ -594,7 +594,7 @@ def test_cpu_benchmark_writes_every_ratio(tmp_path, monkeypatch):
     assert cli.main(["cpu", "--repeat", "1", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
     keys = {f"{n}_{d}_{D}_{m}" for n in ("layer", "rms") for d in ("fp32", "bf16")
-            for D in (1024, 4096) for m in ("fwd", "fwd_bwd")}
+            for D in (1024, 4096, 16384, 131072) for m in ("fwd", "fwd_bwd")}
     assert {k[:-len("_ratio")] for k in data if k.endswith("_ratio")} == keys
     for k in keys:
         assert data[f"{k}_normbook_ms"] > 0 and data[f"{k}_torch_ms"] > 0

@@ -2,8 +2,8 @@
 
     normbook-bench cpu [--json FILE] [--repeat R] [--goal]
 
-Both norms, forward and forward + backward, fp32 and bf16, at M = 4096 x D = 1024 and
-M = 2048 x D = 4096: ``normbook.layer_norm`` / ``normbook.rms_norm`` on the torch-ops backend
+Both norms, forward and forward + backward, fp32 and bf16, at M x D = 4096 x 1024,
+2048 x 4096, 512 x 16384 and 64 x 131072 (:data:`SHAPES`): ``normbook.layer_norm`` / ``normbook.rms_norm`` on the torch-ops backend
 (``normbook.backend("torch")``: the book's backward, equations (ln-dx) and (rms-dx)) beside
 ``torch.nn.functional`` on the same tensors, in one run, the two interleaved repeat by repeat.
 Time per call: the best of ``repeat`` calls (``time.perf_counter``), after two warm-up calls.
@@ -23,7 +23,7 @@ import torch
 
 __all__ = ["SHAPES", "GOAL", "measure", "main"]
 
-SHAPES = ((4096, 1024), (2048, 4096))          # (M, D)
+SHAPES = ((4096, 1024), (2048, 4096), (512, 16384), (64, 131072))   # (M, D): 4 to 8 M values
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GOAL = 2.0
 
