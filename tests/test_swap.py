@@ -247,25 +247,59 @@ def test_an_optimizer_built_before_the_swap_still_trains_the_norms():
     assert not torch.equal(model.model.norm.weight, before)
 
 
-def test_gemma_is_left_alone_with_one_warning_naming_the_class():
-    model = tiny("gemma")
-    before = [type(m) for m in model.modules()]
-    assert sum(t.__name__ == "GemmaRMSNorm" for t in before) == 5
-    with pytest.warns(UserWarning) as record:
-        assert normbook.swap_norms(model) == 0
-    messages = [str(w.message) for w in record]
-    assert len(messages) == 1 and "GemmaRMSNorm" in messages[0] and "1 + weight" in messages[0]
-    assert [type(m) for m in model.modules()] == before
+def test_gemma_is_swapped_exactly_with_offset_one():
+    """Gemma's norms, y = (xhat * (1.0 + weight.float())).type_as(x), become normbook's with
+    offset 1: the same weight Parameter (a checkpoint's values, without the 1), the same logits
+    to the bit in float32 and bfloat16, no warning."""
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = tiny("gemma").to(dtype)
+        with torch.no_grad():
+            for m in ref.modules():
+                if type(m).__name__ == "GemmaRMSNorm":
+                    m.weight.normal_()      # Gemma initialises them to 0: make them count
+        model = copy.deepcopy(ref)
+        weights = [m.weight for m in model.modules() if type(m).__name__ == "GemmaRMSNorm"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert normbook.swap_norms(model) == 5
+        norms = norm_modules(model, normbook.RMSNorm)
+        assert [m.weight for m in norms] == weights and all(m._modes == (1.0, False) for m in norms)
+        ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+        assert torch.equal(model(ids).logits, ref(ids).logits), dtype
 
 
-def test_bf16_llama_is_swapped_only_when_not_strict():
-    model = tiny("llama").to(torch.bfloat16)
-    with pytest.warns(UserWarning, match=r"LlamaRMSNorm as it is: in torch.bfloat16"):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_llama_is_swapped_exactly(dtype):
+    """In bf16 and fp16 a Llama norm rounds xhat before the weight multiplies; its replacement
+    does too (round_xhat): swapped under strict, the logits bitwise the unswapped model's, the
+    gradients within a unit of the half dtype's rounding (each norm's backward is normbook's;
+    on this machine they came out bitwise equal)."""
+    ref = tiny("llama").to(dtype)
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert normbook.swap_norms(model) == 5
+    norms = norm_modules(model, normbook.RMSNorm)
+    assert all(m.weight.dtype == dtype and m._modes == (0.0, True) for m in norms)
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    got, want = model(ids).logits, ref(ids).logits
+    assert torch.equal(got, want)
+    got.float().square().mean().backward()
+    want.float().square().mean().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        scale = q.grad.abs().max().item()
+        assert (p.grad - q.grad).abs().max().item() <= torch.finfo(dtype).eps * scale, name
+
+
+def test_float64_llama_is_left_under_strict():
+    """Hugging Face's Llama norm computes a float64 model's norm in float32; normbook's would
+    in float64: left with the reason under strict, swapped without it."""
+    model = tiny("llama").to(torch.float64)
+    with pytest.warns(UserWarning, match=r"LlamaRMSNorm as it is: in torch.float64"):
         assert normbook.swap_norms(model) == 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert normbook.swap_norms(model, strict=False) == 5
-    assert all(m.weight.dtype == torch.bfloat16 for m in norm_modules(model, normbook.RMSNorm))
 
 
 def test_meta_device_llama():

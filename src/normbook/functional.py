@@ -739,13 +739,13 @@ def _nested(fn, input, normalized_shape, *args):
 _Proxy = torch.fx.Proxy
 
 
-def _fx_node(fn, *args):
+def _fx_node(fn, *args, **kwargs):
     """The call ``fn(*args)`` as torch.fx.symbolic_trace records it, one node, for arguments
     that hold a tracer's Proxy (which the door's checks cannot read): fx records torch's norms
     so, as leaf modules or functions, and the traced GraphModule calls ``fn`` when it runs.
     normbook's modules pass a Proxy on to the public functions, so they trace the same way."""
     proxy = next(a for a in args if isinstance(a, _Proxy))
-    return proxy.tracer.create_proxy("call_function", fn, args, {})
+    return proxy.tracer.create_proxy("call_function", fn, args, kwargs)
 
 
 def _ln_eps(eps):
@@ -798,7 +798,8 @@ def layer_norm(input: Tensor, normalized_shape: int | Sequence[int],
 
 
 def rms_norm(input: Tensor, normalized_shape: int | Sequence[int],
-             weight: Tensor | None = None, eps: float | Tensor | None = None) -> Tensor:
+             weight: Tensor | None = None, eps: float | Tensor | None = None, *,
+             offset: float = 0.0, round_xhat: bool = False) -> Tensor:
     """RMSNorm over the trailing ``normalized_shape`` dims, as ``torch.nn.functional.rms_norm``.
 
     Implements equations (rms-ms) and (rms-y) of the chapter "One token's vector":
@@ -812,6 +813,12 @@ def rms_norm(input: Tensor, normalized_shape: int | Sequence[int],
         eps: a number or 0-d tensor added to the mean square inside the square root; None
             means the machine epsilon of the type torch computes in: fp32's for float16,
             bfloat16 and float32 inputs (measured: not the input dtype's), fp64's for float64.
+        offset: gamma = offset + weight, the sum taken in float32 (Gemma's ``1 + weight``:
+            offset 1.0). Keyword only, as is ``round_xhat``; neither is torch's.
+        round_xhat: round xhat to the input's dtype before the weight multiplies, and the
+            product to it again, y = weight * xhat.to(input.dtype) (Llama's order of
+            operations in bf16 and fp16); by default the product is taken in float32 and
+            rounded once. A no-op for float32 and float64 inputs.
 
     Returns:
         Tensor of input's shape and dtype; under autocast on CUDA or XPU, as torch's, float32
@@ -822,12 +829,36 @@ def rms_norm(input: Tensor, normalized_shape: int | Sequence[int],
     finite, correct answer where torch gives zeros (measured on the CPU, torch 2.13, for
     [1e20, 2e20, 3e20, 4e20]); an eps of NaN or a bool is refused, as by :func:`layer_norm`.
     """
+    if type(input) is not Tensor and isinstance(input, _Proxy):     # torch.fx.symbolic_trace
+        modes = dict(offset=offset, round_xhat=round_xhat) if offset or round_xhat else {}
+        return _fx_node(rms_norm, input, normalized_shape, weight, eps, **modes)
+    if offset or round_xhat:
+        return _rms_modes(input, normalized_shape, weight, eps, offset, round_xhat)
     if type(input) is not Tensor:
-        if isinstance(input, _Proxy):     # torch.fx.symbolic_trace
-            return _fx_node(rms_norm, input, normalized_shape, weight, eps)
         if isinstance(input, Tensor) and input.is_nested:
             return _nested(rms_norm, input, normalized_shape, weight, eps)
     return _norm(input, normalized_shape, weight, _NO_BIAS, _rms_eps(input, eps), True)[0]
+
+
+def _rms_modes(input, normalized_shape, weight, eps, offset, round_xhat):
+    """:func:`rms_norm` with an ``offset`` or ``round_xhat``, composed from the plain one (on
+    either backend, both directions, through autograd): gamma = weight.float() + offset, a (D,)
+    operation; with ``round_xhat`` and a half input, y = gamma * rms_norm(input) (xhat
+    rounded to the input's dtype by the norm without a weight, then the product rounded), else
+    the plain norm with gamma, its product in float32 rounded once. Those are the operations
+    of the Hugging Face norms the modes reproduce (Gemma's ``(xhat * (1.0 +
+    weight.float())).type_as(x)``, Llama's ``weight * xhat.to(input_dtype)``)."""
+    if type(offset) is not float and not (isinstance(offset, (int, float))
+                                          and not isinstance(offset, bool)):
+        raise TypeError(f"offset: expected a real number, got {offset!r}")
+    if type(round_xhat) is not bool:
+        raise TypeError(f"round_xhat: expected a bool, got {round_xhat!r}")
+    if offset and weight is not None:
+        weight = (weight.float() if isinstance(weight, Tensor) else weight) + float(offset)
+    if (round_xhat and weight is not None and isinstance(input, Tensor)
+            and input.dtype in _HALF):
+        return weight * rms_norm(input, normalized_shape, None, eps)
+    return rms_norm(input, normalized_shape, weight, eps)
 
 
 def _add_norm(x, residual, weight, bias, eps, is_rms, kernels=None):

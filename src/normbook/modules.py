@@ -9,7 +9,7 @@ dispatch to the Triton kernels.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -55,10 +55,47 @@ class RMSNorm(torch.nn.RMSNorm):
     """RMSNorm module, equations (rms-ms) and (rms-y); see :func:`normbook.rms_norm`.
 
     Args (as ``torch.nn.RMSNorm``): normalized_shape, eps=None, elementwise_affine=True,
-    device=None, dtype=None.
+    device=None, dtype=None; and, keyword only, normbook's ``offset`` (gamma = offset +
+    weight in float32: Gemma's 1 + weight) and ``round_xhat`` (xhat rounded to the input's
+    dtype before the weight multiplies: Llama's order in bf16 and fp16), as
+    :func:`normbook.rms_norm` takes them. The weight is initialised to 1 as torch's (to 0 for
+    a Gemma model, whose checkpoints hold the weight without the offset).
 
     Shape: input ``(*, *normalized_shape)`` -> output of the same shape.
     """
+
+    # (offset, round_xhat) when either is not the default, else None: one attribute the
+    # forward reads (a class attribute, so that a torch.nn.RMSNorm whose class a swap changed
+    # has it too)
+    # (no annotation: TorchScript reads the class's annotations; mypy reads the comment)
+    _modes = None  # type: Optional[tuple[float, bool]]
+
+    def __init__(self, normalized_shape: Union[int, Sequence[int]], eps: Optional[float] = None,
+                 elementwise_affine: bool = True, device: Any = None,
+                 dtype: Optional[torch.dtype] = None, *, offset: float = 0.0,
+                 round_xhat: bool = False) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        self.set_modes(offset, round_xhat)
+
+    def set_modes(self, offset: float = 0.0, round_xhat: bool = False) -> None:
+        """Set ``offset`` and ``round_xhat`` (see the class docstring)."""
+        if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+            raise TypeError(f"offset: expected a real number, got {offset!r}")
+        if type(round_xhat) is not bool:
+            raise TypeError(f"round_xhat: expected a bool, got {round_xhat!r}")
+        self._modes = (float(offset), round_xhat) if (offset or round_xhat) else None
+
+    def extra_repr(self) -> str:
+        modes = self._modes
+        if modes is None:
+            return super().extra_repr()
+        return f"{super().extra_repr()}, offset={modes[0]}, round_xhat={modes[1]}"
+
+    def __prepare_scriptable__(self):
+        if self._modes is not None:
+            raise TypeError("torch.jit.script: an RMSNorm with offset or round_xhat has no "
+                            "TorchScript forward (torch's rms_norm has neither)")
+        return self
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if torch.jit.is_scripting():   # TorchScript compiles torch's own function instead
@@ -67,6 +104,9 @@ class RMSNorm(torch.nn.RMSNorm):
         if weight is _ABSENT:
             weight = self.weight
         eps = self.eps
+        if self._modes is not None:
+            return rms_norm(input, self.normalized_shape, weight, eps, offset=self._modes[0],
+                            round_xhat=self._modes[1])
         if type(input) is not Tensor:   # a subclass (nested, DTensor): the public door
             return rms_norm(input, self.normalized_shape, weight, eps)
         return _norm(input, self.normalized_shape, weight, _NO_BIAS,

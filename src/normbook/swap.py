@@ -14,12 +14,12 @@ How each maps (equations (ln-y) and (rms-y) of the chapter "One token's vector")
 - Llama-style ``*RMSNorm`` (Llama, Mistral, Qwen2, ...):
   ``weight * (h * rsqrt(mean(h^2) + variance_epsilon)).to(input_dtype)`` with
   ``h = x.to(float32)``. That is (rms-y) with gamma = ``weight`` and eps = ``variance_epsilon``,
-  op for op where the weight is float32. In bfloat16 or float16 Hugging Face rounds xhat to the
-  input dtype *before* the weight multiplies; normbook multiplies in float32 and rounds y once,
-  so the two differ by rounding there, and float64 Hugging Face computes in float32. Those
-  norms are swapped only with ``strict=False``.
-- Gemma-style ``*RMSNorm``: y = xhat * (1 + weight). normbook's gamma would be 1 + weight, not a
-  parameter of the model, so these are never swapped.
+  and, in bfloat16 or float16, xhat rounded to the input dtype *before* the weight multiplies:
+  the replacement's ``round_xhat``. Op for op in float32, bfloat16 and float16 (float64
+  Hugging Face computes in float32: swapped only with ``strict=False``).
+- Gemma-style ``*RMSNorm``: y = (xhat * (1.0 + weight.float())).type_as(x): the replacement's
+  ``offset`` of 1, gamma = 1 + weight taken in float32, y rounded once; the parameter stays the
+  model's ``weight``.
 
 A norm that is left alone (not reproducible, or not exact in its dtype under ``strict``) gives
 one ``UserWarning`` per class that names it. Classes are matched by module path and name,
@@ -52,6 +52,9 @@ class HFNorm:
         exact: the weight dtypes in which normbook's forward is the class's, op for op; an
             empty tuple: never swapped (``note`` says why).
         note: the class's forward as an equation, and how it maps.
+        offset: the replacement's ``offset`` (gamma = offset + weight in float32: Gemma's 1).
+        round_xhat: the replacement's ``round_xhat`` (xhat rounded to the input's dtype before
+            the weight multiplies: Llama's order in bf16 and fp16).
     """
 
     module: str
@@ -60,24 +63,32 @@ class HFNorm:
     eps: str = "variance_epsilon"
     exact: tuple[torch.dtype, ...] = (torch.float32,)
     note: str = ""
+    offset: float = 0.0
+    round_xhat: bool = False
 
 
+_HALVES = (torch.float32, torch.bfloat16, torch.float16)
 _LLAMA = ("weight * (h * rsqrt(mean(h^2) + variance_epsilon)).to(input_dtype), h = x.to(float32): "
-          "(rms-y) with gamma = weight; in bf16/fp16 it rounds xhat before the weight multiplies")
-_GEMMA = ("(h * rsqrt(mean(h^2) + eps)) * (1 + weight), h = x.float(): gamma would be 1 + weight, "
-          "not a parameter of the model")
+          "(rms-y) with gamma = weight, xhat rounded to the input's dtype before the weight "
+          "multiplies (round_xhat)")
+_GEMMA = ("((h * rsqrt(mean(h^2) + eps)) * (1.0 + weight.float())).type_as(x), h = x.float(): "
+          "(rms-y) with gamma = 1 + weight taken in float32 (offset 1)")
 
 
 def _hf(package: str, name: str, note: str = _LLAMA, **kw) -> HFNorm:
+    if note is _LLAMA:
+        kw = dict(dict(exact=_HALVES, round_xhat=True), **kw)
     return HFNorm(f"transformers.models.{package}.modeling_{package}", name, note=note, **kw)
 
 
 #: The Hugging Face norm classes that :func:`normbook.swap_norms` knows, one
-#: ``normbook.swap.HFNorm`` each: the Llama-style RMSNorms (Llama, Mistral, Mixtral,
-#: Ministral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Phi-3, Granite, DeepSeek-V3, GLM-4, SmolLM3),
-#: OLMo-2's and T5's, swapped; Gemma, Gemma 2, Gemma 3 and Qwen3-Next (y = xhat * (1 + weight)),
-#: left alone. Checked against transformers 5.24: tests/test_swap.py resolves every entry and
-#: compares each class with its replacement. Models built on ``torch.nn.LayerNorm`` (GPT-2)
+#: ``normbook.swap.HFNorm`` each, all swapped exactly in float32, bfloat16 and float16: the
+#: Llama-style RMSNorms (Llama, Mistral, Mixtral, Ministral, Qwen2, Qwen2-MoE, Qwen3,
+#: Qwen3-MoE, Phi-3, Granite, GraniteMoe, DeepSeek-V3, GLM-4, SmolLM3; ``round_xhat``), T5's
+#: (the same order where input and weight share a dtype), OLMo-2's (one rounding, normbook's
+#: own), and Gemma, Gemma 2, Gemma 3 and Qwen3-Next (y = xhat * (1 + weight); ``offset`` 1).
+#: Checked against transformers 5.24: tests/test_swap.py resolves every entry and compares each
+#: class with its replacement in each dtype. Models built on ``torch.nn.LayerNorm`` (GPT-2)
 #: need no entry.
 HF_NORMS: tuple[HFNorm, ...] = (
     *(_hf(p, n) for p, n in [
@@ -85,16 +96,17 @@ HF_NORMS: tuple[HFNorm, ...] = (
         ("ministral", "MinistralRMSNorm"), ("qwen2", "Qwen2RMSNorm"),
         ("qwen2_moe", "Qwen2MoeRMSNorm"), ("qwen3", "Qwen3RMSNorm"),
         ("qwen3_moe", "Qwen3MoeRMSNorm"), ("phi3", "Phi3RMSNorm"), ("granite", "GraniteRMSNorm"),
-        ("deepseek_v3", "DeepseekV3RMSNorm"), ("glm4", "Glm4RMSNorm"),
-        ("smollm3", "SmolLM3RMSNorm")]),
+        ("granitemoe", "GraniteMoeRMSNorm"), ("deepseek_v3", "DeepseekV3RMSNorm"),
+        ("glm4", "Glm4RMSNorm"), ("smollm3", "SmolLM3RMSNorm")]),
     # (weight * xhat).to(input_dtype): one rounding of an fp32 product, as normbook rounds y
     _hf("olmo2", "Olmo2RMSNorm", exact=(torch.float32, torch.bfloat16, torch.float16),
         note="(weight * h * rsqrt(mean(h^2) + variance_epsilon)).to(input_dtype), h = x.to(float32)"
              ": (rms-y) with gamma = weight"),
-    _hf("t5", "T5LayerNorm",
+    _hf("t5", "T5LayerNorm", exact=_HALVES, round_xhat=True,
         note="weight * (x * rsqrt(mean(x^2) + variance_epsilon)), xhat rounded to a bf16/fp16 "
-             "weight's dtype first: (rms-y) with gamma = weight (T5's LayerNorm has no mean)"),
-    *(_hf(p, n, eps="eps", exact=(), note=_GEMMA) for p, n in [
+             "weight's dtype first: (rms-y) with gamma = weight (T5's LayerNorm has no mean), "
+             "round_xhat for inputs in the weight's dtype"),
+    *(_hf(p, n, eps="eps", exact=_HALVES, offset=1.0, note=_GEMMA) for p, n in [
         ("gemma", "GemmaRMSNorm"), ("gemma2", "Gemma2RMSNorm"), ("gemma3", "Gemma3RMSNorm"),
         ("qwen3_next", "Qwen3NextRMSNorm")]),
 )
@@ -112,7 +124,8 @@ def _replacement(old: torch.nn.Module, entry: HFNorm) -> RMSNorm:
     attribute of its own (Hugging Face's ``_is_hf_initialized``, without which ``init_weights``
     would reset a trained weight; ``variance_epsilon``, read by code that knows the class)."""
     weight = getattr(old, entry.weight)
-    new = RMSNorm(weight.shape, eps=float(getattr(old, entry.eps)), device="meta")
+    new = RMSNorm(weight.shape, eps=float(getattr(old, entry.eps)), device="meta",
+                  offset=entry.offset, round_xhat=entry.round_xhat)
     new.weight = weight                          # the Parameter itself: device, dtype, optimizer
     new.training = old.training
     for key, value in vars(old).items():
@@ -148,12 +161,15 @@ def swap_norms(model: torch.nn.Module, *, strict: bool = True) -> int:
     ``variance_epsilon``, in every place the model holds it. Norms already normbook's are not
     counted, so a second call returns 0.
 
-    Left alone, with one ``UserWarning`` per class naming it: classes that normbook cannot
-    reproduce (Gemma's y = xhat * (1 + weight)); with ``strict`` (the default) registry classes
-    whose weight dtype is not in their entry's ``exact`` (a bf16 Llama rounds xhat to bf16
-    before the weight multiplies; normbook rounds y once); subclasses of torch's norms that are
-    not normbook's (their forward may differ); other classes named ``*LayerNorm`` or
-    ``*RMSNorm`` that the registry does not know.
+    The replacement takes the entry's ``offset`` (Gemma's 1 + weight) and ``round_xhat`` (a
+    Llama-style norm's rounding of xhat before the weight multiplies, in bf16 and fp16), so
+    that it is the class's forward op for op in float32, bfloat16 and float16.
+
+    Left alone, with one ``UserWarning`` per class naming it: with ``strict`` (the default)
+    registry classes whose weight dtype is not in their entry's ``exact`` (float64, where
+    Hugging Face computes in float32); subclasses of torch's norms that are not normbook's
+    (their forward may differ); other classes named ``*LayerNorm`` or ``*RMSNorm`` that the
+    registry does not know.
 
     Also left alone, with the reason: a norm whose forward was replaced on the instance
     (accelerate's hooks: theirs would still run, so swap before dispatching the model) and a
@@ -280,7 +296,8 @@ def _adopt(new: RMSNorm, old: torch.nn.Module, entry: HFNorm) -> None:
     """Make ``new`` (not yet initialised) a normbook.RMSNorm holding ``old``'s weight and
     attributes, as :func:`_replacement` builds one."""
     weight = getattr(old, entry.weight)
-    RMSNorm.__init__(new, tuple(weight.shape), eps=float(getattr(old, entry.eps)), device="meta")
+    RMSNorm.__init__(new, tuple(weight.shape), eps=float(getattr(old, entry.eps)), device="meta",
+                     offset=entry.offset, round_xhat=entry.round_xhat)
     new.weight = weight
     for key, value in vars(old).items():
         if key not in new.__dict__ and key != entry.weight:
@@ -290,18 +307,19 @@ def _adopt(new: RMSNorm, old: torch.nn.Module, entry: HFNorm) -> None:
 def patch_hf(families: Optional[Union[str, Iterable[str]]] = None, *,
              strict: bool = True) -> HFPatch:
     """Make Hugging Face's model code build normbook's norms, before a model is loaded, as
-    Liger's ``apply_liger_kernel_to_*``: each Llama-style norm class of :data:`HF_NORMS` (for
+    Liger's ``apply_liger_kernel_to_*``: each norm class of :data:`HF_NORMS` (for
     ``families``, e.g. ``"llama"`` or ``["qwen2", "mistral"]``; None: every family it knows
     that the installed transformers has) is replaced in its modeling module by a
     :class:`normbook.RMSNorm` subclass of the same name and constructor, so that
     ``from_pretrained`` (or a model built from a config) holds normbook's norms, with the
     state_dict keys, parameters and attributes of Hugging Face's.
 
-    Each patched norm computes (rms-y) by normbook where that is the class's forward op for op
-    (:func:`swap_norms`'s rule: the weight's dtype in the entry's ``exact``, or every dtype
-    with ``strict=False``) and by the original class's forward elsewhere (a bf16 Llama with
-    ``strict``), so the model's outputs are Hugging Face's either way. Classes normbook cannot
-    reproduce (Gemma's 1 + weight) are left, and named in the result's ``left``.
+    Each patched norm computes (rms-y) by normbook, with the entry's ``offset`` and
+    ``round_xhat``, where that is the class's forward op for op (:func:`swap_norms`'s rule:
+    the weight's dtype in the entry's ``exact``, float32, bfloat16 and float16 for every
+    entry today, or every dtype with ``strict=False``) and by the original class's forward
+    elsewhere (float64 with ``strict``), so the model's outputs are Hugging Face's either way.
+    An entry without an exact dtype would be left, and named in the result's ``left``.
 
     Returns:
         An :class:`HFPatch`: ``undo()`` (or a ``with`` block) puts the original classes back;
