@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import warnings
 
 import pytest
@@ -326,26 +327,31 @@ def test_every_registry_entry_is_a_real_class_that_the_swap_reproduces(entry):
     cls = getattr(importlib.import_module(entry.module), entry.name)
     torch.manual_seed(0)
     D = 48
+    takes_eps = "eps" in inspect.signature(cls.__init__).parameters
     for dtype in entry.exact or (torch.float32,):
-        norm = torch.nn.Sequential(cls(D, eps=1e-5)).to(dtype)
+        norm = torch.nn.Sequential(cls(D, eps=1e-5) if takes_eps else cls(D)).to(dtype)
+        params = [] if entry.weight is None else [getattr(norm[0], entry.weight)]
         with torch.no_grad():
-            getattr(norm[0], entry.weight).normal_()
+            for p in params:
+                p.normal_()
         x = (3 * torch.randn(4, 5, D) + 1).to(dtype).requires_grad_()
         dy = torch.randn(4, 5, D).to(dtype)
         want = norm(x)
-        want_dx, want_dw = torch.autograd.grad(want, (x, norm[0].weight), dy)
+        want_grads = torch.autograd.grad(want, (x, *params), dy)
         if not entry.exact:
             with pytest.warns(UserWarning, match=f"left {entry.module}.{entry.name} as it is"):
                 assert normbook.swap_norms(norm) == 0
             return
         assert normbook.swap_norms(norm) == 1
-        assert type(norm[0]) is normbook.RMSNorm and norm[0].eps == 1e-5
+        kind = normbook.LayerNorm if entry.kind == "layer" else normbook.RMSNorm
+        assert type(norm[0]) is kind and norm[0].eps == 1e-5
         got = norm(x)
         assert got.dtype == want.dtype and torch.equal(got, want), (entry.name, dtype)
-        got_dx, got_dw = torch.autograd.grad(got, (x, norm[0].weight), dy)
+        params = [] if entry.weight is None else [norm[0].weight]
+        got_grads = torch.autograd.grad(got, (x, *params), dy)
         if dtype == torch.float32:
-            assert_rounding_close(got_dx, want_dx, "dx")
-            assert_rounding_close(got_dw, want_dw, "dweight")
+            for g, w, what in zip(got_grads, want_grads, ("dx", "dweight")):
+                assert_rounding_close(g, w, what)
 
 
 # ------------------------------------------------------------------ patching before loading
@@ -401,3 +407,29 @@ def test_patch_hf_every_family_and_its_refusals():
     assert (modeling_llama.LlamaRMSNorm, modeling_qwen3.Qwen3RMSNorm) == originals
     with pytest.raises(ValueError, match=r"families: expected .* got \['gpt7'\]"):
         normbook.patch_hf(["llama", "gpt7"])
+
+
+def test_cohere_and_olmo_layernorms_are_swapped_and_per_head_norms_left():
+    """Cohere's and OLMo's LayerNorms without bias become normbook.LayerNorm (OLMo's without
+    parameters): fp32 logits to the bit. Cohere's QK-norm holds a weight per head, (heads,
+    head_dim), normalized over the last dim only: left, with the reason."""
+    cohere = transformers.CohereForCausalLM(transformers.CohereConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, use_qk_norm=True, eos_token_id=0, pad_token_id=0,
+        bos_token_id=0))
+    olmo = transformers.OlmoForCausalLM(transformers.OlmoConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, eos_token_id=0, pad_token_id=0, bos_token_id=0))
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    # Cohere: a norm per layer (attention and MLP in parallel) and the final one; OLMo: two
+    # per layer and the final one
+    for model, swapped in ((cohere, 3), (olmo, 5)):
+        want = model(ids).logits
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            assert normbook.swap_norms(model) == swapped
+        assert torch.equal(model(ids).logits, want)
+        if model is cohere:
+            (message,) = [str(w.message) for w in record]
+            assert "CohereLayerNorm as it is: its weight has several dims" in message
+            assert sum(type(m).__name__ == "CohereLayerNorm" for m in model.modules()) == 4

@@ -20,6 +20,9 @@ How each maps (equations (ln-y) and (rms-y) of the chapter "One token's vector")
 - Gemma-style ``*RMSNorm``: y = (xhat * (1.0 + weight.float())).type_as(x): the replacement's
   ``offset`` of 1, gamma = 1 + weight taken in float32, y rounded once; the parameter stays the
   model's ``weight``.
+- Cohere's and OLMo's ``*LayerNorm``: (ln-y) in float32 without bias (OLMo's without any
+  parameter, eps 1e-5), rounded once: a ``normbook.LayerNorm(..., bias=False)``; bit for bit in
+  float32, to rounding in bf16 and fp16 (swapped there with ``strict=False``).
 
 A norm that is left alone (not reproducible, or not exact in its dtype under ``strict``) gives
 one ``UserWarning`` per class that names it. Classes are matched by module path and name,
@@ -47,8 +50,9 @@ class HFNorm:
     Attributes:
         module: the module that defines the class, ``transformers.models.<m>.modeling_<m>``.
         name: the class name.
-        weight: the attribute holding gamma, kept as the replacement's ``weight``.
-        eps: the attribute holding eps, the replacement's ``eps``.
+        weight: the attribute holding gamma, kept as the replacement's ``weight``; None for a
+            class without one.
+        eps: the attribute holding eps, the replacement's ``eps``, or the class's fixed eps.
         exact: the weight dtypes in which normbook's forward is the class's, op for op; an
             empty tuple: never swapped (``note`` says why).
         note: the class's forward as an equation, and how it maps.
@@ -59,12 +63,13 @@ class HFNorm:
 
     module: str
     name: str
-    weight: str = "weight"
-    eps: str = "variance_epsilon"
+    weight: Optional[str] = "weight"
+    eps: Union[str, float] = "variance_epsilon"
     exact: tuple[torch.dtype, ...] = (torch.float32,)
     note: str = ""
     offset: float = 0.0
     round_xhat: bool = False
+    kind: str = "rms"        # "layer": a LayerNorm without bias, normbook.LayerNorm(bias=False)
 
 
 _HALVES = (torch.float32, torch.bfloat16, torch.float16)
@@ -82,11 +87,13 @@ def _hf(package: str, name: str, note: str = _LLAMA, **kw) -> HFNorm:
 
 
 #: The Hugging Face norm classes that :func:`normbook.swap_norms` knows, one
-#: ``normbook.swap.HFNorm`` each, all swapped exactly in float32, bfloat16 and float16: the
+#: ``normbook.swap.HFNorm`` each; these swapped exactly in float32, bfloat16 and float16: the
 #: Llama-style RMSNorms (Llama, Mistral, Mixtral, Ministral, Qwen2, Qwen2-MoE, Qwen3,
 #: Qwen3-MoE, Phi-3, Granite, GraniteMoe, DeepSeek-V3, GLM-4, SmolLM3; ``round_xhat``), T5's
 #: (the same order where input and weight share a dtype), OLMo-2's (one rounding, normbook's
-#: own), and Gemma, Gemma 2, Gemma 3 and Qwen3-Next (y = xhat * (1 + weight); ``offset`` 1).
+#: own), and Gemma, Gemma 2, Gemma 3 and Qwen3-Next (y = xhat * (1 + weight); ``offset`` 1);
+#: and two LayerNorms without bias, Cohere's and OLMo's, exact in float32 only (a per-head
+#: QK-norm of Cohere's, whose weight has two dims, is left).
 #: Checked against transformers 5.24: tests/test_swap.py resolves every entry and compares each
 #: class with its replacement in each dtype. Models built on ``torch.nn.LayerNorm`` (GPT-2)
 #: need no entry.
@@ -106,6 +113,15 @@ HF_NORMS: tuple[HFNorm, ...] = (
         note="weight * (x * rsqrt(mean(x^2) + variance_epsilon)), xhat rounded to a bf16/fp16 "
              "weight's dtype first: (rms-y) with gamma = weight (T5's LayerNorm has no mean), "
              "round_xhat for inputs in the weight's dtype"),
+    # LayerNorms without bias: Cohere's, (h - mean) * rsqrt(var + eps) * weight in float32,
+    # rounded once; OLMo's, F.layer_norm of h in float32 without parameters, eps 1e-5, rounded
+    # once. Bit for bit in float32; in bf16 and fp16 normbook's path for half rows agrees to
+    # rounding (swapped with strict=False)
+    _hf("cohere", "CohereLayerNorm", kind="layer",
+        note="weight * ((h - mean) * rsqrt(var + variance_epsilon)), h = x.to(float32), rounded "
+             "once: (ln-y) with gamma = weight and no bias"),
+    _hf("olmo", "OlmoLayerNorm", kind="layer", weight=None, eps=1e-5,
+        note="F.layer_norm(x.to(float32), eps=1e-5) rounded once: (ln-y) without parameters"),
     *(_hf(p, n, eps="eps", exact=_HALVES, offset=1.0, note=_GEMMA) for p, n in [
         ("gemma", "GemmaRMSNorm"), ("gemma2", "Gemma2RMSNorm"), ("gemma3", "Gemma3RMSNorm"),
         ("qwen3_next", "Qwen3NextRMSNorm")]),
@@ -118,25 +134,45 @@ def _entry(cls: type) -> HFNorm | None:
     return _BY_CLASS.get((cls.__module__, cls.__qualname__))
 
 
-def _replacement(old: torch.nn.Module, entry: HFNorm) -> RMSNorm:
-    """A normbook.RMSNorm holding ``old``'s weight Parameter itself, its training flag, its
-    hooks (the same dicts, so handles registered on ``old`` still remove them) and every other
-    attribute of its own (Hugging Face's ``_is_hf_initialized``, without which ``init_weights``
-    would reset a trained weight; ``variance_epsilon``, read by code that knows the class)."""
-    weight = getattr(old, entry.weight)
-    new = RMSNorm(weight.shape, eps=float(getattr(old, entry.eps)), device="meta",
-                  offset=entry.offset, round_xhat=entry.round_xhat)
-    new.weight = weight                          # the Parameter itself: device, dtype, optimizer
+def _replacement(old: torch.nn.Module, entry: HFNorm) -> torch.nn.Module:
+    """A normbook.RMSNorm (a normbook.LayerNorm for ``kind`` "layer") holding ``old``'s
+    weight Parameter itself, its training flag, its hooks (the same dicts, so handles
+    registered on ``old`` still remove them) and every other attribute of its own (Hugging
+    Face's ``_is_hf_initialized``, without which ``init_weights`` would reset a trained weight;
+    ``variance_epsilon``, read by code that knows the class)."""
+    cls = LayerNorm if entry.kind == "layer" else RMSNorm
+    new = cls.__new__(cls)
+    _adopt(new, old, entry)
+    return new
+
+
+def _adopt(new: torch.nn.Module, old: torch.nn.Module, entry: HFNorm) -> None:
+    """Initialise ``new`` (a normbook.RMSNorm or LayerNorm, or a subclass, not yet
+    initialised) as :func:`_replacement` describes, from ``old``."""
+    weight = None if entry.weight is None else getattr(old, entry.weight)
+    shape = tuple(weight.shape) if weight is not None else tuple(old.normalized_shape)
+    eps = float(getattr(old, entry.eps) if isinstance(entry.eps, str) else entry.eps)
+    if entry.kind == "layer":
+        LayerNorm.__init__(new, shape, eps=eps, elementwise_affine=weight is not None,
+                           bias=False, device="meta")
+    else:
+        RMSNorm.__init__(new, shape, eps=eps, device="meta", offset=entry.offset,
+                         round_xhat=entry.round_xhat)
+    if weight is not None:
+        new.weight = weight                      # the Parameter itself: device, dtype, optimizer
     new.training = old.training
     for key, value in vars(old).items():
         if (key.startswith("_") and "hooks" in key) or key == "_is_full_backward_hook" or (
                 key not in new.__dict__ and key != entry.weight):
             new.__dict__[key] = value
-    return new
 
 
-def _why_not(module: torch.nn.Module) -> str | None:
+def _why_not(module: torch.nn.Module, entry: Optional[HFNorm] = None) -> str | None:
     """Why a norm of a known class must still be left as it is, or None."""
+    if entry is not None and entry.kind == "layer" and entry.weight is not None and getattr(
+            module, entry.weight).dim() != 1:
+        return ("its weight has several dims but it normalizes over the last one (a per-head "
+                "QK-norm), which normbook.LayerNorm's normalized_shape cannot say")
     if torch.nn.utils.parametrize.is_parametrized(module):
         return ("parametrized (its weight is computed where it is read): swap before "
                 "registering the parametrization")
@@ -144,6 +180,14 @@ def _why_not(module: torch.nn.Module) -> str | None:
         return ("its forward is replaced on the instance (accelerate's hooks, say), which would "
                 "still run instead: swap before dispatching the model or adding such hooks")
     return None
+
+
+def _dtype_of(module: torch.nn.Module, entry: HFNorm, model: torch.nn.Module) -> torch.dtype:
+    """The dtype a norm is judged in under ``strict``: its weight's, or for a class without
+    one (OLMo's), the model's (its first floating parameter's; float32 if it has none)."""
+    if entry.weight is not None:
+        return getattr(module, entry.weight).dtype
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _looks_like_a_norm(cls: type) -> bool:
@@ -201,7 +245,7 @@ def swap_norms(model: torch.nn.Module, *, strict: bool = True) -> int:
         if isinstance(module, (LayerNorm, RMSNorm)):   # normbook's already (parametrized too)
             continue
         if (isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)) or _looks_like_a_norm(cls)
-                ) and (why := _why_not(module)) is not None:
+                ) and (why := _why_not(module, _entry(cls))) is not None:
             left[where] = why
             continue
         if cls is torch.nn.LayerNorm:
@@ -213,7 +257,7 @@ def swap_norms(model: torch.nn.Module, *, strict: bool = True) -> int:
         elif isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
             left[where] = "a subclass of torch's norm whose forward may differ"
         elif (entry := _entry(cls)) is not None:
-            dtype = getattr(module, entry.weight).dtype
+            dtype = _dtype_of(module, entry, model)
             if not entry.exact:
                 left[where] = entry.note
             elif strict and dtype not in entry.exact:
@@ -276,32 +320,32 @@ def _patched_class(entry: HFNorm, original: type, strict: bool) -> type:
     (the weight's dtype in ``entry.exact``, or anywhere without ``strict``) and by
     ``original``'s own forward elsewhere, so a model is exact in every dtype."""
 
-    def __init__(self, *args, **kwargs):
+    base = LayerNorm if entry.kind == "layer" else RMSNorm
+
+    def __new__(cls, *args, **kwargs):
         proto = original(*args, **kwargs)   # its parameters, as its model code asks for them
-        _adopt(self, proto, entry)
+        if _why_not(proto, entry) is not None:
+            return proto                    # (a per-head QK-norm): the original, as it is
+        new = base.__new__(cls)
+        new.__dict__["_normbook_proto"] = proto
+        return new
+
+    def __init__(self, *args, **kwargs):
+        _adopt(self, self.__dict__.pop("_normbook_proto"), entry)
 
     def forward(self, hidden_states):
-        if strict and self.weight.dtype not in entry.exact:
+        dtype = hidden_states.dtype if entry.weight is None else self.weight.dtype
+        if strict and dtype not in entry.exact:
             return original.forward(self, hidden_states)
-        return RMSNorm.forward(self, hidden_states)
+        return base.forward(self, hidden_states)
 
-    return type(original.__name__, (RMSNorm,), {
-        "__init__": __init__, "forward": forward, "__module__": original.__module__,
+    return type(original.__name__, (base,), {
+        "__new__": __new__, "__init__": __init__, "forward": forward,
+        "__module__": original.__module__,
         "__qualname__": original.__qualname__, "_normbook_original": original,
-        "__doc__": f"normbook's RMSNorm in place of {original.__module__}.{original.__qualname__} "
+        "__doc__": f"normbook's {base.__name__} in place of {original.__module__}."
+                   f"{original.__qualname__} "
                    f"(normbook.patch_hf): {entry.note}"})
-
-
-def _adopt(new: RMSNorm, old: torch.nn.Module, entry: HFNorm) -> None:
-    """Make ``new`` (not yet initialised) a normbook.RMSNorm holding ``old``'s weight and
-    attributes, as :func:`_replacement` builds one."""
-    weight = getattr(old, entry.weight)
-    RMSNorm.__init__(new, tuple(weight.shape), eps=float(getattr(old, entry.eps)), device="meta",
-                     offset=entry.offset, round_xhat=entry.round_xhat)
-    new.weight = weight
-    for key, value in vars(old).items():
-        if key not in new.__dict__ and key != entry.weight:
-            new.__dict__[key] = value
 
 
 def patch_hf(families: Optional[Union[str, Iterable[str]]] = None, *,
