@@ -34,7 +34,7 @@ from __future__ import annotations
 import importlib
 import warnings
 from dataclasses import dataclass
-from typing import Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 
@@ -146,7 +146,7 @@ def _replacement(old: torch.nn.Module, entry: HFNorm) -> torch.nn.Module:
     return new
 
 
-def _adopt(new: torch.nn.Module, old: torch.nn.Module, entry: HFNorm) -> None:
+def _adopt(new: Any, old: Any, entry: HFNorm) -> None:
     """Initialise ``new`` (a normbook.RMSNorm or LayerNorm, or a subclass, not yet
     initialised) as :func:`_replacement` describes, from ``old``."""
     weight = None if entry.weight is None else getattr(old, entry.weight)
