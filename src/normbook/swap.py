@@ -284,7 +284,7 @@ def swap_norms(model: torch.nn.Module, *, strict: bool = True) -> int:
 
 
 class HFPatch:
-    """What :func:`patch_hf` changed: the Hugging Face modeling modules whose norm class it
+    """What :func:`normbook.patch_hf` changed: the Hugging Face modeling modules whose norm class it
     replaced, undone by :meth:`undo` (or on leaving a ``with`` block). ``classes`` names the
     replaced classes; ``left`` the known ones it left, with the reason."""
 
@@ -351,7 +351,7 @@ def _patched_class(entry: HFNorm, original: type, strict: bool) -> type:
 def patch_hf(families: Optional[Union[str, Iterable[str]]] = None, *,
              strict: bool = True) -> HFPatch:
     """Make Hugging Face's model code build normbook's norms, before a model is loaded, as
-    Liger's ``apply_liger_kernel_to_*``: each norm class of :data:`HF_NORMS` (for
+    Liger's ``apply_liger_kernel_to_*``: each norm class of :data:`normbook.swap.HF_NORMS` (for
     ``families``, e.g. ``"llama"`` or ``["qwen2", "mistral"]``; None: every family it knows
     that the installed transformers has) is replaced in its modeling module by a
     :class:`normbook.RMSNorm` subclass of the same name and constructor, so that
@@ -359,18 +359,18 @@ def patch_hf(families: Optional[Union[str, Iterable[str]]] = None, *,
     state_dict keys, parameters and attributes of Hugging Face's.
 
     Each patched norm computes (rms-y) by normbook, with the entry's ``offset`` and
-    ``round_xhat``, where that is the class's forward op for op (:func:`swap_norms`'s rule:
+    ``round_xhat``, where that is the class's forward op for op (:func:`normbook.swap_norms`'s rule:
     the weight's dtype in the entry's ``exact``, float32, bfloat16 and float16 for every
     entry today, or every dtype with ``strict=False``) and by the original class's forward
     elsewhere (float64 with ``strict``), so the model's outputs are Hugging Face's either way.
     An entry without an exact dtype would be left, and named in the result's ``left``.
 
     Returns:
-        An :class:`HFPatch`: ``undo()`` (or a ``with`` block) puts the original classes back;
+        An :class:`normbook.swap.HFPatch`: ``undo()`` (or a ``with`` block) puts the original classes back;
         models built meanwhile keep normbook's norms.
 
     Raises:
-        ValueError: a family :data:`HF_NORMS` does not know, named.
+        ValueError: a family :data:`normbook.swap.HF_NORMS` does not know, named.
         ImportError: a family named explicitly whose modeling module transformers lacks.
     """
     known = {_family(e) for e in HF_NORMS}
