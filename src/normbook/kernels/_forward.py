@@ -211,6 +211,16 @@ def _sweep_again(X, H, row, stride_x, D, c, mask, HAS_RESIDUAL: tl.constexpr):
 
 
 @triton.jit
+def _centred(X, H, row, stride_x, D, c, mean, IS_RMS: tl.constexpr,
+             HAS_RESIDUAL: tl.constexpr):
+    """Columns c of the row again (:func:`_sweep_again`), fp32, less the row's mean (RMSNorm:
+    as they are); 0 past D."""
+    mask = c < D
+    x = _sweep_again(X, H, row, stride_x, D, c, mask, HAS_RESIDUAL)
+    return x if IS_RMS else tl.where(mask, x - mean, 0.0)
+
+
+@triton.jit
 def norm_fwd_loop_kernel(
     X,                       # (M, D) input, rows stride_x apart
     R,                       # (M, D) residual, rows stride_r apart
@@ -281,19 +291,13 @@ def norm_fwd_loop_kernel(
             # cannot overflow, and amax comes back out of the root
             amax = tl.full((), 0.0, tl.float32)
             for start in range(0, D, BLOCK_D):
-                c = start + cols
-                mask = c < D
-                x = _sweep_again(X, H, row, stride_x, D, c, mask,
-                                 HAS_RESIDUAL)
-                xc = tl.where(mask, x - mean, 0.0) if not IS_RMS else x
+                xc = _centred(X, H, row, stride_x, D, start + cols, mean,
+                              IS_RMS, HAS_RESIDUAL)
                 amax = tl.maximum(amax, tl.max(tl.abs(xc), axis=0))
             q = tl.full((), 0.0, tl.float32)
             for start in range(0, D, BLOCK_D):
-                c = start + cols
-                mask = c < D
-                x = _sweep_again(X, H, row, stride_x, D, c, mask,
-                                 HAS_RESIDUAL)
-                u = (tl.where(mask, x - mean, 0.0) if not IS_RMS else x) / amax
+                u = _centred(X, H, row, stride_x, D, start + cols, mean,
+                             IS_RMS, HAS_RESIDUAL) / amax
                 q += tl.sum(u * u, axis=0)
             rstd = tl.math.rsqrt(q / D) / amax
         if IS_RMS:
