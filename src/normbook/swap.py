@@ -366,8 +366,8 @@ def patch_hf(families: Optional[Union[str, Iterable[str]]] = None, *,
     An entry without an exact dtype would be left, and named in the result's ``left``.
 
     Returns:
-        An :class:`normbook.swap.HFPatch`: ``undo()`` (or a ``with`` block) puts the original classes back;
-        models built meanwhile keep normbook's norms.
+        An ``HFPatch`` (``normbook.swap.HFPatch``): its ``undo()`` (or a ``with`` block)
+        puts the original classes back; models built meanwhile keep normbook's norms.
 
     Raises:
         ValueError: a family :data:`normbook.swap.HF_NORMS` does not know, named.

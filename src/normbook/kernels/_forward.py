@@ -251,7 +251,7 @@ def norm_fwd_loop_kernel(
     first sweep's chunks each give their mean and M2, merged as they come
     by Chan's formula (kern-chan), never E[x^2] - E[x]^2; the second
     normalizes. The row stays in L2 between the sweeps (the first loads
-    with evict_last, the second with evict_first), so HBM reads it once."""
+    with evict_last, the second with evict_first): HBM reads it once."""
     D = multiple(D, VEC)
     stride_x = multiple(stride_x, VEC)
     stride_r = multiple(stride_r, VEC)
@@ -259,16 +259,16 @@ def norm_fwd_loop_kernel(
     first = tl.program_id(0).to(tl.int64)           # M * D may pass 2^31
     for row in range(first, M, tl.num_programs(0)):
         # sweep 1: the statistics, chunk by chunk (kern-chan)
-        n = tl.full((), 0.0, tl.float32)            # columns merged so far
+        n = tl.full((), 0.0, tl.float32)       # columns merged so far
         mean = tl.full((), 0.0, tl.float32)
-        m2 = tl.full((), 0.0, tl.float32)           # RMSNorm: sum of squares
+        m2 = tl.full((), 0.0, tl.float32)      # RMSNorm: sum of squares
         for start in range(0, D, BLOCK_D):
             c = start + cols
             mask = c < D
             x = _sweep_load(X, R, H, row, stride_x, stride_r, D, c, mask,
                             HAS_RESIDUAL)
             if IS_RMS:
-                m2 += tl.sum(x * x, axis=0)                    # (rms-ms)
+                m2 += tl.sum(x * x, axis=0)                # (rms-ms)
             else:
                 nc = tl.minimum(D - start, BLOCK_D).to(tl.float32)
                 mc = tl.sum(x, axis=0) / nc
@@ -278,10 +278,11 @@ def norm_fwd_loop_kernel(
                 mean += delta * (nc / total)
                 # (the first chunk adds no term: 0 * delta^2, NaN where
                 # delta^2 overflows, is not computed)
-                spread = tl.where(n > 0, delta * delta * (n * nc / total), 0.0)
+                spread = delta * delta * (n * nc / total)
+                spread = tl.where(n > 0, spread, 0.0)
                 m2 += tl.sum(xc * xc, axis=0) + spread
                 n = total
-        var = m2 / D                                           # (ln-var)
+        var = m2 / D                                   # (ln-var)
         # (ln-rstd), the smallest normal float keeping it finite (see the
         # rows kernel)
         rstd = tl.math.rsqrt(_clamp_tiny(var + eps))
@@ -309,12 +310,15 @@ def norm_fwd_loop_kernel(
         for start in range(0, D, BLOCK_D):
             c = start + cols
             mask = c < D
-            x = _sweep_again(X, H, row, stride_x, D, c, mask, HAS_RESIDUAL)
+            x = _sweep_again(X, H, row, stride_x, D, c, mask,
+                             HAS_RESIDUAL)
             y = x * rstd if IS_RMS else (x - mean) * rstd
             if HAS_WEIGHT:
-                y = y * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(W + c, mask=mask, other=0.0)
+                y = y * w.to(tl.float32)
             if HAS_BIAS:
-                y = y + tl.load(B + c, mask=mask, other=0.0).to(tl.float32)
+                b = tl.load(B + c, mask=mask, other=0.0)
+                y = y + b.to(tl.float32)
             tl.store(Y + row * D + c, y.to(Y.dtype.element_ty), mask=mask)
 
 
