@@ -9,7 +9,7 @@ dispatch to the Triton kernels.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -70,7 +70,8 @@ class RMSNorm(torch.nn.RMSNorm):
     # (no annotation: TorchScript reads the class's annotations; mypy reads the comment)
     _modes = None  # type: Optional[tuple[float, bool]]
 
-    def __init__(self, normalized_shape: Union[int, Sequence[int]], eps: Optional[float] = None,
+    def __init__(self, normalized_shape: Union[int, list[int], torch.Size],
+                 eps: Optional[float] = None,
                  elementwise_affine: bool = True, device: Any = None,
                  dtype: Optional[torch.dtype] = None, *, offset: float = 0.0,
                  round_xhat: bool = False) -> None:

@@ -150,7 +150,7 @@ def _adopt(new: Any, old: Any, entry: HFNorm) -> None:
     """Initialise ``new`` (a normbook.RMSNorm or LayerNorm, or a subclass, not yet
     initialised) as :func:`_replacement` describes, from ``old``."""
     weight = None if entry.weight is None else getattr(old, entry.weight)
-    shape = tuple(weight.shape) if weight is not None else tuple(old.normalized_shape)
+    shape = torch.Size(weight.shape if weight is not None else old.normalized_shape)
     eps = float(getattr(old, entry.eps) if isinstance(entry.eps, str) else entry.eps)
     if entry.kind == "layer":
         LayerNorm.__init__(new, shape, eps=eps, elementwise_affine=weight is not None,
