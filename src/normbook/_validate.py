@@ -110,6 +110,16 @@ def check_eps(eps) -> None:
         raise ValueError(f"eps: expected a real number other than NaN, got {eps!r}")
 
 
+def check_modes(offset, round_xhat) -> float:
+    """RMSNorm's ``offset`` (a real number, not a bool) and ``round_xhat`` (a bool), each a
+    TypeError naming it otherwise; returns the offset as a float."""
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
+        raise TypeError(f"offset: expected a real number, got {offset!r}")
+    if type(round_xhat) is not bool:
+        raise TypeError(f"round_xhat: expected a bool, got {round_xhat!r}")
+    return float(offset)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the norms reduce in, torch's "op-math" type: float64 for float64, float32 for
     every other floating dtype (torch.promote_types(dtype, torch.float32) for those, but not

@@ -848,13 +848,9 @@ def _rms_modes(input, normalized_shape, weight, eps, offset, round_xhat):
     the plain norm with gamma, its product in float32 rounded once. Those are the operations
     of the Hugging Face norms the modes reproduce (Gemma's ``(xhat * (1.0 +
     weight.float())).type_as(x)``, Llama's ``weight * xhat.to(input_dtype)``)."""
-    if type(offset) is not float and not (isinstance(offset, (int, float))
-                                          and not isinstance(offset, bool)):
-        raise TypeError(f"offset: expected a real number, got {offset!r}")
-    if type(round_xhat) is not bool:
-        raise TypeError(f"round_xhat: expected a bool, got {round_xhat!r}")
+    offset = _validate.check_modes(offset, round_xhat)
     if offset and weight is not None:
-        weight = (weight.float() if isinstance(weight, Tensor) else weight) + float(offset)
+        weight = (weight.float() if isinstance(weight, Tensor) else weight) + offset
     if (round_xhat and weight is not None and isinstance(input, Tensor)
             and input.dtype in _HALF):
         return weight * rms_norm(input, normalized_shape, None, eps)

@@ -80,11 +80,8 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def set_modes(self, offset: float = 0.0, round_xhat: bool = False) -> None:
         """Set ``offset`` and ``round_xhat`` (see the class docstring)."""
-        if isinstance(offset, bool) or not isinstance(offset, (int, float)):
-            raise TypeError(f"offset: expected a real number, got {offset!r}")
-        if type(round_xhat) is not bool:
-            raise TypeError(f"round_xhat: expected a bool, got {round_xhat!r}")
-        self._modes = (float(offset), round_xhat) if (offset or round_xhat) else None
+        offset = _validate.check_modes(offset, round_xhat)
+        self._modes = (offset, round_xhat) if (offset or round_xhat) else None
 
     def extra_repr(self) -> str:
         modes = self._modes
