@@ -93,7 +93,7 @@ torch-floor: $(FLOOR)/.installed
 gpu-dry-run: $(STAMP)
 	rm -rf build/gpu-dry-run
 	DRY_RUN=1 OUT=build/gpu-dry-run PYTHON=$(abspath $(PY)) bash benchmarks/gpu_check.sh
-	@cd build/gpu-dry-run && ls results.json summary.txt report.json overview.png model.png logs.tar.gz >/dev/null \
+	@cd build/gpu-dry-run && ls results.json summary.txt report.json overview.png logs.tar.gz >/dev/null \
 	  && test -z "$$(find . -mindepth 1 -type d)" && test "$$(ls | wc -l)" -le 8 \
 	  && echo "gpu-dry-run: $$(ls | wc -l) files, no folders: what the device tool brings back"
 

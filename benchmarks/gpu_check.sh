@@ -18,7 +18,8 @@
 #              the dry run: in the interpreter)                                     60 / 90
 #   bench_*    bf16: 4 ops x fwd/bwd, normbook, torch, liger; fp32 layer_norm with compile;
 #              bf16 torch.compile in the time left                    150, 60, rest / 90, 40, 60
-#   merge, summary, plots, overview, model (the report's predictions against the measurement)
+#   merge, summary, plots, overview (the report predicts no speed since 2026-12-05: see
+#              normbook.bench.model; --model-check reads the recorded predictions)
 #
 # The budget. Every step's limit is cut from one total, BUDGET_S seconds (default 480; the
 # device tool's run gets `timeout_s: 540`): a step gets its cap or what the budget leaves,
@@ -41,7 +42,6 @@
 #   $OUT/summary.txt    steps, host times, the tables and the goal check
 #   $OUT/report.json    the compile report of this machine
 #   $OUT/overview.png   fraction of copy bandwidth, every op, bf16
-#   $OUT/model.png      the performance model's prediction against the measurement, bf16
 #   $OUT/logs.tar.gz    every log, every per-run JSON, every plot
 #
 # Exit status: 0 when every step passed; 1 when one failed, timed out or was not run for lack
@@ -50,7 +50,7 @@
 # Settings, from the environment:
 #   DRY_RUN=1   the same steps on the CPU (Triton's interpreter, M = 64, small D, torch.compile's
 #               aot_eager backend), in about a minute and a half: `make gpu-dry-run`.
-#   OUT         the output folder (default benchmarks/results/gpu-<date>/); this script's six
+#   OUT         the output folder (default benchmarks/results/gpu-<date>/); this script's five
 #               file names in it are replaced, nothing else is touched.
 #   PYTHON      the interpreter (default python3).
 #   BUDGET_S (480), RESERVE_S (20), KILL_AFTER_S (5): the budget above.
@@ -70,13 +70,13 @@ RESERVE_S=${RESERVE_S:-20}; whole RESERVE_S "$RESERVE_S"
 KILL_AFTER_S=${KILL_AFTER_S:-5}; whole KILL_AFTER_S "$KILL_AFTER_S"
 MIN_STEP_S=3       # a limit shorter than this is no chance to run: the step is not run
 ALL_STEPS=" env wheels gpu_tests report host plans chapter bench_bf16 bench_fp32 bench_compile"
-ALL_STEPS+=" merge summary plots overview model "
+ALL_STEPS+=" merge summary plots overview "
 ONLY=${ONLY:-}
 IFS=, read -ra only_steps <<< "$ONLY"
 for s in "${only_steps[@]}"; do   # a misspelt step would silently run nothing
   [[ $ALL_STEPS == *" $s "* ]] || die "ONLY: no step '$s' (steps:$ALL_STEPS)"
 done
-PUBLISHED="results.json summary.txt report.json overview.png model.png logs.tar.gz"
+PUBLISHED="results.json summary.txt report.json overview.png logs.tar.gz"
 
 # Setup. Every failure stops here, before anything is written: an unchecked mkdir or mktemp
 # would leave OUT or WORK empty, and the paths below would then point into /.
@@ -188,7 +188,7 @@ copy_in() {
 publish() {
   local state=${1:-"in progress, $(elapsed)s"} f stale=0 lim items=()
   write_summary "$state" > "$WORK/summary.txt" && copy_in "$WORK/summary.txt"
-  for f in report.json overview.png model.png; do
+  for f in report.json overview.png; do
     if [ -f "$WORK/$f" ] && [ "$WORK/$f" -nt "$OUT/$f" ]; then copy_in "$WORK/$f"; fi
   done
   # the archive: the pieces that exist, side by side, so that it unpacks into one folder
@@ -223,7 +223,6 @@ write_summary() {
   echo; echo "== the backward of few rows: one program or a grid and its finish"
   cat "$LOGS/plans.txt" 2>/dev/null
   echo; echo "== benchmark"; cat "$LOGS/summary.txt" 2>/dev/null || echo "no summary (yet)"
-  echo; echo "== the model against measurement"; cat "$LOGS/model.txt" 2>/dev/null || echo "not compared (yet)"
   return 0
 }
 
@@ -350,10 +349,6 @@ if [ "${#RESULTS[@]}" -gt 0 ]; then
   step summary 30 bash -c "$JUDGED" judged "$PY" -m normbook.bench --summary "$WORK/results.json"
   step plots 60 "$PY" -m normbook.bench --plot "${RESULTS[@]}" --out "$WORK/plots"
   step overview 30 "$PY" -m normbook.bench --overview "$WORK/results.json" --out "$WORK/overview.png"
-  if [ -f "$WORK/report.json" ]; then
-    step model 30 "$PY" -m normbook.bench --model-check "$WORK/results.json" \
-      --report "$WORK/report.json" --out "$WORK/model.png"
-  fi
 elif [ -z "$ONLY" ]; then
   echo "no benchmark results: nothing to merge, summarize or plot" | tee -a "$LOGS/steps.txt"
   FAILED+=(no-results)

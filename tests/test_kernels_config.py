@@ -540,3 +540,28 @@ def test_a_measurement_that_fails_keeps_the_assumed_grid(monkeypatch):
         changed = _config.measure(Broken(), plan, (), 0)
     assert changed is False
     assert _config.measured_per_sm[_config.measure_key(plan.kernel, plan.flags, 0)] == 2
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_a_row_of_a_tile_of_its_own_is_a_program_on_a_gpu(norm):
+    """On a GPU a row of 4096..16384 values is one program (grid M, loads not pipelined,
+    _config.ROW_ELEMS a thread), shorter rows share tiles of a persistent grid; the kernel
+    launched with that plan (run here by the interpreter) gives the reference's values."""
+    h200 = _config.Device(90, 132)
+    is_rms = norm == "rms"
+    for D, warps in ((4096, 8), (8192, 16), (16384, 16)):
+        plan, = _config.forward_plan(5000, D, h200, 2, is_rms, False, True, not is_rms)
+        assert (plan.grid, plan.flags["num_warps"], plan.constexprs["NUM_STAGES"],
+                plan.constexprs["ROWS"]) == ((5000,), warps, 1, 1)
+        assert plan.constexprs["BLOCK_D"] // (32 * warps) == (16 if D < 16384 else 32)
+    narrow, = _config.forward_plan(5000, 2048, h200, 2, is_rms, False, True, not is_rms)
+    assert narrow.grid[0] < 5000 and narrow.constexprs["ROWS"] > 1
+    M, D = 6, 4100
+    plan, = _config.forward_plan(M, D, h200, 4, is_rms, False, True, not is_rms)
+    x, w, b = torch.randn(M, D), torch.randn(D), torch.randn(D)
+    y, stats = torch.empty_like(x), torch.empty(1 if is_rms else 2, M)
+    _forward.norm_fwd_rows_kernel[plan.grid](x, x, x, y, w, b, stats, D, D, M, D, 1e-5,
+                                             **plan.flags)
+    want = (reference.rms_norm_forward(x, w, 1e-5) if is_rms
+            else reference.layer_norm_forward(x, w, b, 1e-5))[0]
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)

@@ -5,7 +5,7 @@ A norm is memory-bound, so each row of the benchmark is bytes (from the byte mod
 bandwidth measured in the same run. Files, one topic each:
 
     bytemodel   the bytes each (op, mode) moves, declared as data
-    model       the performance model: traffic, residency, Little's law -> predicted fraction
+    model       the H200's numbers and programs per SM (the speed model was retired: see it)
     providers   normbook, torch, compile, naive, reference, liger, quack
     timing      do_bench on CUDA (a perf_counter loop on the CPU), the copy bandwidth
     runner      the sweep, provenance, the JSON

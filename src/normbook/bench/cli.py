@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 from normbook.bench import bytemodel, providers, runner
+from normbook.bench.goal import GOAL
 
 PROG = "normbook-bench"
 GPU_PROVIDERS = ["normbook", "torch", "compile", "naive", "liger", "quack"]
@@ -164,8 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "is read or measured)")
     p.add_argument("--goal", action="store_true",
                    help="after a run or with --summary: judge the rows against the kernels' "
-                   "performance goal (bf16, M = 32768: at least 0.90 of copy bandwidth forward, "
-                   "0.80 backward, 0.70 past D = 32768, faster than the rivals); exit status 1 when it is not met")
+                   f"performance goal (bf16, M = {GOAL['M']}: at least {GOAL['frac']['fwd']:.2f} "
+                   f"of copy bandwidth forward, {GOAL['frac']['bwd']:.2f} backward, "
+                   f"{GOAL['tail'][2]:.2f} past D = {GOAL['tail'][0]}, faster than the "
+                   "rivals); exit status 1 when it is not met")
     p.add_argument("--no-plots", action="store_true", help="write only the JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--plot", nargs="+", metavar="SRC",
@@ -183,8 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary", nargs="+", metavar="SRC",
                    help="do not run: print the tables and the goal check of recorded JSON")
     p.add_argument("--model-check", nargs="+", metavar="SRC",
-                   help="do not run: recorded JSON against the performance model of --report "
-                   "(a compile report's JSON): a table, and a PNG to --out FILE")
+                   help="do not run: recorded JSON against the predictions of the retired "
+                   "performance model recorded in --report (a compile report's JSON made before "
+                   "2026-12-05): a table, and a PNG to --out FILE")
     p.add_argument("--report", metavar="JSON", help="with --model-check: the compile report")
     return p
 

@@ -203,11 +203,12 @@ def _panel(ax_gbps, ax_frac, rows, by_device: bool) -> None:
 
 
 def model_vs_measured(sources, report, arch: str = "sm_90", provider: str = "normbook") -> list[dict]:
-    """The performance model's prediction beside the measurement, per (op, mode, dtype, D).
+    """The retired performance model's prediction beside the measurement, per (op, mode,
+    dtype, D): a recorded history (see :mod:`normbook.bench.model`).
 
-    ``sources``: benchmark results (see :func:`load_results`); ``report``: the compile report's
-    JSON (``python -m normbook.kernels.report --json``; a dict or a path), best the one compiled
-    on the machine that measured. Joins ``provider``'s rows (fwd and bwd, at the report's M)
+    ``sources``: benchmark results (see :func:`load_results`); ``report``: a compile report's
+    JSON (a dict or a path) recorded with them, from before the predictions went (reports
+    since carry none: no rows then). Joins ``provider``'s rows (fwd and bwd, at the report's M)
     with the report's paths for ``arch``. Each row: op, mode, dtype, D, predicted, measured
     (fractions of copy bandwidth) and measured / predicted, where the model is wrong by how much.
     """
@@ -216,7 +217,8 @@ def model_vs_measured(sources, report, arch: str = "sm_90", provider: str = "nor
     else:
         rep = check_report(read_json(report), str(report))
     predicted = {(p["norm"], p["residual"], p["direction"], p["dtype"], p["D"]): p["predicted_fraction"]
-                 for p in rep["paths"] if p["arch"] == arch and "error" not in p}
+                 for p in rep["paths"]
+                 if p["arch"] == arch and "error" not in p and "predicted_fraction" in p}
     out = []
     for result in load_results(sources):
         for row in result["rows"]:
@@ -234,7 +236,8 @@ def model_vs_measured(sources, report, arch: str = "sm_90", provider: str = "nor
 def model_table(rows: list[dict]) -> str:
     """:func:`model_vs_measured`'s rows as text, with the worst miss named."""
     if not rows:
-        return "model against measurement: no measured row at the report's M and D"
+        return ("model against measurement: no measured row at the report's M and D with a "
+                "prediction (reports made after 2026-12-05 carry none)")
     lines = [f"{'op':16} {'mode':4} {'dtype':5} {'D':>7} {'predicted':>9} {'measured':>8} {'ratio':>6}"]
     lines += [f"{r['op']:16} {r['mode']:4} {r['dtype']:5} {r['D']:7} {r['predicted']:9.2f} "
               f"{r['measured']:8.2f} {r['ratio']:6.2f}" for r in rows]

@@ -113,10 +113,11 @@ PROVENANCE_OPTIONAL.update(dirty=_optional(_boolean), synthetic=_optional(_boole
 RESULT = {"provenance": _object, "copy_bandwidth_gbps": _positive, "rows": None}
 RESULT_OPTIONAL = {"skipped": None, "copy": _copy, "copy_end": _copy, "config": _object,
                    "runs": None}
-# the compile report, as far as --model-check reads it
+# the compile report, as far as --model-check reads it; reports made before the model's
+# predictions went (the H200's of 2026-12-04) carry a predicted fraction per path
 REPORT_PATH = {"arch": _text, "norm": _one_of(("layer", "rms")), "residual": _boolean,
-               "direction": _one_of(("fwd", "bwd")), "dtype": _text, "D": _size,
-               "predicted_fraction": _nonneg}
+               "direction": _one_of(("fwd", "bwd")), "dtype": _text, "D": _size}
+REPORT_PATH_OPTIONAL = {"predicted_fraction": _nonneg}
 
 
 _REPR = reprlib.Repr()
@@ -189,7 +190,7 @@ def check_report(data, where: str = "report") -> dict:
     for i, p in enumerate(data["paths"]):
         if isinstance(p, dict) and "error" in p:  # a path that failed to compile: not joined
             continue
-        _fit(p, REPORT_PATH, {}, f"{where}: paths[{i}]")
+        _fit(p, REPORT_PATH, REPORT_PATH_OPTIONAL, f"{where}: paths[{i}]")
     return data
 
 

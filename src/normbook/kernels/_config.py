@@ -54,8 +54,17 @@ MAX_FUSED_D_FWD = 16384   # widest row the forward holds in registers: 32 values
                           # fp32 with the add: x and r), 16 warps; twice that needs 32 warps, a
                           # program with no registers left to pipeline (see the appendix)
 MAX_FUSED_D_BWD = 8192    # backward holds x, dy, dweight and dbias partials: 32 per thread
-ELEMS_FWD = 32            # values per thread: four 128-bit loads of bf16; 4 warps up to a
-                          # 4096-value tile, so three programs share an SM
+ELEMS_FWD = 32            # values per thread of the tiles of several short rows: four
+                          # 128-bit loads of bf16; 4 warps for a 4096-value tile
+# A row of a tile of its own (BLOCK_D >= TILE_ELEMS): one program a row, grid M, no pipeline,
+# ROW_ELEMS values a thread up to ROW_MAX_WARPS warps: Liger's RMSNorm forward, which measured
+# 0.94-0.98 of copy at D = 4096..16384 (bf16, M = 32768) on the H200 where the persistent,
+# pipelined rows kernel (32 values a thread, 4-16 warps) measured 0.88-0.91, and its fused add
+# 0.95-0.97 against 0.91-0.93; Liger's LayerNorm in fp32 0.97 and 0.93 at D = 4096 and 16384
+# against 0.91 and 0.91 (benchmarks/results/2026-12-04-h200/summary.txt). Not measured as
+# normbook's kernel yet: the next GPU run's bench step is its measurement.
+ROW_ELEMS = 16
+ROW_MAX_WARPS = 16
 MAX_STAGES = 4            # rows kernels: up to three tiles' loads in flight ahead
 SMEM_PER_PROGRAM = 64 * 1024   # shared memory for pipelined tiles: two programs fit on sm_80 too
 ELEMS_BWD = 32            # values per thread in the backward: 4 warps (8 at D = 8192), so two
@@ -221,11 +230,17 @@ def maxnreg_for(num_warps: int) -> int:
 @functools.lru_cache(maxsize=4096)
 def forward_config(M: int, D: int, itemsize: int = 2) -> Config:
     """Block shape of the forward for M rows of length D (cached).
-    Rows up to MAX_FUSED_D_FWD are held in registers. Wider rows are swept in chunks of
-    LOOP_CHUNK_BYTES (LOOP_WIDE_CHUNK_BYTES past LOOP_WIDE_FROM), LOOP_WARPS warps."""
+    Rows up to MAX_FUSED_D_FWD are held in registers: several short rows a tile of about
+    TILE_ELEMS values, ELEMS_FWD a thread; a longer row a program, ROW_ELEMS a thread. Wider
+    rows are swept in chunks of LOOP_CHUNK_BYTES (LOOP_WIDE_CHUNK_BYTES past LOOP_WIDE_FROM),
+    LOOP_WARPS warps."""
     if D > MAX_FUSED_D_FWD:
         chunk = LOOP_CHUNK_BYTES if D <= LOOP_WIDE_FROM else LOOP_WIDE_CHUNK_BYTES
         return Config(chunk // itemsize, 1, LOOP_WARPS, LOOP_MAXNREG)
+    block_d = max(MIN_BLOCK_D, next_power_of_2(D))
+    if block_d >= TILE_ELEMS:       # a row a program (see ROW_ELEMS)
+        warps = min(ROW_MAX_WARPS, block_d // (32 * ROW_ELEMS))
+        return Config(block_d, 1, warps, maxnreg_for(warps))
     return _config(M, D, MAX_FUSED_D_FWD, ELEMS_FWD)
 
 
@@ -522,9 +537,14 @@ def forward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool,
     inputs = 2 if has_residual else 1                  # x (and the residual) in, y (and h) out
     counts = dict(reads=inputs, writes=inputs, stats=1 if is_rms else 2,
                   params=int(has_weight) + int(has_bias), partials=0)
-    if D <= MAX_FUSED_D_FWD:
+    if D <= MAX_FUSED_D_FWD and (cfg.BLOCK_D < TILE_ELEMS or not dev.sms):
         return (_rows_plan("norm_fwd_rows_kernel", M, D, cfg, dev, itemsize, inputs, flags,
                            device_index, **counts),)
+    if D <= MAX_FUSED_D_FWD:    # a row a program on a GPU, its loads not pipelined (ROW_ELEMS)
+        constexprs = dict(flags, ROWS=1, BLOCK_D=cfg.BLOCK_D, NUM_STAGES=1)
+        return (_plan("norm_fwd_rows_kernel", M, constexprs, cfg.launch(), slices=1, groups=M,
+                      rows=1, per_sm=resident_per_sm(cfg), ahead=inputs, elem_bytes=itemsize,
+                      **counts),)
     # one program a row up to LOOP_WIDE_FROM, else LOOP_PER_SM per SM looping over the rows;
     # CPU_PROGRAMS in the interpreter. The grid depends on the device alone: nothing to measure
     programs = M if D <= LOOP_WIDE_FROM else LOOP_PER_SM * dev.sms

@@ -8,7 +8,7 @@ registers per thread, spill bytes, the widest global load (from the PTX: ld.glob
 128 bits, eight bf16 or four fp32 values) and the shared memory Triton allocated; and from the
 SASS (:mod:`normbook.kernels.sass`) the chain of waits of a row step: dependent load rounds
 and block reductions from the step's first load to its publish and from the wait to the
-store, and their latency, which the performance model adds to each row step.
+store, and their latency at assumed prices (``sass.HBM_LATENCY_S`` and others).
 
 Pointers, row strides and D carry a divisibility-by-16 hint, as Triton's JIT gives them at run
 time for 16-byte-aligned rows; that hint is what lets the loads be 128 bits wide.
@@ -112,8 +112,11 @@ def traffic(plan: Plan, D: int, dtype: str, M: int = M_REPORT) -> dict:
 
 
 def paths(rows: list[dict]) -> list[dict]:
-    """The performance model per path (arch, dtype, norm, residual, direction, D): the kernels'
-    rows of one forward or one backward, combined by :func:`normbook.bench.model.predict`."""
+    """What each path (arch, dtype, norm, residual, direction, D: the kernels of one forward or
+    one backward) moves and keeps in flight: HBM bytes per row against the byte model's
+    minimum, and its main kernel's (the one that moves most) programs per SM and bytes of
+    loads in flight per SM (:func:`normbook.bench.model.inflight_bytes`). Counts, not a speed
+    (see :mod:`normbook.bench.model` for why the predicted fraction went)."""
     groups: dict = {}
     for r in rows:
         key = (r["arch"], r["dtype"], r["norm"], r["residual"], r["direction"], r["D"])
@@ -128,7 +131,9 @@ def paths(rows: list[dict]) -> list[dict]:
             continue
         op = ("add_" if residual else "") + ("rms_norm" if norm == "rms" else "layer_norm")
         minimum = bytemodel.bytes_moved(op, direction, M_REPORT, D, dtype) / M_REPORT
-        p.update(model.predict([dict(k) for k in ks], minimum))
+        main = max(ks, key=lambda k: k["bytes_per_row"])
+        p.update(hbm_bytes_per_row=round(sum(k["bytes_per_row"] for k in ks), 1),
+                 min_bytes_per_row=round(minimum, 1), **model.inflight_bytes(main))
         out.append(p)
     return out
 
@@ -229,7 +234,7 @@ def serial_counts(path: dict) -> dict:
     counts = {seg: None if path[seg] is None else {k: path[seg][k] for k in SEGMENT_COUNTS}
               for seg in ("to_publish", "to_store")}
     return dict(serial=dict(exchange=path["exchange"], **counts),
-                serial_s=sass.serial_latency_s(path, model.H200))
+                serial_s=sass.serial_latency_s(path))
 
 
 def int32_offsets(ttir: str) -> list[str]:
@@ -409,28 +414,21 @@ def _columns(head, lines, compact: bool) -> str:
     return "\n".join(sep.join(line[i].ljust(widths[i]) for i in keep).rstrip() for line in lines)
 
 
-_SHORT = {"chain us": "chain", "steps us": "step", "predicted": "pred", "per SM": "/SM",
-          "warps": "w", "spill": "spill", "smem": "smem"}
+_SHORT = {"per SM": "/SM", "warps": "w", "spill": "spill", "smem": "smem"}
 
 
-def path_table(predicted: list[dict], compact: bool = False) -> str:
-    """The model's prediction per path, one line each (``compact``: without arch and dtype)."""
-    head = ("arch", "dtype", "D", "norm", "res", "dir", "bytes", "min", "per SM", "KB",
-            "chain us", "steps us", "predicted", "goal")
+def path_table(counted: list[dict], compact: bool = False) -> str:
+    """:func:`paths`, one line each (``compact``: without arch and dtype)."""
+    head = ("arch", "dtype", "D", "norm", "res", "dir", "bytes", "min", "per SM", "KB")
     lines = []
-    for p in predicted:
-        need = goal_need(p)
+    for p in counted:
+        start = (p["arch"], p["dtype"], str(p["D"]), p["norm"], "y" if p["residual"] else "",
+                 p["direction"])
         if "error" in p:
-            lines.append((p["arch"], p["dtype"], str(p["D"]), p["norm"], "y" if p["residual"] else "",
-                          p["direction"], "-", "-", "-", "-", "-", "-", "-", p["error"]))
+            lines.append((*start, "-", "-", "-", p["error"]))
             continue
-        lines.append((p["arch"], p["dtype"], str(p["D"]), p["norm"], "y" if p["residual"] else "",
-                       p["direction"], f"{p['hbm_bytes_per_row']:.0f}", f"{p['min_bytes_per_row']:.0f}",
-                       str(p["programs_per_sm"]), f"{p['inflight_bytes_per_sm'] / 1024:.1f}",
-                       f"{p['chain_us']:.2f}" if "chain_us" in p else "-",
-                       f"{p['step_us']:.2f}" if "step_us" in p else "-",
-                       f"{p['predicted_fraction']:.2f}",
-                       "" if need is None else ("met" if p["predicted_fraction"] >= need else f"< {need:.2f}")))
+        lines.append((*start, f"{p['hbm_bytes_per_row']:.0f}", f"{p['min_bytes_per_row']:.0f}",
+                      str(p["programs_per_sm"]), f"{p['inflight_bytes_per_sm'] / 1024:.1f}"))
     return _columns(head, lines, compact)
 
 
@@ -461,19 +459,14 @@ def print_report(quick=False, archs=None, json_path=None, progress=None) -> int:
     seconds = time.perf_counter() - start
     print(table(rows))
     failed = [r for r in rows if problems(r)]
-    predicted = paths(rows)
-    print("\n" + path_table(predicted))
-    judged = [p for p in predicted if goal_need(p) is not None and "error" not in p]
-    met = [p for p in judged if p["predicted_fraction"] >= goal_need(p)]
-    print(f"\nperformance model: {len(met)} of {len(judged)} sm_90 bf16 paths predicted at the goal "
-          "(fwd >= 0.90, bwd >= 0.80 for D in 1024..32768; >= 0.70 beyond)")
+    counted = paths(rows)
+    print("\n" + path_table(counted))
     print(f"\n{len(rows)} kernel configurations compiled in {seconds:.1f} s with Triton "
           f"{triton.__version__}; {len(failed)} failed")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(dict(triton=triton.__version__, m=M_REPORT, seconds=round(seconds, 1),
-                           model=model.__doc__.strip().split("\n\n")[0], little_bytes=round(model.LITTLE_BYTES),
-                           rows=rows, paths=predicted), f, indent=1)
+                           rows=rows, paths=counted), f, indent=1)
     return 1 if failed else 0
 
 

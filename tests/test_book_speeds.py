@@ -1,0 +1,47 @@
+"""No page types a speed: a bandwidth (GB/s, TB/s) or a fraction of copy bandwidth in the
+prose of the book or the README is either glued from a recorded measurement (``{glue}``) or a
+datasheet figure cited on the same line (``{cite}``). A number typed by hand would outlive the
+measurement it came from; the recorded results under benchmarks/results/ are the only source."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted((ROOT / "book").glob("*.md")) + [ROOT / "README.md", ROOT / "benchmarks" / "README.md"]
+SPEED = re.compile(
+    r"\d[\d,.]*\s*(?:GB/s|TB/s|GiB/s)"                                     # a bandwidth
+    r"|\b[01]?\.\d+\s+of\s+(?:the\s+)?(?:copy|bandwidth|peak)"             # 0.92 of copy
+    r"|\d+(?:\.\d+)?\s*%\s+of\s+(?:the\s+)?(?:copy|bandwidth|peak)")        # 92% of copy
+FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.S | re.M)
+
+
+GOAL = re.compile(r"(?:>=|≥|at least)\s*$")    # "at least 0.92 of copy": a target, not a speed
+
+
+def typed_speeds(text: str) -> list[tuple[int, str]]:
+    """(line, match) of each speed typed in the prose of a page (code blocks and cells left
+    out: their numbers are computed), unless the line cites its source or the number is a
+    goal's target (after ">=" or "at least")."""
+    prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    return [(i, m.group(0)) for i, line in enumerate(prose.split("\n"), 1)
+            if "{cite}" not in line for m in SPEED.finditer(line)
+            if not GOAL.search(line[:m.start()])]
+
+
+def test_the_rule_catches_typed_speeds():
+    page = ("The kernel reaches 0.92 of copy.\nIt moves 3,900 GB/s.\n"
+            "It reaches 93% of the bandwidth.\nHBM: 4.8 TB/s {cite}`nvidia2024h200`.\n"
+            "It reaches {glue}`frac` of copy.\n```python\nprint('0.5 of copy')\n```\n"
+            "The goal: >= 0.92 of copy, at least 0.85 of a copy.\n")
+    assert typed_speeds(page) == [(1, "0.92 of copy"), (2, "3,900 GB/s"),
+                                  (3, "93% of the bandwidth")]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_no_page_types_a_speed(page):
+    assert typed_speeds(page.read_text()) == [], (
+        f"{page.relative_to(ROOT)}: glue these from benchmarks/results/ or cite a datasheet")
