@@ -91,9 +91,9 @@ def norm_bwd_rows_kernel(
             W + cols, mask=col_mask, other=0.0
         ).to(tl.float32)[None, :]
     # partial sum_n dy * xhat
-    dw = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
     # partial sum_n dy
-    db = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    db = tl.zeros((BLOCK_D,), dtype=tl.float32)
     # a software-pipelined loop: the loads of the next NUM_STAGES - 1
     # tiles are issued (as async copies into shared memory) while this
     # one is reduced, so HBM always has work in flight
@@ -143,23 +143,15 @@ def norm_bwd_rows_kernel(
         # (ln-dparams), kept per program in fp32; one weight serves every
         # row
         if HAS_WEIGHT:
-            dw += dy * xhat
+            dw += tl.sum(dy * xhat, axis=0)
         if HAS_BIAS:
-            db += dy
+            db += tl.sum(dy, axis=0)
     # this program's partial row (int64: programs x D may pass 2^31)
     part = pid.to(tl.int64) * D
     if HAS_WEIGHT:
-        tl.store(
-            DW + part + cols,
-            tl.sum(dw, axis=0).to(DW.dtype.element_ty),
-            mask=col_mask,
-        )
+        tl.store(DW + part + cols, dw.to(DW.dtype.element_ty), mask=col_mask)
     if HAS_BIAS:
-        tl.store(
-            DB + part + cols,
-            tl.sum(db, axis=0).to(DB.dtype.element_ty),
-            mask=col_mask,
-        )
+        tl.store(DB + part + cols, db.to(DB.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
