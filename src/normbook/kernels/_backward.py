@@ -149,9 +149,11 @@ def norm_bwd_rows_kernel(
     # this program's partial row (int64: programs x D may pass 2^31)
     part = pid.to(tl.int64) * D
     if HAS_WEIGHT:
-        tl.store(DW + part + cols, dw.to(DW.dtype.element_ty), mask=col_mask)
+        tl.store(DW + part + cols, dw.to(DW.dtype.element_ty),
+                 mask=col_mask)
     if HAS_BIAS:
-        tl.store(DB + part + cols, db.to(DB.dtype.element_ty), mask=col_mask)
+        tl.store(DB + part + cols, db.to(DB.dtype.element_ty),
+                 mask=col_mask)
 
 
 @triton.jit
