@@ -351,19 +351,19 @@ def _plan_of(flags):
 
 
 def test_a_refused_cooperative_launch_runs_without_it_once_warned(monkeypatch):
-    monkeypatch.setattr(_config, "_cooperation_refused", False)
+    monkeypatch.setattr(_backward, "_cooperation_refused", False)
     kernel = _RefusingKernel()
     flags = dict(POLLS=_config.EXCHANGE_POLLS, launch_cooperative_grid=True)
     with pytest.warns(RuntimeWarning, match="refused a cooperative launch"):
-        _config.launch_shared(kernel, _plan_of(flags), ())
+        _backward.launch_shared(kernel, _plan_of(flags), ())
     assert [f.get("launch_cooperative_grid") for f in kernel.launches] == [True, None]
-    _config.launch_shared(kernel, _plan_of(flags), ())      # no second try, no second warning
+    _backward.launch_shared(kernel, _plan_of(flags), ())      # no second try, no second warning
     assert [f.get("launch_cooperative_grid") for f in kernel.launches] == [True, None, None]
     assert flags["launch_cooperative_grid"] is True          # the cached plan is left as it was
 
 
 def test_other_launch_errors_are_not_swallowed(monkeypatch):
-    monkeypatch.setattr(_config, "_cooperation_refused", False)
+    monkeypatch.setattr(_backward, "_cooperation_refused", False)
 
     class Broken:
         def __getitem__(self, grid):
@@ -371,8 +371,8 @@ def test_other_launch_errors_are_not_swallowed(monkeypatch):
                 raise RuntimeError("Triton Error [CUDA]: an illegal memory access")
             return launch
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        _config.launch_shared(Broken(), _plan_of(dict(launch_cooperative_grid=True)), ())
-    assert not _config._cooperation_refused
+        _backward.launch_shared(Broken(), _plan_of(dict(launch_cooperative_grid=True)), ())
+    assert not _backward._cooperation_refused
 
 
 class _OnGPU(torch.Tensor):
@@ -422,7 +422,7 @@ def fake_h200(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(_config, "measured_per_sm", {})
-    monkeypatch.setattr(_config, "_cooperation_refused", False)
+    monkeypatch.setattr(_backward, "_cooperation_refused", False)
     monkeypatch.delenv("NORMBOOK_SHARED_ROWS", raising=False)
     _clear_plans()
     yield

@@ -28,13 +28,14 @@ once have no plan (``_config.kernels_take``).
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import triton
 import triton.language as tl
 
-from normbook.kernels._config import (MAX_FUSED_D_BWD, backward_plan, launch_shared, narrow_loads,
-                                      other_device, refusal, shared_rows, slot_words)
+from normbook.kernels._config import (MAX_FUSED_D_BWD, backward_plan, narrow_loads, other_device,
+                                      refusal, shared_rows, slot_words)
 from normbook.kernels._launch import launch
 from normbook.kernels._exchange import (_agreed_start, _claim_words, _exchange, _pack, _publish,
                                         _ring, _slot_words, _unpack)
@@ -467,6 +468,33 @@ def norm_bwd_finish_kernel(
     if HAS_BIAS:
         dbias = tl.sum(db, axis=0).to(DB.dtype.element_ty)
         tl.store(DB + cols, dbias, mask=col_mask)
+
+
+_cooperation_refused = False
+
+
+def launch_shared(kernel, plan, args: tuple, key=None, device: int = 0) -> None:
+    """Launch a kernel that exchanges sums (:func:`coop_flags`) by ``plan``. Cooperatively
+    first; should the driver refuse (``too many blocks in cooperative launch``: a partitioned
+    GPU under MPS or green contexts, a sanitizer adding registers, a compiler change), plainly,
+    now and for every later launch, with one warning: the bounded wait and the computation of
+    late slices give the same answer, only more slowly where programs are not all resident.
+    ``key`` and ``device``: :func:`normbook.kernels._launch.launch`'s."""
+    global _cooperation_refused
+    flags = plan.flags
+    if _cooperation_refused and "launch_cooperative_grid" in flags:
+        flags = {k: v for k, v in flags.items() if k != "launch_cooperative_grid"}
+        key = None      # (Triton's own path: not the plan's kept cooperative kernel)
+    try:
+        launch(kernel, plan.grid, args, flags, key, device)
+    except RuntimeError as e:
+        if "cooperative" not in str(e).lower() or "launch_cooperative_grid" not in flags:
+            raise
+        _cooperation_refused = True
+        warnings.warn(f"normbook: the GPU refused a cooperative launch ({e}); wide rows are "
+                      "launched without it from now on (same results; slower if not every "
+                      "program is resident)", RuntimeWarning, stacklevel=3)
+        launch_shared(kernel, plan, args, key, device)
 
 
 # the launchers look their kernels up by a plan's name here: the module's own namespace

@@ -1,44 +1,39 @@
-"""Launch configuration as data: how a (M, D) problem maps onto Triton programs.
+"""From (M, D, dtype, device) to a plan: which kernel runs, on what grid, with which
+compile-time flags. A :class:`Plan` is one launch as data; :func:`forward_plan` and
+:func:`backward_plan` build them (cached: a launch computes nothing), the launchers run them,
+and ``python -m normbook.kernels.report`` compiles them and counts their bytes, so the
+decision exists once. Read those two functions first; the rest of the file is what they call.
 
-Each direction picks its kernel by row length: whole rows in registers (the rows kernels), or,
-for wider rows, the forward's two sweeps of chunks by one program (the loop kernel) and the
-backward's S slices of a row shared by S programs (S > 1, the sharing "coop" kernel); the
-backward adds its small finish kernel. A :class:`Plan`
-is one launch as data: the kernel, its grid, its constexprs and
-launch options, and what the compile report needs to count its traffic.
-:func:`forward_plan` and :func:`backward_plan` build them (cached: a launch computes
-nothing); the launchers run them and ``python -m normbook.kernels.report`` compiles them and
-counts their bytes, so the dispatch exists once.
+On a GPU (BLOCK_D = next_power_of_2(D); bf16 figures):
 
-D and the row strides are runtime arguments, so a new D seldom recompiles. The constexprs are
-the flags (IS_RMS, HAS_*), the block shape, which is bucketed (BLOCK_D = next_power_of_2(D),
-so every D in (2^(k-1), 2^k] shares it), ROWS, NUM_STAGES and VEC, the alignment D and the
-strides share (:func:`vec`): a D of the same bucket and VEC reuses the compiled kernel.
-(Triton's JIT also specializes on D % 16 == 0 and on 16-byte-aligned pointers and strides:
-that is what lets the loads be 128 bits wide.)
+=========  ===============  ======================  =====================================
+direction  D                kernel                  grid, shape
+=========  ===============  ======================  =====================================
+forward    BLOCK_D < 4096   norm_fwd_rows_kernel    persistent: tiles of ROWS short rows,
+                                                    ELEMS_FWD values a thread, pipelined
+forward    4096 .. 16384    norm_fwd_rows_kernel    M programs, a row each, ROW_ELEMS
+                                                    values a thread, not pipelined
+forward    > 16384          norm_fwd_loop_kernel    M programs (LOOP_PER_SM per SM past
+                                                    32768), two sweeps of chunks
+backward   <= 8192          norm_bwd_rows_kernel    persistent, ROWS rows a tile, pipelined,
+                                                    ELEMS_BWD values a thread
+backward   > 8192           norm_bwd_coop_kernel    groups of S programs sharing a row, a
+                                                    slice of COOP_BYTES each, cooperative
+=========  ===============  ======================  =====================================
 
-- S = 1, D <= MAX_FUSED_D_FWD (forward) or MAX_FUSED_D_BWD (backward): the whole row lives in
-  registers; statistics take two passes over those registers and HBM is read once. When D is
-  small a program takes several rows (ROWS), so each program still moves a useful number of
-  bytes (``norm_fwd_rows_kernel``, ``norm_bwd_rows_kernel``).
-- Wider rows, forward: one program a row sweeps it twice in chunks, statistics then
-  normalization, the row re-read from L2 (``norm_fwd_loop_kernel``); rows of any length.
-- Wider rows, backward: each row is split into S slices, one program per slice holding it in
-  registers (COOP_BYTES of x), and the S programs of a row exchange their shares of c1, c2
-  through tagged 64-bit slots with a bounded wait (a ring of two rows per group of S programs,
-  zeroed per launch; ``_exchange``), launched cooperatively so that all are resident: the row
-  is read once (``norm_bwd_coop_kernel``).
-- Rows whose backward has more slices than the device runs programs at once (the interpreter:
-  CPU_SLICES), and every row wider than MAX_FUSED_D_BWD when NORMBOOK_SHARED_ROWS is off
-  (:func:`shared_rows`), have no plan: :func:`kernels_take` says so, and the front door sends
-  them to the torch-ops backend (see there why not a launch without the cooperative
-  attribute).
-- The backward's cap is half the forward's because it keeps five row-sized fp32 tensors live
-  (x, dy, the weight and the dweight, dbias partials): at D = 16384 that is about 160 registers per thread
-  at 16 warps, over the 128 available, and ptxas spills (see ``python -m normbook.kernels.report``).
-- Backward: a persistent grid of a fixed number of programs (groups of S programs), each
-  looping over its rows with fp32 partial sums of dweight and dbias, so the final reduction
-  is small and deterministic.
+The backward adds ``norm_bwd_finish_kernel`` when several programs kept partial sums of
+dweight and dbias (one program of at most ONE_PROGRAM_ROWS rows writes them itself). Each
+shape names the measurement it rests on beside its constants. Triton's interpreter (device
+-1) runs the rows kernels on CPU_PROGRAMS programs and shares rows among up to CPU_SLICES.
+
+D and the row strides are runtime arguments, so a new D seldom recompiles: the constexprs are
+the flags (IS_RMS, HAS_*), the block shape, bucketed by BLOCK_D, ROWS, NUM_STAGES and VEC, the
+alignment D and the strides share (:func:`vec`). Triton's JIT also specializes on D % 16 == 0
+and on 16-byte-aligned pointers and strides: that lets the loads be 128 bits wide.
+
+Rows whose backward has more slices than the device runs at once, and every row wider than
+MAX_FUSED_D_BWD when NORMBOOK_SHARED_ROWS is off (:func:`shared_rows`), have no backward plan:
+:func:`kernels_take` says so, and the front door sends them to the torch-ops backend.
 """
 
 from __future__ import annotations
@@ -50,12 +45,19 @@ from typing import NamedTuple, Optional
 
 import torch
 
+
+# the forward ------------------------------------------------------------------------------------
+
 MAX_FUSED_D_FWD = 16384   # widest row the forward holds in registers: 32 values per thread (64
                           # fp32 with the add: x and r), 16 warps; twice that needs 32 warps, a
                           # program with no registers left to pipeline (see the appendix)
-MAX_FUSED_D_BWD = 8192    # backward holds x, dy, dweight and dbias partials: 32 per thread
 ELEMS_FWD = 32            # values per thread of the tiles of several short rows: four
                           # 128-bit loads of bf16; 4 warps for a 4096-value tile
+TILE_ELEMS = 4096         # target elements per tile when several small rows share one
+MAX_ROWS = 32             # at most this many rows per tile
+MIN_BLOCK_D = 16          # narrower blocks only waste the 128-bit loads
+MAX_STAGES = 4            # rows kernels: up to three tiles' loads in flight ahead
+SMEM_PER_PROGRAM = 64 * 1024   # shared memory for pipelined tiles: two programs fit on sm_80 too
 # A row of a tile of its own (BLOCK_D >= TILE_ELEMS): one program a row, grid M, no pipeline,
 # ROW_ELEMS values a thread up to ROW_MAX_WARPS warps: Liger's RMSNorm forward, which measured
 # 0.94-0.98 of copy at D = 4096..16384 (bf16, M = 32768) on the H200 where the persistent,
@@ -65,16 +67,6 @@ ELEMS_FWD = 32            # values per thread of the tiles of several short rows
 # normbook's kernel yet: the next GPU run's bench step is its measurement.
 ROW_ELEMS = 16
 ROW_MAX_WARPS = 16
-MAX_STAGES = 4            # rows kernels: up to three tiles' loads in flight ahead
-SMEM_PER_PROGRAM = 64 * 1024   # shared memory for pipelined tiles: two programs fit on sm_80 too
-ELEMS_BWD = 32            # values per thread in the backward: 4 warps (8 at D = 8192), so two
-                          # programs (one) share an SM and each pipelines its loads
-
-MAX_WARPS = 32            # 1024 threads, the most a program can have
-MAX_REGISTERS = 255       # the most registers a thread can have (sm_80, sm_90)
-COOP_BYTES = 8192         # slice of x per program of the wide-row backward: 4096 bf16 or 2048
-                          # fp32 values; its x and dy for the next row (16 KB) are in flight
-                          # while it waits for the row's sums, two programs per SM: 32 KB
 # The wide forward (norm_fwd_loop_kernel): one program a row, two sweeps of chunks. Its shape is
 # the best of a probe on the H200 (benchmarks/results/2026-12-04-h200/README.md, the last table:
 # a plain two-pass forward, bf16, BLOCK 2048-8192, 8-16 warps, grid M or 1-8 programs per SM):
@@ -89,74 +81,48 @@ LOOP_WIDE_FROM = 32768    # rows wider than this: LOOP_PER_SM programs per SM lo
 LOOP_PER_SM = 8           # up to it, one program per row (grid M)
 LOOP_WARPS = 16
 LOOP_MAXNREG = 64         # two programs of 16 warps per SM: half the register file each
-COOP_WARPS = 8            # 256 threads, 16 values each (bf16 on sm_90): about 123 registers
-COOP_MAXNREG = 128        # half the register file, so that two programs are resident
-COOP_VALUES_SM80 = 8      # before Hopper, values a thread of it holds: ptxas for sm_80 needs
-                          # more registers for 16 and would spill (python -m normbook.kernels.report)
-TILE_ELEMS = 4096         # target elements per tile when several small rows share one
-MAX_ROWS = 32             # at most this many rows per tile
-MIN_BLOCK_D = 16          # narrower blocks only waste the 128-bit loads
-CPU_PROGRAMS = 4          # persistent grid size in the interpreter (any fixed number is deterministic)
-ONE_PROGRAM_ROWS = 8      # the backward of at most this many rows runs as one program, which
+
+
+# the backward -----------------------------------------------------------------------------------
+
+MAX_FUSED_D_BWD = 8192    # backward holds x, dy, dweight and dbias partials: 32 per thread
+ELEMS_BWD = 32            # values per thread in the backward: 4 warps (8 at D = 8192), so two
+                          # programs (one) share an SM and each pipelines its loads
+# The backward of at most ONE_PROGRAM_ROWS rows runs as one program, which
 # writes dweight and dbias itself: one launch, no partials, no finish. The H200 (2026-12-04,
 # ../shared/measured: M = 4, D = 4096, bf16, 257 us forward+backward against torch's 102 us)
 # showed small batches bound by host time, a launch and an allocation each; one program's
 # serial rows cost device time that the host time hides there. An estimate, not measured:
-# the GPU check's `one_program` step times both plans.
+# the GPU check's `plans` step times both plans.
+ONE_PROGRAM_ROWS = 8
+COOP_BYTES = 8192         # slice of x per program of the wide-row backward: 4096 bf16 or 2048
+                          # fp32 values; its x and dy for the next row (16 KB) are in flight
+                          # while it waits for the row's sums, two programs per SM: 32 KB
+COOP_WARPS = 8            # 256 threads, 16 values each (bf16 on sm_90): about 123 registers
+COOP_MAXNREG = 128        # half the register file, so that two programs are resident
+COOP_VALUES_SM80 = 8      # before Hopper, values a thread of it holds: ptxas for sm_80 needs
+                          # more registers for 16 and would spill (python -m normbook.kernels.report)
 EXCHANGE_POLLS = 1 << 16  # bound of a wait for the other slices of a row: about 50 ms of
                           # L2 reads, far past the programs' skew under a cooperative launch
 RING = 2                  # rows of a group whose slots are kept at once: one being read, the
                           # next being published (the interpreter keeps all of a group's rows)
 CPU_SLICES = 64           # the interpreter shares a row among up to this many slices (it runs
                           # them one by one: the first program of a row computes every slot)
+WEIGHT_ONCE_FROM = (3, 9)  # from this Triton on the sharing backward holds its weight slice
+                          # through its loop unspilled (see weight_loads)
 FINISH_BLOCK_D = 64       # the finish kernel sums (32, 64) fp32 tiles of partials, 8 KB per
 FINISH_BLOCK_P = 32       # program: narrow column blocks, so D / 64 programs share the reduction
 FINISH_WARPS = 4
-WEIGHT_ONCE_FROM = (3, 9)  # from this Triton on the sharing backward holds its weight slice
-                          # through its loop unspilled (see weight_loads)
 
 
-_ON = ("1", "true", "yes", "on")
-_OFF = ("0", "false", "no", "off")
+# the hardware, the interpreter ------------------------------------------------------------------
+
+MAX_WARPS = 32            # 1024 threads, the most a program can have
+MAX_REGISTERS = 255       # the most registers a thread can have (sm_80, sm_90)
+CPU_PROGRAMS = 4          # persistent grid size in the interpreter (any fixed number is deterministic)
 
 
-def env_switch(name: str, default: bool) -> bool:
-    """An on/off environment variable, in any of the usual spellings (1/0, true/false, yes/no,
-    on/off, any case); unset or empty means ``default``. Anything else is an error that names
-    the variable, rather than a silent guess."""
-    raw = os.environ.get(name, "")
-    value = raw.strip().lower()
-    if not value:
-        return default
-    if value in _ON or value in _OFF:
-        return value in _ON
-    raise ValueError(f"{name}: expected one of {', '.join(_ON)} (on) or {', '.join(_OFF)} (off), "
-                     f"got {raw!r}")
-
-
-def shared_rows(D: int) -> bool:
-    """Whether rows of D values may be shared among programs that exchange sums.
-    NORMBOOK_SHARED_ROWS=0 (or off, false, no) turns the sharing off: rows wider than
-    MAX_FUSED_D_BWD then have no plan and take the torch-ops backend, a way around a GPU or
-    driver that misbehaves with cooperative launches. Read each time a plan is looked up, so
-    that a change takes effect at once (the plans are cached with it); rows narrow enough for
-    one program never share and do not read it, which keeps the environment off the hot path
-    of small rows."""
-    return D > MAX_FUSED_D_BWD and env_switch("NORMBOOK_SHARED_ROWS", True)
-
-
-def other_device(device_index: int) -> bool:
-    """Whether CUDA device ``device_index`` is not the current one. Triton launches a kernel
-    on the current device and its current stream, whatever device the arguments are on, so
-    a launcher for tensors on another device (cuda:1 while cuda:0 is current) makes theirs
-    current first. False for the CPU (-1)."""
-    return device_index >= 0 and device_index != torch.cuda.current_device()
-
-
-def next_power_of_2(n: int) -> int:
-    """Smallest power of two >= n (n >= 1); plain Python, no Triton helper on the hot path."""
-    return 1 << (n - 1).bit_length()
-
+# a launch as data -------------------------------------------------------------------------------
 
 class Config(NamedTuple):
     """One block shape. BLOCK_D and ROWS are constexpr; everything else is a runtime argument.
@@ -213,314 +179,9 @@ class Plan(NamedTuple):
     simple: bool = False   # the launchers' common case, one test: whole rows (S = 1), measured,
                            # and (the backward) no finish after it
     key: int = -1          # the launch (kernel, flags) as one small int, the same for equal
-                           # launches (see _launch_id): part of the key _launch keeps kernels by
 
 
-def _config(M: int, D: int, max_fused: int, elems: int) -> Config:
-    block_d = max(MIN_BLOCK_D, next_power_of_2(D))
-    rows = max(1, min(MAX_ROWS, TILE_ELEMS // block_d, next_power_of_2(max(M, 1))))
-    num_warps = max(1, min(MAX_WARPS, rows * block_d // (32 * elems)))
-    return Config(block_d, rows, num_warps, maxnreg_for(num_warps))
-
-
-def maxnreg_for(num_warps: int) -> int:
-    return min(MAX_REGISTERS, 65536 // (32 * num_warps))   # 64K registers per SM
-
-
-@functools.lru_cache(maxsize=4096)
-def forward_config(M: int, D: int, itemsize: int = 2) -> Config:
-    """Block shape of the forward for M rows of length D (cached).
-    Rows up to MAX_FUSED_D_FWD are held in registers: several short rows a tile of about
-    TILE_ELEMS values, ELEMS_FWD a thread; a longer row a program, ROW_ELEMS a thread. Wider
-    rows are swept in chunks of LOOP_CHUNK_BYTES (LOOP_WIDE_CHUNK_BYTES past LOOP_WIDE_FROM),
-    LOOP_WARPS warps."""
-    if D > MAX_FUSED_D_FWD:
-        chunk = LOOP_CHUNK_BYTES if D <= LOOP_WIDE_FROM else LOOP_WIDE_CHUNK_BYTES
-        return Config(chunk // itemsize, 1, LOOP_WARPS, LOOP_MAXNREG)
-    block_d = max(MIN_BLOCK_D, next_power_of_2(D))
-    if block_d >= TILE_ELEMS:       # a row a program (see ROW_ELEMS)
-        warps = min(ROW_MAX_WARPS, block_d // (32 * ROW_ELEMS))
-        return Config(block_d, 1, warps, maxnreg_for(warps))
-    return _config(M, D, MAX_FUSED_D_FWD, ELEMS_FWD)
-
-
-@functools.lru_cache(maxsize=4096)
-def backward_config(M: int, D: int, narrow: bool = False, itemsize: int = 2,
-                    arch: int = 90) -> Config:
-    """Block shape of the backward for M rows of length D (cached).
-    ``narrow``: loads narrower than 16 bytes (:func:`narrow_loads`), which take more registers
-    per value: half as many values per thread, twice the warps, then. Wider rows than
-    MAX_FUSED_D_BWD: slices of COOP_BYTES (half that with narrow loads) that exchange their
-    sums (``SLICES``). ``arch``: the compute capability (see :func:`arch`)."""
-    if D > MAX_FUSED_D_BWD:
-        return _shared_config(D, COOP_BYTES // itemsize // (2 if narrow else 1), arch)
-    return _config(M, D, MAX_FUSED_D_BWD, ELEMS_BWD // 2 if narrow else ELEMS_BWD)
-
-
-def _shared_config(D: int, block: int, arch: int) -> Config:
-    """Slices of ``block`` columns (fewer values a thread before Hopper, see COOP_VALUES_SM80)
-    for the kernels that share a row among S programs."""
-    if arch < 90:
-        block = min(block, COOP_VALUES_SM80 * 32 * COOP_WARPS)
-    return Config(block, 1, COOP_WARPS, COOP_MAXNREG, SLICES=next_power_of_2(-(-D // block)))
-
-
-def resident_per_sm(cfg: Config) -> int:
-    """Programs of a persistent kernel that one SM holds, which sizes its grid.
-
-    At most 255 registers per thread (the launch's maxnreg) means a 4-warp program takes at
-    most 32K of the 64K registers, so two fit; an 8-warp program or wider, one (two of the
-    wide kernels', capped at COOP_MAXNREG). Pipelined tiles take at most SMEM_PER_PROGRAM of
-    shared memory each. The compile report checks it against the registers and shared memory
-    each kernel really needs.
-    """
-    return max(1, min(64 // cfg.num_warps, 65536 // (cfg.maxnreg * 32 * cfg.num_warps)))
-
-
-def persistent_programs(tiles: int, sms: int, per_sm: int) -> int:
-    """Grid size of a persistent kernel: as many programs as the GPU holds
-    at once (``per_sm`` on each of its ``sms`` SMs; 0 SMs means Triton's
-    interpreter, which takes CPU_PROGRAMS), never more than the tiles.
-
-    The count depends only on the device and the shapes, so two runs with
-    the same shapes split the rows the same way and sum the backward's
-    partials in the same order: bitwise equal.
-    """
-    # the interpreter: any fixed number is deterministic
-    programs = per_sm * sms if sms else CPU_PROGRAMS
-    return max(1, min(programs, tiles))
-
-
-def shared_capacity(cfg: Config, dev: Device, per_sm: int = 0) -> int:
-    """Programs that share rows and can all run at once: what a GPU holds of them (all of a
-    cooperative grid must be resident), or CPU_SLICES in the interpreter. ``per_sm``: the
-    compiled kernel's programs per SM when measured (:func:`measure`), else the assumption."""
-    return (per_sm or resident_per_sm(cfg)) * dev.sms if dev.sms else CPU_SLICES
-
-
-def shared_groups(M: int, D: int, cfg: Config, dev: Device, per_sm: int = 0) -> int:
-    """Groups of S = cdiv(D, BLOCK_D) programs, all resident at once: as many as fit, at most
-    one per row (CPU_PROGRAMS at most in the interpreter); 0 when S exceeds
-    :func:`shared_capacity`: no plan shares such rows."""
-    slices = -(-D // cfg.BLOCK_D)
-    capacity = shared_capacity(cfg, dev, per_sm)
-    if slices > capacity:
-        return 0
-    return max(1, min(M, CPU_PROGRAMS if not dev.sms else capacity // slices))
-
-
-def coop_flags(dev: Device) -> dict:
-    """How a kernel exchanging sums is launched: on a GPU cooperatively (all programs resident
-    at once, so that no wait runs out; see :func:`launch_shared` for a refusal) and with waits
-    of at most EXCHANGE_POLLS reads; in the interpreter, which runs programs one by one, with
-    waits of 0 reads (a program computes and publishes a slot still empty itself)."""
-    if not dev.sms:
-        return dict(POLLS=0)
-    return dict(POLLS=EXCHANGE_POLLS, launch_cooperative_grid=True)
-
-
-_cooperation_refused = False
-
-
-def slot_words(plan) -> int:
-    """The int64 words of a sharing launch's slot buffer, zeroed before it: each group's ring
-    (RING rows of 2 words per slice) and, after all the rings, one word per program (where
-    the warps of a program agree on the first row they left for after the loop)."""
-    ring = plan.constexprs["RING"] * 2 * plan.constexprs["SLICES"]
-    return plan.grid[0] // plan.slices * ring + plan.grid[0]
-
-
-def launch_shared(kernel, plan, args: tuple, key=None, device: int = 0) -> None:
-    """Launch a kernel that exchanges sums (:func:`coop_flags`) by ``plan``. Cooperatively
-    first; should the driver refuse (``too many blocks in cooperative launch``: a partitioned
-    GPU under MPS or green contexts, a sanitizer adding registers, a compiler change), plainly,
-    now and for every later launch, with one warning: the bounded wait and the computation of
-    late slices give the same answer, only more slowly where programs are not all resident.
-    ``key`` and ``device``: :func:`normbook.kernels._launch.launch`'s."""
-    global _cooperation_refused
-    from normbook.kernels._launch import launch
-
-    flags = plan.flags
-    if _cooperation_refused and "launch_cooperative_grid" in flags:
-        flags = {k: v for k, v in flags.items() if k != "launch_cooperative_grid"}
-        key = None      # (Triton's own path: not the plan's kept cooperative kernel)
-    try:
-        launch(kernel, plan.grid, args, flags, key, device)
-    except RuntimeError as e:
-        if "cooperative" not in str(e).lower() or "launch_cooperative_grid" not in flags:
-            raise
-        _cooperation_refused = True
-        warnings.warn(f"normbook: the GPU refused a cooperative launch ({e}); wide rows are "
-                      "launched without it from now on (same results; slower if not every "
-                      "program is resident)", RuntimeWarning, stacklevel=3)
-        launch_shared(kernel, plan, args, key, device)
-
-
-def vec(D: int, itemsize: int, strides: int = 0) -> int:
-    """The kernels' VEC: D and every row stride are multiples of it, and the kernels round them
-    down to multiples of VEC (a no-op the compiler can see), so that VEC values, up to 16
-    bytes, load as one instruction. ``strides``: the row strides ORed together (any bits past
-    the lowest four do not matter).
-
-    1 when D and the strides are multiples of 16: Triton's JIT specializes its integer
-    arguments on that and knows it already (no second compiled variant). Otherwise the largest
-    power of two dividing them all, at most 16 bytes of values: D = 760 or 3000 in bf16 (both
-    multiples of 8) loads 128 bits at a time instead of 16.
-    """
-    common = (D | strides) & 15
-    return 1 if common == 0 else min(common & -common, 16 // itemsize)
-
-
-def narrow_loads(D: int, itemsize: int, strides: int = 0) -> bool:
-    """Loads narrower than 16 bytes: D or a stride is not a multiple of 16 bytes of values."""
-    return (D | strides) & 15 != 0 and vec(D, itemsize, strides) * itemsize < 16
-
-
-@functools.lru_cache(maxsize=64)
-def arch(device_index: int) -> int:
-    """Compute capability of CUDA device ``device_index`` as 80, 90, ...; 90 for the
-    interpreter (-1), whose launch shapes are those of the goal's GPU."""
-    if device_index < 0:
-        return 90
-    major, minor = torch.cuda.get_device_capability(device_index)
-    return 10 * major + minor
-
-
-@functools.lru_cache(maxsize=64)
-def device(device_index) -> Device:
-    """The :class:`Device` of Tensor.get_device() (-1: the interpreter); a Device is itself."""
-    if isinstance(device_index, Device):
-        return device_index
-    if device_index < 0:
-        return Device(90, 0)
-    return Device(arch(device_index),
-                  torch.cuda.get_device_properties(device_index).multi_processor_count)
-
-
-def _plan(kernel: str, grid: int, constexprs: dict, options: dict, **counts) -> Plan:
-    simple = counts["slices"] == 1 and counts.get("measured", True)
-    flags = dict(constexprs, **options)
-    return Plan(kernel, (grid,), constexprs, options, flags, simple=simple,
-                key=_launch_id(kernel, flags), **counts)
-
-
-_launch_ids: dict = {}
-
-
-def _launch_id(kernel: str, flags: dict) -> int:
-    """One int per distinct (kernel, flags): a launch key that hashes in no time (a tuple of
-    the flags' items would be hashed again, item by item, at every launch)."""
-    return _launch_ids.setdefault((kernel, *flags.items()), len(_launch_ids))
-
-
-# programs per SM of compiled kernels, measured at their first launch on a GPU (:func:`measure`):
-# (kernel name, its launch keywords, device index) -> programs per SM
-measured_per_sm: dict = {}
-
-
-def measure_key(kernel: str, flags: dict, device_index) -> tuple:
-    return kernel, tuple(flags.items()), device_index
-
-
-def _resident(kernel: str, flags: dict, cfg: Config, dev: Device, device_index) -> tuple:
-    """(programs per SM, measured): the compiled kernel's on a GPU once :func:`measure` has
-    seen it, else :func:`resident_per_sm`'s assumption (always in the interpreter, which has
-    nothing to measure)."""
-    if not dev.sms:
-        return resident_per_sm(cfg), True
-    per_sm = measured_per_sm.get(measure_key(kernel, flags, device_index))
-    return (resident_per_sm(cfg), False) if per_sm is None else (per_sm, True)
-
-
-def _rows_plan(kernel: str, M: int, D: int, cfg: Config, dev: Device, itemsize: int, inputs: int,
-               flags: dict, device_index=None, **counts) -> Plan:
-    """S = 1: a persistent grid of what the GPU holds, each program ROWS whole rows a step,
-    with its row loop's pipeline stages (``inputs``: row-sized tensors it loads)."""
-    constexprs = dict(flags, ROWS=cfg.ROWS, BLOCK_D=cfg.BLOCK_D,
-                      NUM_STAGES=num_stages(cfg, itemsize, inputs))
-    options = cfg.launch()
-    per_sm, measured = _resident(kernel, dict(constexprs, **options), cfg, dev, device_index)
-    groups = persistent_programs(-(-M // cfg.ROWS), dev.sms, per_sm)
-    return _plan(kernel, groups, constexprs, options, slices=1, groups=groups, rows=cfg.ROWS,
-                 per_sm=per_sm, ahead=inputs, elem_bytes=itemsize, measured=measured, **counts)
-
-
-def _shared_plan(kernel: str, M: int, D: int, cfg: Config, dev: Device, itemsize: int,
-                 ahead: int, flags: dict, device_index=None, **counts) -> Optional[Plan]:
-    """S > 1: groups of S programs, one per slice of a row, exchanging sums; None when a row
-    has more slices than can run at once (:func:`shared_groups`)."""
-    coop = coop_flags(dev)
-    constexprs = dict(flags, BLOCK_D=cfg.BLOCK_D, SLICES=cfg.SLICES, POLLS=coop["POLLS"],
-                      RING=RING)
-    options = dict(cfg.launch(), **{k: v for k, v in coop.items() if k != "POLLS"})
-    per_sm, measured = _resident(kernel, dict(constexprs, **options), cfg, dev, device_index)
-    groups = shared_groups(M, D, cfg, dev, per_sm)
-    if not groups:
-        return None
-    if not dev.sms:     # a ring that holds every row of a group (see _forward._ring)
-        constexprs["RING"] = max(RING, -(-M // groups))
-    slices = -(-D // cfg.BLOCK_D)
-    return _plan(kernel, groups * slices, constexprs, options, slices=slices, groups=groups,
-                 rows=1, per_sm=per_sm, ahead=ahead, elem_bytes=itemsize, measured=measured,
-                 **counts)
-
-
-def device_limits(device_index: int) -> dict:
-    """The model's hardware dict (:data:`normbook.bench.model.H200`) with what
-    torch.cuda.get_device_properties tells of device ``device_index``: its SMs, registers,
-    shared memory and threads per SM (the H200's values for what it does not tell)."""
-    from normbook.bench.model import H200
-    props = torch.cuda.get_device_properties(device_index)
-    hw = dict(H200, sms=props.multi_processor_count)
-    registers = getattr(props, "regs_per_multiprocessor", 0)
-    shared = (getattr(props, "shared_memory_per_multiprocessor", 0)
-              or getattr(props, "max_shared_memory_per_block_optin", 0)
-              or getattr(props, "shared_memory_per_block_optin", 0))
-    threads = getattr(props, "max_threads_per_multi_processor", 0)
-    if registers:
-        hw["registers"] = registers
-    if shared:
-        hw["shared"] = shared
-    if threads:
-        hw["warps"] = threads // 32
-    return hw
-
-
-def measure(kernel, plan: Plan, args: tuple, device_index: int) -> bool:
-    """Programs per SM of ``plan``'s kernel as compiled for ``args`` on CUDA device
-    ``device_index`` (the current one), from its registers, shared memory and warps
-    (:func:`normbook.bench.model.programs_per_sm` with :func:`device_limits`): compiled
-    without a launch (``kernel.warmup``, the binary loaded for its register count), recorded
-    in :data:`measured_per_sm` for the plan builders, whose caches are cleared so that they
-    rebuild their plans with it, marked measured. True when it differs from the plan's
-    ``per_sm``: the plan's grid is wrong, rebuild it (too many programs of a cooperative grid
-    and the driver refuses the launch; too few leave SMs idle)."""
-    try:
-        compiled = kernel.warmup(*args, grid=plan.grid, **plan.flags)
-        if compiled is None:            # a compile hook took it: keep the assumption
-            per_sm = plan.per_sm
-        else:
-            init = getattr(compiled, "_init_handles", None)
-            if init is not None:        # n_regs is known once the binary is loaded
-                init()
-            from normbook.bench.model import programs_per_sm
-            per_sm = max(1, programs_per_sm(compiled.n_regs, compiled.metadata.num_warps,
-                                            compiled.metadata.shared, device_limits(device_index)))
-    except Exception as e:  # noqa: BLE001 - a measurement must never stop the launch it sizes
-        # (a Triton whose warmup or metadata differs from 3.6 / 3.9's): keep the assumption,
-        # say so once; a compile error proper is raised again by the launch itself
-        per_sm = plan.per_sm
-        warnings.warn(f"normbook: could not read the compiled occupancy of {plan.kernel} "
-                      f"({type(e).__name__}: {e}); its grid keeps {per_sm} programs per SM",
-                      RuntimeWarning, stacklevel=3)
-    measured_per_sm[measure_key(plan.kernel, plan.flags, device_index)] = per_sm
-    forward_plan.cache_clear()
-    backward_plan.cache_clear()
-    if per_sm == plan.per_sm:
-        return False
-    _fits.cache_clear()             # which wide rows fit all their slices may change
-    return True
-
+# the two plans: read these first ----------------------------------------------------------------
 
 @functools.lru_cache(maxsize=4096)
 def forward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool,
@@ -587,6 +248,228 @@ def backward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool, has
     return main, finish_plan(D, has_weight, has_bias, main.groups)
 
 
+def finish_plan(D: int, has_weight: bool, has_bias: bool, groups: int) -> Plan:
+    """(groups, D) fp32 partials summed in a fixed order into dweight and dbias: column blocks
+    of FINISH_BLOCK_D, FINISH_BLOCK_P partial rows a step."""
+    cfg = Config(FINISH_BLOCK_D, FINISH_BLOCK_P, FINISH_WARPS, maxnreg_for(FINISH_WARPS))
+    n_par = int(has_weight) + int(has_bias)
+    constexprs = dict(HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, BLOCK_P=FINISH_BLOCK_P,
+                      BLOCK_D=FINISH_BLOCK_D, VEC=vec(D, 4))
+    return _plan("norm_bwd_finish_kernel", -(-D // FINISH_BLOCK_D), constexprs, cfg.launch(),
+                 slices=1, groups=1, rows=FINISH_BLOCK_P, per_sm=resident_per_sm(cfg), reads=0,
+                 writes=0, stats=0, params=n_par, partials=groups * n_par, ahead=n_par,
+                 elem_bytes=4)
+
+
+# block shapes -----------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=4096)
+def forward_config(M: int, D: int, itemsize: int = 2) -> Config:
+    """Block shape of the forward for M rows of length D (cached).
+    Rows up to MAX_FUSED_D_FWD are held in registers: several short rows a tile of about
+    TILE_ELEMS values, ELEMS_FWD a thread; a longer row a program, ROW_ELEMS a thread. Wider
+    rows are swept in chunks of LOOP_CHUNK_BYTES (LOOP_WIDE_CHUNK_BYTES past LOOP_WIDE_FROM),
+    LOOP_WARPS warps."""
+    if D > MAX_FUSED_D_FWD:
+        chunk = LOOP_CHUNK_BYTES if D <= LOOP_WIDE_FROM else LOOP_WIDE_CHUNK_BYTES
+        return Config(chunk // itemsize, 1, LOOP_WARPS, LOOP_MAXNREG)
+    block_d = max(MIN_BLOCK_D, next_power_of_2(D))
+    if block_d >= TILE_ELEMS:       # a row a program (see ROW_ELEMS)
+        warps = min(ROW_MAX_WARPS, block_d // (32 * ROW_ELEMS))
+        return Config(block_d, 1, warps, maxnreg_for(warps))
+    return _config(M, D, MAX_FUSED_D_FWD, ELEMS_FWD)
+
+
+@functools.lru_cache(maxsize=4096)
+def backward_config(M: int, D: int, narrow: bool = False, itemsize: int = 2,
+                    arch: int = 90) -> Config:
+    """Block shape of the backward for M rows of length D (cached).
+    ``narrow``: loads narrower than 16 bytes (:func:`narrow_loads`), which take more registers
+    per value: half as many values per thread, twice the warps, then. Wider rows than
+    MAX_FUSED_D_BWD: slices of COOP_BYTES (half that with narrow loads) that exchange their
+    sums (``SLICES``). ``arch``: the compute capability (see :func:`arch`)."""
+    if D > MAX_FUSED_D_BWD:
+        return _shared_config(D, COOP_BYTES // itemsize // (2 if narrow else 1), arch)
+    return _config(M, D, MAX_FUSED_D_BWD, ELEMS_BWD // 2 if narrow else ELEMS_BWD)
+
+
+def _config(M: int, D: int, max_fused: int, elems: int) -> Config:
+    block_d = max(MIN_BLOCK_D, next_power_of_2(D))
+    rows = max(1, min(MAX_ROWS, TILE_ELEMS // block_d, next_power_of_2(max(M, 1))))
+    num_warps = max(1, min(MAX_WARPS, rows * block_d // (32 * elems)))
+    return Config(block_d, rows, num_warps, maxnreg_for(num_warps))
+
+
+def _shared_config(D: int, block: int, arch: int) -> Config:
+    """Slices of ``block`` columns (fewer values a thread before Hopper, see COOP_VALUES_SM80)
+    for the kernels that share a row among S programs."""
+    if arch < 90:
+        block = min(block, COOP_VALUES_SM80 * 32 * COOP_WARPS)
+    return Config(block, 1, COOP_WARPS, COOP_MAXNREG, SLICES=next_power_of_2(-(-D // block)))
+
+
+def maxnreg_for(num_warps: int) -> int:
+    return min(MAX_REGISTERS, 65536 // (32 * num_warps))   # 64K registers per SM
+
+
+@functools.lru_cache(maxsize=4096)
+def num_stages(cfg: Config, itemsize: int, inputs: int) -> int:
+    """Stages of a rows kernel's software pipeline: one more than the tiles that fit in
+    SMEM_PER_PROGRAM (their loads are in flight ahead of the arithmetic), at most MAX_STAGES;
+    1 (no pipelining) when not even one does. A tile is ROWS rows of each of the ``inputs``
+    row-sized tensors loaded. (No rows kernel takes 32 warps, whose 64 registers a thread
+    would leave none to pipeline with: MAX_FUSED_D_FWD keeps the forward at 16.)
+    """
+    tile = cfg.ROWS * cfg.BLOCK_D * itemsize * inputs
+    return min(MAX_STAGES, 1 + SMEM_PER_PROGRAM // tile)
+
+
+# grids ------------------------------------------------------------------------------------------
+
+def persistent_programs(tiles: int, sms: int, per_sm: int) -> int:
+    """Grid size of a persistent kernel: as many programs as the GPU holds
+    at once (``per_sm`` on each of its ``sms`` SMs; 0 SMs means Triton's
+    interpreter, which takes CPU_PROGRAMS), never more than the tiles.
+
+    The count depends only on the device and the shapes, so two runs with
+    the same shapes split the rows the same way and sum the backward's
+    partials in the same order: bitwise equal.
+    """
+    # the interpreter: any fixed number is deterministic
+    programs = per_sm * sms if sms else CPU_PROGRAMS
+    return max(1, min(programs, tiles))
+
+
+def resident_per_sm(cfg: Config) -> int:
+    """Programs of a persistent kernel that one SM holds, which sizes its grid.
+
+    At most 255 registers per thread (the launch's maxnreg) means a 4-warp program takes at
+    most 32K of the 64K registers, so two fit; an 8-warp program or wider, one (two of the
+    wide kernels', capped at COOP_MAXNREG). Pipelined tiles take at most SMEM_PER_PROGRAM of
+    shared memory each. The compile report checks it against the registers and shared memory
+    each kernel really needs.
+    """
+    return max(1, min(64 // cfg.num_warps, 65536 // (cfg.maxnreg * 32 * cfg.num_warps)))
+
+
+def _rows_plan(kernel: str, M: int, D: int, cfg: Config, dev: Device, itemsize: int, inputs: int,
+               flags: dict, device_index=None, **counts) -> Plan:
+    """S = 1: a persistent grid of what the GPU holds, each program ROWS whole rows a step,
+    with its row loop's pipeline stages (``inputs``: row-sized tensors it loads)."""
+    constexprs = dict(flags, ROWS=cfg.ROWS, BLOCK_D=cfg.BLOCK_D,
+                      NUM_STAGES=num_stages(cfg, itemsize, inputs))
+    options = cfg.launch()
+    per_sm, measured = _resident(kernel, dict(constexprs, **options), cfg, dev, device_index)
+    groups = persistent_programs(-(-M // cfg.ROWS), dev.sms, per_sm)
+    return _plan(kernel, groups, constexprs, options, slices=1, groups=groups, rows=cfg.ROWS,
+                 per_sm=per_sm, ahead=inputs, elem_bytes=itemsize, measured=measured, **counts)
+
+
+def _shared_plan(kernel: str, M: int, D: int, cfg: Config, dev: Device, itemsize: int,
+                 ahead: int, flags: dict, device_index=None, **counts) -> Optional[Plan]:
+    """S > 1: groups of S programs, one per slice of a row, exchanging sums; None when a row
+    has more slices than can run at once (:func:`shared_groups`)."""
+    coop = coop_flags(dev)
+    constexprs = dict(flags, BLOCK_D=cfg.BLOCK_D, SLICES=cfg.SLICES, POLLS=coop["POLLS"],
+                      RING=RING)
+    options = dict(cfg.launch(), **{k: v for k, v in coop.items() if k != "POLLS"})
+    per_sm, measured = _resident(kernel, dict(constexprs, **options), cfg, dev, device_index)
+    groups = shared_groups(M, D, cfg, dev, per_sm)
+    if not groups:
+        return None
+    if not dev.sms:     # a ring that holds every row of a group (see _forward._ring)
+        constexprs["RING"] = max(RING, -(-M // groups))
+    slices = -(-D // cfg.BLOCK_D)
+    return _plan(kernel, groups * slices, constexprs, options, slices=slices, groups=groups,
+                 rows=1, per_sm=per_sm, ahead=ahead, elem_bytes=itemsize, measured=measured,
+                 **counts)
+
+
+def shared_capacity(cfg: Config, dev: Device, per_sm: int = 0) -> int:
+    """Programs that share rows and can all run at once: what a GPU holds of them (all of a
+    cooperative grid must be resident), or CPU_SLICES in the interpreter. ``per_sm``: the
+    compiled kernel's programs per SM when measured (:func:`measure`), else the assumption."""
+    return (per_sm or resident_per_sm(cfg)) * dev.sms if dev.sms else CPU_SLICES
+
+
+def shared_groups(M: int, D: int, cfg: Config, dev: Device, per_sm: int = 0) -> int:
+    """Groups of S = cdiv(D, BLOCK_D) programs, all resident at once: as many as fit, at most
+    one per row (CPU_PROGRAMS at most in the interpreter); 0 when S exceeds
+    :func:`shared_capacity`: no plan shares such rows."""
+    slices = -(-D // cfg.BLOCK_D)
+    capacity = shared_capacity(cfg, dev, per_sm)
+    if slices > capacity:
+        return 0
+    return max(1, min(M, CPU_PROGRAMS if not dev.sms else capacity // slices))
+
+
+def _plan(kernel: str, grid: int, constexprs: dict, options: dict, **counts) -> Plan:
+    simple = counts["slices"] == 1 and counts.get("measured", True)
+    flags = dict(constexprs, **options)
+    return Plan(kernel, (grid,), constexprs, options, flags, simple=simple,
+                key=_launch_id(kernel, flags), **counts)
+
+
+_launch_ids: dict = {}
+
+
+def _launch_id(kernel: str, flags: dict) -> int:
+    """One int per distinct (kernel, flags): a launch key that hashes in no time (a tuple of
+    the flags' items would be hashed again, item by item, at every launch)."""
+    return _launch_ids.setdefault((kernel, *flags.items()), len(_launch_ids))
+
+
+# the wide backward: rows shared by programs -----------------------------------------------------
+
+def shared_rows(D: int) -> bool:
+    """Whether rows of D values may be shared among programs that exchange sums.
+    NORMBOOK_SHARED_ROWS=0 (or off, false, no) turns the sharing off: rows wider than
+    MAX_FUSED_D_BWD then have no plan and take the torch-ops backend, a way around a GPU or
+    driver that misbehaves with cooperative launches. Read each time a plan is looked up, so
+    that a change takes effect at once (the plans are cached with it); rows narrow enough for
+    one program never share and do not read it, which keeps the environment off the hot path
+    of small rows."""
+    return D > MAX_FUSED_D_BWD and env_switch("NORMBOOK_SHARED_ROWS", True)
+
+
+_ON = ("1", "true", "yes", "on")
+
+
+_OFF = ("0", "false", "no", "off")
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off environment variable, in any of the usual spellings (1/0, true/false, yes/no,
+    on/off, any case); unset or empty means ``default``. Anything else is an error that names
+    the variable, rather than a silent guess."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if not value:
+        return default
+    if value in _ON or value in _OFF:
+        return value in _ON
+    raise ValueError(f"{name}: expected one of {', '.join(_ON)} (on) or {', '.join(_OFF)} (off), "
+                     f"got {raw!r}")
+
+
+def coop_flags(dev: Device) -> dict:
+    """How a kernel exchanging sums is launched: on a GPU cooperatively (all programs resident
+    at once, so that no wait runs out; see ``_backward.launch_shared`` for a refusal) and with waits
+    of at most EXCHANGE_POLLS reads; in the interpreter, which runs programs one by one, with
+    waits of 0 reads (a program computes and publishes a slot still empty itself)."""
+    if not dev.sms:
+        return dict(POLLS=0)
+    return dict(POLLS=EXCHANGE_POLLS, launch_cooperative_grid=True)
+
+
+def slot_words(plan) -> int:
+    """The int64 words of a sharing launch's slot buffer, zeroed before it: each group's ring
+    (RING rows of 2 words per slice) and, after all the rings, one word per program (where
+    the warps of a program agree on the first row they left for after the loop)."""
+    ring = plan.constexprs["RING"] * 2 * plan.constexprs["SLICES"]
+    return plan.grid[0] // plan.slices * ring + plan.grid[0]
+
+
 @functools.lru_cache(maxsize=2)
 def weight_loads(has_dh: bool) -> int:
     """How the sharing backward loads its slice of the weight (its ``WEIGHT_LOADS``), the
@@ -602,31 +485,6 @@ def weight_loads(has_dh: bool) -> int:
 
     version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:2])
     return 0 if version >= WEIGHT_ONCE_FROM else 1
-
-
-def finish_plan(D: int, has_weight: bool, has_bias: bool, groups: int) -> Plan:
-    """(groups, D) fp32 partials summed in a fixed order into dweight and dbias: column blocks
-    of FINISH_BLOCK_D, FINISH_BLOCK_P partial rows a step."""
-    cfg = Config(FINISH_BLOCK_D, FINISH_BLOCK_P, FINISH_WARPS, maxnreg_for(FINISH_WARPS))
-    n_par = int(has_weight) + int(has_bias)
-    constexprs = dict(HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, BLOCK_P=FINISH_BLOCK_P,
-                      BLOCK_D=FINISH_BLOCK_D, VEC=vec(D, 4))
-    return _plan("norm_bwd_finish_kernel", -(-D // FINISH_BLOCK_D), constexprs, cfg.launch(),
-                 slices=1, groups=1, rows=FINISH_BLOCK_P, per_sm=resident_per_sm(cfg), reads=0,
-                 writes=0, stats=0, params=n_par, partials=groups * n_par, ahead=n_par,
-                 elem_bytes=4)
-
-
-@functools.lru_cache(maxsize=4096)
-def num_stages(cfg: Config, itemsize: int, inputs: int) -> int:
-    """Stages of a rows kernel's software pipeline: one more than the tiles that fit in
-    SMEM_PER_PROGRAM (their loads are in flight ahead of the arithmetic), at most MAX_STAGES;
-    1 (no pipelining) when not even one does. A tile is ROWS rows of each of the ``inputs``
-    row-sized tensors loaded. (No rows kernel takes 32 warps, whose 64 registers a thread
-    would leave none to pipeline with: MAX_FUSED_D_FWD keeps the forward at 16.)
-    """
-    tile = cfg.ROWS * cfg.BLOCK_D * itemsize * inputs
-    return min(MAX_STAGES, 1 + SMEM_PER_PROGRAM // tile)
 
 
 def kernels_take(D: int, itemsize: int, has_residual: bool, device_index: int) -> bool:
@@ -683,3 +541,137 @@ def refusal(D: int, itemsize: int, has_residual: bool, device_index,
                       f"than the device runs at once (at most D = {limit} here{odd}); use the "
                       "torch-ops backend (normbook.layer_norm / normbook.rms_norm route such rows "
                       "there)")
+
+
+# occupancy, measured at a kernel's first launch on a GPU ----------------------------------------
+
+# programs per SM of compiled kernels, measured at their first launch on a GPU (:func:`measure`):
+# (kernel name, its launch keywords, device index) -> programs per SM
+measured_per_sm: dict = {}
+
+
+def measure_key(kernel: str, flags: dict, device_index) -> tuple:
+    return kernel, tuple(flags.items()), device_index
+
+
+def _resident(kernel: str, flags: dict, cfg: Config, dev: Device, device_index) -> tuple:
+    """(programs per SM, measured): the compiled kernel's on a GPU once :func:`measure` has
+    seen it, else :func:`resident_per_sm`'s assumption (always in the interpreter, which has
+    nothing to measure)."""
+    if not dev.sms:
+        return resident_per_sm(cfg), True
+    per_sm = measured_per_sm.get(measure_key(kernel, flags, device_index))
+    return (resident_per_sm(cfg), False) if per_sm is None else (per_sm, True)
+
+
+def device_limits(device_index: int) -> dict:
+    """The model's hardware dict (:data:`normbook.bench.model.H200`) with what
+    torch.cuda.get_device_properties tells of device ``device_index``: its SMs, registers,
+    shared memory and threads per SM (the H200's values for what it does not tell)."""
+    from normbook.bench.model import H200
+    props = torch.cuda.get_device_properties(device_index)
+    hw = dict(H200, sms=props.multi_processor_count)
+    registers = getattr(props, "regs_per_multiprocessor", 0)
+    shared = (getattr(props, "shared_memory_per_multiprocessor", 0)
+              or getattr(props, "max_shared_memory_per_block_optin", 0)
+              or getattr(props, "shared_memory_per_block_optin", 0))
+    threads = getattr(props, "max_threads_per_multi_processor", 0)
+    if registers:
+        hw["registers"] = registers
+    if shared:
+        hw["shared"] = shared
+    if threads:
+        hw["warps"] = threads // 32
+    return hw
+
+
+def measure(kernel, plan: Plan, args: tuple, device_index: int) -> bool:
+    """Programs per SM of ``plan``'s kernel as compiled for ``args`` on CUDA device
+    ``device_index`` (the current one), from its registers, shared memory and warps
+    (:func:`normbook.bench.model.programs_per_sm` with :func:`device_limits`): compiled
+    without a launch (``kernel.warmup``, the binary loaded for its register count), recorded
+    in :data:`measured_per_sm` for the plan builders, whose caches are cleared so that they
+    rebuild their plans with it, marked measured. True when it differs from the plan's
+    ``per_sm``: the plan's grid is wrong, rebuild it (too many programs of a cooperative grid
+    and the driver refuses the launch; too few leave SMs idle)."""
+    try:
+        compiled = kernel.warmup(*args, grid=plan.grid, **plan.flags)
+        if compiled is None:            # a compile hook took it: keep the assumption
+            per_sm = plan.per_sm
+        else:
+            init = getattr(compiled, "_init_handles", None)
+            if init is not None:        # n_regs is known once the binary is loaded
+                init()
+            from normbook.bench.model import programs_per_sm
+            per_sm = max(1, programs_per_sm(compiled.n_regs, compiled.metadata.num_warps,
+                                            compiled.metadata.shared, device_limits(device_index)))
+    except Exception as e:  # noqa: BLE001 - a measurement must never stop the launch it sizes
+        # (a Triton whose warmup or metadata differs from 3.6 / 3.9's): keep the assumption,
+        # say so once; a compile error proper is raised again by the launch itself
+        per_sm = plan.per_sm
+        warnings.warn(f"normbook: could not read the compiled occupancy of {plan.kernel} "
+                      f"({type(e).__name__}: {e}); its grid keeps {per_sm} programs per SM",
+                      RuntimeWarning, stacklevel=3)
+    measured_per_sm[measure_key(plan.kernel, plan.flags, device_index)] = per_sm
+    forward_plan.cache_clear()
+    backward_plan.cache_clear()
+    if per_sm == plan.per_sm:
+        return False
+    _fits.cache_clear()             # which wide rows fit all their slices may change
+    return True
+
+
+# devices and alignment --------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=64)
+def device(device_index) -> Device:
+    """The :class:`Device` of Tensor.get_device() (-1: the interpreter); a Device is itself."""
+    if isinstance(device_index, Device):
+        return device_index
+    if device_index < 0:
+        return Device(90, 0)
+    return Device(arch(device_index),
+                  torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+@functools.lru_cache(maxsize=64)
+def arch(device_index: int) -> int:
+    """Compute capability of CUDA device ``device_index`` as 80, 90, ...; 90 for the
+    interpreter (-1), whose launch shapes are those of the goal's GPU."""
+    if device_index < 0:
+        return 90
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return 10 * major + minor
+
+
+def other_device(device_index: int) -> bool:
+    """Whether CUDA device ``device_index`` is not the current one. Triton launches a kernel
+    on the current device and its current stream, whatever device the arguments are on, so
+    a launcher for tensors on another device (cuda:1 while cuda:0 is current) makes theirs
+    current first. False for the CPU (-1)."""
+    return device_index >= 0 and device_index != torch.cuda.current_device()
+
+
+def vec(D: int, itemsize: int, strides: int = 0) -> int:
+    """The kernels' VEC: D and every row stride are multiples of it, and the kernels round them
+    down to multiples of VEC (a no-op the compiler can see), so that VEC values, up to 16
+    bytes, load as one instruction. ``strides``: the row strides ORed together (any bits past
+    the lowest four do not matter).
+
+    1 when D and the strides are multiples of 16: Triton's JIT specializes its integer
+    arguments on that and knows it already (no second compiled variant). Otherwise the largest
+    power of two dividing them all, at most 16 bytes of values: D = 760 or 3000 in bf16 (both
+    multiples of 8) loads 128 bits at a time instead of 16.
+    """
+    common = (D | strides) & 15
+    return 1 if common == 0 else min(common & -common, 16 // itemsize)
+
+
+def narrow_loads(D: int, itemsize: int, strides: int = 0) -> bool:
+    """Loads narrower than 16 bytes: D or a stride is not a multiple of 16 bytes of values."""
+    return (D | strides) & 15 != 0 and vec(D, itemsize, strides) * itemsize < 16
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1); plain Python, no Triton helper on the hot path."""
+    return 1 << (n - 1).bit_length()
