@@ -13,9 +13,9 @@ from pathlib import Path
 
 from normbook.bench.schema import check_report, load_results, read_json
 
-__all__ = ["load_results", "plot_results", "plot_overview", "provenance_line", "model_vs_measured",
-           "model_table", "plot_model_vs_measured", "figure_path", "recorded_gpu_results",
-           "newest_gpu_result", "results_folder"]
+__all__ = ["load_results", "plot_results", "plot_overview", "provenance_line", "recorded_rows",
+           "model_vs_measured", "model_table", "plot_model_vs_measured", "figure_path",
+           "recorded_gpu_results", "newest_gpu_result", "results_folder"]
 
 _MODE_TITLE = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
 # benchmark op -> (norm, residual) of the compile report's paths
@@ -51,6 +51,17 @@ def newest_gpu_result(folder=None) -> dict | None:
     later GPU run is recorded beside the first; the book and README quote this one."""
     runs = recorded_gpu_results(folder)
     return max(runs, key=lambda r: str(r["provenance"].get("date", ""))) if runs else None
+
+
+def recorded_rows(result: dict, dtype: str = "bf16", M: int | None = None) -> dict:
+    """The rows of a recorded ``result`` (see :func:`newest_gpu_result`) in ``dtype`` and at M
+    rows (the goal's M by default), by (provider, op, mode, D): what the book and the README
+    quote, each figure a recorded row's, never typed."""
+    from normbook.bench.goal import GOAL
+
+    M = GOAL["M"] if M is None else M
+    return {(r["provider"], r["op"], r["mode"], r["D"]): r for r in result["rows"]
+            if r["dtype"] == dtype and r["M"] == M}
 
 
 def provenance_line(result: dict) -> str:
