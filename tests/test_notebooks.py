@@ -75,6 +75,24 @@ def test_markdown_loses_every_myst_marker(index):
     assert "def layer_norm_token_backward(" in out and "```python" in out
 
 
+def test_a_directive_inside_a_list_item_is_converted_in_place(index):
+    """The appendix includes kernel helpers inside a list item: indented directives convert
+    too, and their output keeps the item's indentation."""
+    text = "\n".join([
+        "- The ring:",
+        "",
+        "  ```{literalinclude} ../src/normbook/reference.py",
+        "  :language: python",
+        "  :pyobject: layer_norm_token_backward",
+        "  ```",
+        "",
+        "- next item",
+    ])
+    out = notebooks.convert_markdown(text, index, {}, index.pages["03-backward"], ROOT / "book")
+    assert "literalinclude" not in out and not notebooks.MYST_MARKERS.search(out), out
+    assert "\n  ```python\n  def layer_norm_token_backward(" in out
+
+
 def test_a_missing_glued_value_is_an_error(index):
     with pytest.raises(KeyError, match="no glued value"):
         notebooks.convert_markdown("{glue}`nope`", index, {}, index.pages["01-one-token"],

@@ -277,10 +277,10 @@ def _literalinclude(path: str, options: dict[str, str], base: Path) -> str:
     return f"```{language}\n{source.rstrip()}\n```"
 
 
-_DIRECTIVE = re.compile(
-    r"^(?P<fence>`{3,}|:{3,})\{(?P<name>[\w:-]+)\}[ \t]*(?P<arg>[^\n]*)\n"
+_DIRECTIVE = re.compile(      # at any indentation: inside a list item too
+    r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|:{3,})\{(?P<name>[\w:-]+)\}[ \t]*(?P<arg>[^\n]*)\n"
     r"(?P<opts>(?:[ \t]*:[\w-]+:[^\n]*\n)*)"
-    r"(?P<body>.*?)^(?P=fence)[ \t]*$", re.S | re.M)
+    r"(?P<body>.*?)^(?P=indent)(?P=fence)[ \t]*$", re.S | re.M)
 
 
 def _options(block: str) -> dict[str, str]:
@@ -291,7 +291,20 @@ def convert_markdown(text: str, index: Index, glue: dict[str, str], page: Page,
                      base: Path) -> str:
     """A markdown cell of a chapter as plain Markdown (see the module's docstring)."""
     def directive(m: re.Match) -> str:
-        name, arg, body = m.group("name"), m.group("arg").strip(), m.group("body")
+        indent = m.group("indent")
+        if not indent:
+            return converted(m)
+        # a directive inside a list item: converted without its indentation, then put back
+        out = converted(m)
+        return "\n".join(indent + line if line else line for line in out.split("\n"))
+
+    def converted(m: re.Match) -> str:
+        name, arg = m.group("name"), m.group("arg").strip()
+        indent = m.group("indent")
+        body = m.group("body")
+        if indent:
+            body = "\n".join(line[len(indent):] if line.startswith(indent) else line
+                             for line in body.split("\n"))
         opts = _options(m.group("opts"))
         body = _DIRECTIVE.sub(directive, body).strip("\n")
         if name == "literalinclude":
