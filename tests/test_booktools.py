@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from normbook.booktools import prose
 
@@ -57,3 +58,32 @@ def test_check_says_exact_close_or_wrong_and_names_the_failing_identity(capsys):
     assert "identities hold" in capsys.readouterr().out
     with pytest.raises(ValueError, match="expected the reference's shape"):
         check("dx", dx[:2], dx)
+
+
+def _nodes(g, weight, x, eps, wrong=False):
+    D = x.numel()
+    xc = x - x.mean()
+    v = (xc * xc).mean()
+    r = (v + eps) ** -0.5
+    d_xhat = g * weight
+    d_r = (d_xhat * xc).sum()
+    d_v = d_r * -0.5 * (v + eps) ** -1.5
+    d_xc = d_xhat * r + d_v * 2 * xc / D
+    d_mu = -d_xc.sum() * (2 if wrong else 1)
+    return dict(xhat=d_xhat, r=d_r, v=d_v, xc=d_xc, mu=d_mu, x=d_xc + d_mu / D)
+
+
+def test_check_nodes_says_which_node_is_wrong(capsys):
+    """The node-by-node exercise's check: blanks are 'not yet written', a wrong node is WRONG
+    (and so is every node it feeds), a right backward matches at every node."""
+    from normbook.booktools import NODES, check_nodes
+
+    assert not check_nodes(lambda *a: dict.fromkeys(NODES))
+    assert capsys.readouterr().out.count("not yet written") == len(NODES)
+    assert check_nodes(_nodes, D=9, seed=3)
+    assert capsys.readouterr().out.count("matches") == len(NODES)
+    assert not check_nodes(lambda *a: _nodes(*a, wrong=True))
+    out = capsys.readouterr().out
+    assert "d_mu: WRONG" in out and "d_x: WRONG" in out and "d_xc: matches" in out
+    with pytest.raises(ValueError, match="missing mu"):
+        check_nodes(lambda *a: {k: None for k in NODES if k != "mu"})

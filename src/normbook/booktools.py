@@ -156,3 +156,74 @@ def check(name: str, yours, reference, *, x=None, dy=None, weight=None, eps: flo
             ok = False
     print(line)
     return ok
+
+
+NODES = ("xhat", "r", "v", "xc", "mu", "x")   # LayerNorm's graph, from the output back
+
+
+def layer_norm_graph(D: int = 6, eps: float = 1e-5, seed: int = 0) -> dict:
+    """One token through LayerNorm's graph, node by node, in float64, with autograd's gradient
+    at every node: the forward mu = mean(x) (ln-mean), xc = x - mu, v = mean(xc^2) (ln-var),
+    r = (v + eps)^(-1/2) (ln-rstd), xhat = xc r (ln-xhat), y = weight * xhat + bias (ln-y),
+    and the backward of a random gradient g at y.
+
+    Returns a dict: the inputs ``x``, ``weight``, ``bias``, ``g``, ``eps`` and ``values`` (each
+    node's value) and ``grads`` (autograd's dL/dnode for each node of :data:`NODES`, a (D,)
+    tensor or a scalar)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    f64 = dict(dtype=torch.float64)
+    x = (3 * torch.randn(D, generator=gen, **f64) + 1).requires_grad_()
+    weight, bias, g = (torch.randn(D, generator=gen, **f64) for _ in range(3))
+    mu = x.mean()
+    xc = x - mu
+    v = (xc * xc).mean()
+    r = (v + eps) ** -0.5
+    xhat = xc * r
+    nodes = dict(xhat=xhat, r=r, v=v, xc=xc, mu=mu)
+    for t in nodes.values():
+        t.retain_grad()
+    (weight * xhat + bias).backward(g)
+    nodes["x"] = x
+    return dict(x=x.detach(), weight=weight, bias=bias, g=g, eps=eps,
+                values={k: t.detach() for k, t in nodes.items()},
+                grads={k: t.grad for k, t in nodes.items()})
+
+
+def check_nodes(fn, D: int = 6, seed: int = 0) -> bool:
+    """Check a hand backward through LayerNorm's graph node by node, as the node-by-node
+    exercise asks: ``fn(g, weight, x, eps)`` returns a dict of your dL/dnode for the nodes of
+    :data:`NODES` (None for one not written yet). Prints a line per node, ``matches``, ``not
+    yet written`` or ``WRONG`` with the largest difference from autograd's; True when every
+    node matches.
+
+    Args:
+        fn: your function of (g (D,), weight (D,), x (D,), eps).
+        D, seed: the token's size and the random draw (float64).
+    """
+    import torch
+
+    graph = layer_norm_graph(D, seed=seed)
+    yours = fn(graph["g"], graph["weight"], graph["x"], graph["eps"])
+    missing = [k for k in NODES if k not in yours]
+    if missing:
+        raise ValueError(f"check_nodes: expected a dict with the nodes {', '.join(NODES)}, "
+                         f"missing {', '.join(missing)}")
+    ok = True
+    for node in NODES:
+        want, got = graph["grads"][node], yours[node]
+        if got is None:
+            print(f"d_{node}: not yet written")
+            ok = False
+            continue
+        got = torch.as_tensor(got, dtype=torch.float64)
+        if got.shape != want.shape:
+            print(f"d_{node}: WRONG shape, expected {tuple(want.shape)}, got {tuple(got.shape)}")
+            ok = False
+            continue
+        diff = (got - want).abs().max().item()
+        good = bool(torch.allclose(got, want, rtol=1e-10, atol=1e-12))
+        print(f"d_{node}: {'matches' if good else 'WRONG'}, max difference {prose(diff, '.1e')}")
+        ok = ok and good
+    return ok
