@@ -26,7 +26,8 @@ def test_the_index_numbers_as_the_book_does(index):
     assert index.pages["01-one-token"].number == 1
     assert index.pages["appendix-kernels"].number is None
     assert index.equations["ln-mean"] == "1.1" and index.equations["ln-dx"].startswith("3.")
-    assert index.exercises["ex-derive-ln-backward"] == "3.1"
+    assert index.exercises["ex-derive-ln-backward"] == "3.2"
+    assert index.exercises["ex-backward-nodes"] == "3.1"
     # figures as the book numbers them (the front matter's kernelspec name is no figure)
     assert index.figures["fig-why-normalize"] == "1.1"
     assert index.figures["fig-backward-projection"] == "3.1"
@@ -67,10 +68,10 @@ def test_markdown_loses_every_myst_marker(index):
     assert not notebooks.MYST_MARKERS.search(out), out
     assert f"By ({index.equations['ln-dx']}), with 0.25 and (Ba et al., 2016);" in out
     assert "Zhang and Sennrich (2019)" in out
-    assert "“The backward pass”" in out and "the exercise" in out and "Exercise 3.1 and" in out
+    assert "“The backward pass”" in out and "the exercise" in out and "Exercise 3.2 and" in out
     assert '<a id="sec-x"></a>' in out and "$\\hat{x}_d$" in out
     assert f"\\tag{{{index.equations['ln-ghat']}}}" in out and "\\hat{g} = g" in out
-    assert "**Exercise 3.1** (Try it)" in out
+    assert "**Exercise 3.2** (Try it)" in out
     assert "<details><summary>More</summary>" in out
     assert "def layer_norm_token_backward(" in out and "```python" in out
 
