@@ -227,3 +227,71 @@ def check_nodes(fn, D: int = 6, seed: int = 0) -> bool:
         print(f"d_{node}: {'matches' if good else 'WRONG'}, max difference {prose(diff, '.1e')}")
         ok = ok and good
     return ok
+
+
+# ---- reading times: the book's front page and the chapters' sittings count with these --------
+
+def prose_words(text: str) -> int:
+    """Words a reader reads in a MyST page: not code, not markup; each equation or glued value
+    is one word."""
+    import re
+
+    text = re.sub(r"\A---\n.*?\n---\n", "", text, flags=re.S)        # jupytext front matter
+    words, skip, in_math = 0, None, False
+    for line in text.splitlines():
+        fence = re.match(r"\s*(`{3,}|:{3,})(.*)", line)
+        if skip:                                   # inside a code cell or a code block
+            if fence and fence.group(1) == skip and not fence.group(2).strip():
+                skip = None
+            continue
+        if line.lstrip().startswith("$$"):         # a displayed equation: one word
+            words += not in_math
+            in_math = not in_math and line.strip().count("$$") == 1
+            continue
+        if in_math:
+            continue
+        if fence:
+            info = fence.group(2).strip()
+            if info.startswith("{code-cell}") or (info and not info.startswith("{")):
+                skip = fence.group(1)
+            continue                               # a directive's fence is markup
+        if re.match(r"\s*:[\w-]+:", line) or re.match(r"\s*\([\w-]+\)=\s*$", line):
+            continue                               # directive options, labels
+        line = re.sub(r"\{[\w:-]+\}`[^`]*`|`[^`]*`|\$[^$]+\$", " w ", line)
+        words += len(re.findall(r"[A-Za-z0-9][\w'’.-]*", line))
+    return words
+
+
+def shown_code_lines(text: str) -> int:
+    """Lines of the code cells a reader sees unfolded in a MyST page (not removed, not
+    hidden)."""
+    import re
+
+    cells = re.findall(r"^```\{code-cell\}[^\n]*\n(.*?)^```[ \t]*$", text, re.S | re.M)
+    lines = 0
+    for body in cells:
+        head = body.split("\n---\n", 1)[0] if body.startswith("---") else body[:200]
+        if re.search(r"remove-cell|hide-input|remove-input", head):
+            continue
+        lines += sum(1 for line in body.splitlines()
+                     if line.strip() and not line.startswith(":tags:"))
+    return lines
+
+
+def without_solutions(text: str) -> str:
+    """A MyST page without its exercises' solutions (``solution-start`` to ``solution-end``,
+    and ``{solution}`` directives): what a reader reads, while the solutions belong to the time
+    spent working the exercises."""
+    import re
+
+    text = re.sub(r"^```\{solution-start\}.*?^```\{solution-end\}\n```[ \t]*$", "", text,
+                  flags=re.S | re.M)
+    return re.sub(r"^(`{3,}|:{3,})\{solution\}.*?^\1[ \t]*$", "", text, flags=re.S | re.M)
+
+
+def reading_minutes(text: str, words_per_minute: int = 120, lines_per_minute: int = 10) -> float:
+    """Minutes to read a MyST page (or a part of one), its exercises' solutions left out: its
+    prose at ``words_per_minute`` (120: prose dense with equations) and its unfolded code at
+    ``lines_per_minute``."""
+    text = without_solutions(text)
+    return prose_words(text) / words_per_minute + shown_code_lines(text) / lines_per_minute
