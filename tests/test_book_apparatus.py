@@ -52,3 +52,35 @@ def test_reading_time_leaves_solutions_to_the_working_time():
             + "\n```{solution-end}\n```\nAfter.\n")
     assert "long solution" not in without_solutions(page) and "After." in without_solutions(page)
     assert reading_minutes(page) < 1 < reading_minutes(page.replace("solution-start", "note"))
+
+
+def test_every_exercise_carries_its_difficulty():
+    titles = [(p.name, t) for p in chapters()
+              for t in re.findall(r"^```\{exercise\} ([^\n]*)$", p.read_text(), re.M)]
+    assert len(titles) >= 25
+    unmarked = [(n, t) for n, t in titles if not re.search(r" ★{1,3}$", t)]
+    assert not unmarked, f"exercises without a difficulty (★ to ★★★): {unmarked}"
+
+
+def checking_exercises() -> list[str]:
+    """Labels of the exercises whose page runs the reader's code through a check before the
+    solution: a code cell between the exercise and its solution that calls booktools.check,
+    check_nodes, a checks.* identity or an exercise's own check."""
+    found = []
+    for page in chapters():
+        text = page.read_text()
+        for m in re.finditer(r"^```\{exercise\}[^\n]*\n.*?^:label: (\S+)", text, re.S | re.M):
+            end = text.find("{solution-start} " + m.group(1), m.end())
+            cells = re.findall(r"^```\{code-cell\}[^\n]*\n(.*?)^```", text[m.end():end],
+                               re.S | re.M)
+            if any(re.search(r"\bcheck(?:_nodes)?\(|checks\.|merge_check\(", c) for c in cells):
+                found.append(m.group(1))
+    return found
+
+
+def test_exercises_check_the_readers_code():
+    """Exercises that put the reader's own code to a check, the check in place before the
+    solution. Issue 49 asks for at least 12; five do so far (the rest: a later session)."""
+    labels = checking_exercises()
+    assert {"ex-backward-nodes", "ex-derive-ln-backward", "ex-rmsnorm-own-backward",
+            "ex-kernels-rms-bwd", "ex-kernels-chan"} <= set(labels), labels
