@@ -45,3 +45,17 @@ def test_the_rule_catches_typed_speeds():
 def test_no_page_types_a_speed(page):
     assert typed_speeds(page.read_text()) == [], (
         f"{page.relative_to(ROOT)}: glue these from benchmarks/results/ or cite a datasheet")
+
+
+def test_the_readmes_measured_times_are_the_recorded_runs():
+    """The README cannot glue: the host times it quotes from the H200 run must be the ones that
+    run recorded (benchmarks/results/2026-12-04-h200/README.md), figure for figure."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## CUDA graphs"):]
+    section = section[:section.index("\n## ", 1)]
+    quoted = re.findall(r"(\d+(?:\.\d+)?) (?:and (\d+(?:\.\d+)?) )?us", section)
+    figures = {f for pair in quoted for f in pair if f}
+    recorded = (ROOT / "benchmarks" / "results" / "2026-12-04-h200" / "README.md").read_text()
+    assert figures >= {"42", "257", "9.9", "102"}, figures
+    for f in figures:
+        assert re.search(rf"\b{re.escape(f)} us\b|\b{re.escape(f)} /", recorded), f
