@@ -395,14 +395,6 @@ def problems(row: dict) -> list[str]:
     return out
 
 
-def goal_need(p: dict) -> float | None:
-    """The goal's fraction of copy bandwidth for a path (:func:`normbook.bench.goal.need`:
-    on sm_90, in the goal's dtype), or None where it sets none."""
-    if p["arch"] != "sm_90" or p["dtype"] != goal.GOAL["dtype"]:
-        return None
-    return goal.need(p["direction"], p["D"])
-
-
 def _columns(head, lines, compact: bool) -> str:
     """Aligned text; ``compact`` drops the arch and dtype columns (the caller names them once)."""
     keep = [i for i, h in enumerate(head) if not (compact and h in ("arch", "dtype"))]
