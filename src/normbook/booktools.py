@@ -234,8 +234,6 @@ def check_nodes(fn, D: int = 6, seed: int = 0) -> bool:
 def prose_words(text: str) -> int:
     """Words a reader reads in a MyST page: not code, not markup; each equation or glued value
     is one word."""
-    import re
-
     text = re.sub(r"\A---\n.*?\n---\n", "", text, flags=re.S)        # jupytext front matter
     words, skip, in_math = 0, None, False
     for line in text.splitlines():
@@ -265,8 +263,6 @@ def prose_words(text: str) -> int:
 def shown_code_lines(text: str) -> int:
     """Lines of the code cells a reader sees unfolded in a MyST page (not removed, not
     hidden)."""
-    import re
-
     cells = re.findall(r"^```\{code-cell\}[^\n]*\n(.*?)^```[ \t]*$", text, re.S | re.M)
     lines = 0
     for body in cells:
@@ -282,8 +278,6 @@ def without_solutions(text: str) -> str:
     """A MyST page without its exercises' solutions (``solution-start`` to ``solution-end``,
     and ``{solution}`` directives): what a reader reads, while the solutions belong to the time
     spent working the exercises."""
-    import re
-
     text = re.sub(r"^```\{solution-start\}.*?^```\{solution-end\}\n```[ \t]*$", "", text,
                   flags=re.S | re.M)
     return re.sub(r"^(`{3,}|:{3,})\{solution\}.*?^\1[ \t]*$", "", text, flags=re.S | re.M)
