@@ -96,3 +96,82 @@ def test_a_mode_traces_as_one_call():
     assert node.target is normbook.rms_norm and node.kwargs == dict(offset=0.0, round_xhat=True)
     x = torch.randn(3, D).to(torch.bfloat16)
     assert torch.equal(traced(x), model(x))
+
+
+# LayerNorm's upcast: torch.nn.functional.layer_norm of a float32 copy, rounded once (OLMo's,
+# CLIP's and Whisper's LayerNorms). Shapes where torch's kernel for half rows and its float32
+# kernel on a copy disagree in some values (measured on the CPU, torch 2.13): the mode is
+# needed here, which the first assertion shows.
+UPCAST_SHAPES = [(231, 1000), (7, 4096), (64, 64)]
+
+
+def _upcast_inputs(dtype, M, width, bias=True):
+    g = torch.Generator().manual_seed(M + width)
+    x = (3 * torch.randn(M, width, generator=g) + 1).to(dtype).requires_grad_()
+    w = torch.randn(width, generator=g).to(dtype).requires_grad_()
+    b = torch.randn(width, generator=g).to(dtype).requires_grad_() if bias else None
+    dy = torch.randn(M, width, generator=g).to(dtype)
+    return x, w, b, dy
+
+
+def _upcast_formula(x, w, b):
+    F = torch.nn.functional
+    return F.layer_norm(x.float(), x.shape[-1:], None if w is None else w.float(),
+                        None if b is None else b.float(), EPS).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_upcast_is_the_layer_norm_of_a_float32_copy(dtype):
+    """Bit for bit on the torch backend forward, the gradients within a unit of rounding of
+    autograd's of the written-out form, with and without parameters; and the plain call is
+    not bit for bit on some of these shapes, so the mode does something."""
+    differs = False
+    for M, width in UPCAST_SHAPES:
+        for affine in (True, False):
+            x, w, b, dy = _upcast_inputs(dtype, M, width)
+            if not affine:
+                w = b = None
+            params = [t for t in (x, w, b) if t is not None]
+            want = _upcast_formula(x, w, b)
+            got = normbook.layer_norm(x, width, w, b, EPS, upcast=True)
+            assert got.dtype == dtype and torch.equal(got, want), (M, width, affine)
+            for g, g_want in zip(torch.autograd.grad(got, params, dy),
+                                 torch.autograd.grad(want, params, dy)):
+                # (ln-dx) in normbook's order against torch's backward kernel: a few values
+                # a unit apart, as for the RMSNorm modes above
+                torch.testing.assert_close(g, g_want, rtol=0,
+                                           atol=2 * torch.finfo(dtype).eps * g_want.abs().max())
+            differs |= not torch.equal(normbook.layer_norm(x, width, w, b, EPS), want)
+    assert differs
+
+
+def test_upcast_on_the_kernels_is_the_plain_call(kernels):
+    """The kernels compute in float32 from half rows either way: the same call, no copy."""
+    x, w, b, dy = _upcast_inputs(torch.bfloat16, 6, 40)
+    with normbook.backend("kernels"):
+        got = normbook.layer_norm(x, 40, w, b, EPS, upcast=True)
+        assert torch.equal(got, normbook.layer_norm(x, 40, w, b, EPS))
+    want = _upcast_formula(x, w, b)
+    ulp = torch.finfo(torch.bfloat16).eps
+    assert (got.float() - want.float()).abs().max() <= 2 * ulp * want.float().abs().max()
+
+
+def test_upcast_module_repr_checks_trace_and_float32():
+    m = normbook.LayerNorm(D, bias=False, upcast=True)
+    assert repr(m).endswith("bias=False, upcast=True)") and "upcast" not in repr(
+        normbook.LayerNorm(D))
+    with pytest.raises(TypeError, match="upcast: expected a bool, got 1"):
+        normbook.LayerNorm(D, upcast=1)
+    with pytest.raises(TypeError, match="upcast: expected a bool, got 'yes'"):
+        normbook.layer_norm(torch.randn(2, D), D, upcast="yes")
+    with pytest.raises(TypeError, match="upcast"):
+        torch.jit.script(m)
+    x = torch.randn(3, D)
+    assert torch.equal(m(x), normbook.LayerNorm(D, bias=False)(x))   # float32: a no-op
+    traced = torch.fx.symbolic_trace(torch.nn.Sequential(m))
+    (node,) = [n for n in traced.graph.nodes if n.op == "call_function"]
+    assert node.target is normbook.layer_norm and node.kwargs == dict(upcast=True)
+    xb = x.bfloat16()
+    assert torch.equal(traced(xb), m(xb))
+    compiled = torch.compile(m.bfloat16(), fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(xb), m(xb))

@@ -433,3 +433,36 @@ def test_cohere_and_olmo_layernorms_are_swapped_and_per_head_norms_left():
             (message,) = [str(w.message) for w in record]
             assert "CohereLayerNorm as it is: its weight has several dims" in message
             assert sum(type(m).__name__ == "CohereLayerNorm" for m in model.modules()) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_olmo_is_swapped_exactly_and_cohere_left_under_strict(dtype):
+    """OLMo's LayerNorm is torch's float32 LayerNorm of a float32 copy: normbook's with
+    ``upcast``, swapped under strict in half precision, the logits bitwise the unswapped
+    model's (hidden 256: a width where torch's kernel for half rows would round some values
+    differently), the gradients within a unit of rounding. Cohere's writes its formula in torch
+    ops: left under strict with the reason, swapped without it."""
+    ref = transformers.OlmoForCausalLM(transformers.OlmoConfig(
+        hidden_size=256, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, eos_token_id=0, pad_token_id=0,
+        bos_token_id=0)).to(dtype)
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert normbook.swap_norms(model) == 5
+    assert all(m._upcast for m in norm_modules(model, normbook.LayerNorm))
+    ids = torch.randint(0, 100, (4, 33), generator=torch.Generator().manual_seed(0))
+    got, want = model(ids).logits, ref(ids).logits
+    assert torch.equal(got, want)
+    got.float().square().mean().backward()
+    want.float().square().mean().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        scale = q.grad.abs().max().item()
+        assert (p.grad - q.grad).abs().max().item() <= 2 * torch.finfo(dtype).eps * scale, name
+    cohere = transformers.CohereForCausalLM(transformers.CohereConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, eos_token_id=0, pad_token_id=0,
+        bos_token_id=0)).to(dtype)
+    with pytest.warns(UserWarning, match=rf"CohereLayerNorm as it is: in {dtype}"):
+        assert normbook.swap_norms(cohere) == 0
+    assert normbook.swap_norms(cohere, strict=False) == 2

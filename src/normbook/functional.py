@@ -758,7 +758,7 @@ def _rms_eps(input, eps):
 
 def layer_norm(input: Tensor, normalized_shape: int | Sequence[int],
                weight: Tensor | None = None, bias: Tensor | None = None,
-               eps: float | Tensor = 1e-5) -> Tensor:
+               eps: float | Tensor = 1e-5, *, upcast: bool = False) -> Tensor:
     """LayerNorm over the trailing ``normalized_shape`` dims, as ``torch.nn.functional.layer_norm``.
 
     Implements equations (ln-mean) to (ln-y) of the chapter "One token's vector":
@@ -774,6 +774,15 @@ def layer_norm(input: Tensor, normalized_shape: int | Sequence[int],
         weight: optional ``(*normalized_shape)`` scale gamma.
         bias: optional ``(*normalized_shape)`` shift beta.
         eps: a number or a 0-d tensor, added to the variance inside the square root.
+        upcast: keyword only, not torch's. Compute as ``torch.nn.functional.layer_norm(
+            input.float(), ...).to(input.dtype)`` does, the parameters taken in float32: the
+            LayerNorm of Hugging Face's OLMo and of OpenAI's CLIP and Whisper, which run torch's
+            float32 kernel on a float32 copy of half rows. Without it, half rows go to torch's
+            kernel as they are (as ``torch.nn.LayerNorm`` in bf16 does): the same formula, in
+            float32 too, but summed in another order, so that a few values in 10^5 differ
+            by a unit in the last place (measured on the CPU, torch 2.13). A no-op for float32
+            and float64 inputs, and on the kernels, which read half rows and compute in
+            float32 whichever way (under autocast too the result keeps the input's dtype).
 
     Returns:
         Tensor of input's shape and dtype, computed by the backend :func:`backend` chooses
@@ -791,10 +800,28 @@ def layer_norm(input: Tensor, normalized_shape: int | Sequence[int],
     """
     if type(input) is not Tensor:
         if isinstance(input, _Proxy):     # torch.fx.symbolic_trace
-            return _fx_node(layer_norm, input, normalized_shape, weight, bias, eps)
-        if isinstance(input, Tensor) and input.is_nested:
+            modes = {"upcast": upcast} if upcast else {}
+            return _fx_node(layer_norm, input, normalized_shape, weight, bias, eps, **modes)
+        if isinstance(input, Tensor) and input.is_nested and not upcast:
             return _nested(layer_norm, input, normalized_shape, weight, bias, eps)
+    if upcast is not False:
+        return _ln_upcast(input, normalized_shape, weight, bias, eps, upcast)
     return _norm(input, normalized_shape, weight, bias, _ln_eps(eps), False)[0]
+
+
+def _ln_upcast(input, normalized_shape, weight, bias, eps, upcast):
+    """:func:`layer_norm` with ``upcast``: half rows on the torch backend, or under autocast,
+    as ``layer_norm(input.float(), weight.float(), bias.float()).to(input.dtype)``, composed
+    through autograd (so its gradients are those of the same operations); everything else the
+    plain call, which computes the same operations in float32 without the copy."""
+    if type(upcast) is not bool:
+        raise TypeError(f"upcast: expected a bool, got {upcast!r}")
+    if (isinstance(input, Tensor) and input.dtype in _HALF
+            and (not _use_kernels(input) or _any_autocast())):
+        weight, bias = (_fp32(p) if isinstance(p, Tensor) else p for p in (weight, bias))
+        y = layer_norm(input.float(), normalized_shape, weight, bias, eps)
+        return y.to(input.dtype)
+    return layer_norm(input, normalized_shape, weight, bias, eps)
 
 
 def rms_norm(input: Tensor, normalized_shape: int | Sequence[int],

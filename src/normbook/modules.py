@@ -31,10 +31,34 @@ class LayerNorm(torch.nn.LayerNorm):
     """LayerNorm module, equations (ln-mean) to (ln-y); see :func:`normbook.layer_norm`.
 
     Args (as ``torch.nn.LayerNorm``): normalized_shape, eps=1e-5, elementwise_affine=True,
-    bias=True, device=None, dtype=None.
+    bias=True, device=None, dtype=None; and, keyword only, normbook's ``upcast`` (half rows
+    normalized as a float32 copy, as OLMo's, CLIP's and Whisper's LayerNorms do), as
+    :func:`normbook.layer_norm` takes it.
 
     Shape: input ``(*, *normalized_shape)`` -> output of the same shape.
     """
+
+    # (a class attribute, so that a torch.nn.LayerNorm whose class a swap changed has it too;
+    # no annotation: TorchScript reads the class's annotations)
+    _upcast = False
+
+    def __init__(self, normalized_shape: Union[int, list[int], torch.Size], eps: float = 1e-5,
+                 elementwise_affine: bool = True, bias: bool = True, device: Any = None,
+                 dtype: Optional[torch.dtype] = None, *, upcast: bool = False) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+        if type(upcast) is not bool:
+            raise TypeError(f"upcast: expected a bool, got {upcast!r}")
+        if upcast:
+            self._upcast = True
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", upcast=True" if self._upcast else "")
+
+    def __prepare_scriptable__(self):
+        if self._upcast:
+            raise TypeError("torch.jit.script: a LayerNorm with upcast has no TorchScript "
+                            "forward (torch's layer_norm has no upcast)")
+        return self
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if torch.jit.is_scripting():   # TorchScript compiles torch's own function instead
@@ -45,6 +69,8 @@ class LayerNorm(torch.nn.LayerNorm):
         if weight is _ABSENT or bias is _ABSENT:
             weight, bias = self.weight, self.bias
         eps = self.eps
+        if self._upcast:
+            return layer_norm(input, self.normalized_shape, weight, bias, eps, upcast=True)
         if type(input) is not Tensor:   # a subclass (nested, DTensor): the public door
             return layer_norm(input, self.normalized_shape, weight, bias, eps)
         return _norm(input, self.normalized_shape, weight, bias,

@@ -20,9 +20,12 @@ How each maps (equations (ln-y) and (rms-y) of the chapter "One token's vector")
 - Gemma-style ``*RMSNorm``: y = (xhat * (1.0 + weight.float())).type_as(x): the replacement's
   ``offset`` of 1, gamma = 1 + weight taken in float32, y rounded once; the parameter stays the
   model's ``weight``.
-- Cohere's and OLMo's ``*LayerNorm``: (ln-y) in float32 without bias (OLMo's without any
-  parameter, eps 1e-5), rounded once: a ``normbook.LayerNorm(..., bias=False)``; bit for bit in
-  float32, to rounding in bf16 and fp16 (swapped there with ``strict=False``).
+- Cohere's and OLMo's ``*LayerNorm``: (ln-y) of a float32 copy of the rows, without bias
+  (OLMo's without any parameter, eps 1e-5), rounded once: a ``normbook.LayerNorm(...,
+  bias=False, upcast=True)``. OLMo's runs torch's float32 kernel, as ``upcast`` does: bit for
+  bit in every dtype. Cohere's writes the formula in torch ops, whose sums round differently
+  from that kernel's on some half inputs: bit for bit in float32, to rounding in bf16 and
+  fp16 (swapped there with ``strict=False``).
 
 A norm that is left alone (not reproducible, or not exact in its dtype under ``strict``) gives
 one ``UserWarning`` per class that names it. Classes are matched by module path and name,
@@ -59,6 +62,8 @@ class HFNorm:
         offset: the replacement's ``offset`` (gamma = offset + weight in float32: Gemma's 1).
         round_xhat: the replacement's ``round_xhat`` (xhat rounded to the input's dtype before
             the weight multiplies: Llama's order in bf16 and fp16).
+        upcast: a LayerNorm replacement's ``upcast`` (half rows normalized as a float32 copy,
+            by torch's float32 kernel: OLMo's).
     """
 
     module: str
@@ -69,6 +74,7 @@ class HFNorm:
     note: str = ""
     offset: float = 0.0
     round_xhat: bool = False
+    upcast: bool = False
     kind: str = "rms"        # "layer": a LayerNorm without bias, normbook.LayerNorm(bias=False)
 
 
@@ -92,8 +98,8 @@ def _hf(package: str, name: str, note: str = _LLAMA, **kw) -> HFNorm:
 #: Qwen3-MoE, Phi-3, Granite, GraniteMoe, DeepSeek-V3, GLM-4, SmolLM3; ``round_xhat``), T5's
 #: (the same order where input and weight share a dtype), OLMo-2's (one rounding, normbook's
 #: own), and Gemma, Gemma 2, Gemma 3 and Qwen3-Next (y = xhat * (1 + weight); ``offset`` 1);
-#: and two LayerNorms without bias, Cohere's and OLMo's, exact in float32 only (a per-head
-#: QK-norm of Cohere's, whose weight has two dims, is left).
+#: and two LayerNorms without bias: OLMo's (``upcast``) and Cohere's, exact in float32 only
+#: (a per-head QK-norm of Cohere's, whose weight has two dims, is left).
 #: Checked against transformers 5.24: tests/test_swap.py resolves every entry and compares each
 #: class with its replacement in each dtype. Models built on ``torch.nn.LayerNorm`` (GPT-2)
 #: need no entry.
@@ -115,13 +121,19 @@ HF_NORMS: tuple[HFNorm, ...] = (
              "round_xhat for inputs in the weight's dtype"),
     # LayerNorms without bias: Cohere's, (h - mean) * rsqrt(var + eps) * weight in float32,
     # rounded once; OLMo's, F.layer_norm of h in float32 without parameters, eps 1e-5, rounded
-    # once. Bit for bit in float32; in bf16 and fp16 normbook's path for half rows agrees to
-    # rounding (swapped with strict=False)
-    _hf("cohere", "CohereLayerNorm", kind="layer",
+    # once. OLMo's is normbook's with upcast, bit for bit in every dtype. Cohere's is bit for
+    # bit in float32; in bf16 and fp16 its formula, summed in torch ops over a float32 copy,
+    # and torch's float32 kernel (normbook's, upcast or not) differ in a few values in 10^5 by
+    # a unit in the last place (swapped with strict=False)
+    _hf("cohere", "CohereLayerNorm", kind="layer", upcast=True,
         note="weight * ((h - mean) * rsqrt(var + variance_epsilon)), h = x.to(float32), rounded "
-             "once: (ln-y) with gamma = weight and no bias"),
-    _hf("olmo", "OlmoLayerNorm", kind="layer", weight=None, eps=1e-5,
-        note="F.layer_norm(x.to(float32), eps=1e-5) rounded once: (ln-y) without parameters"),
+             "once: (ln-y) with gamma = weight and no bias, upcast; in bf16 and fp16 its "
+             "torch-op sums round differently from torch's float32 kernel in a few values in "
+             "10^5 (a unit in the last place), so it is swapped there only with strict=False"),
+    _hf("olmo", "OlmoLayerNorm", kind="layer", weight=None, eps=1e-5, upcast=True,
+        exact=_HALVES,
+        note="F.layer_norm(x.to(float32), eps=1e-5) rounded once: (ln-y) without parameters, "
+             "upcast"),
     *(_hf(p, n, eps="eps", exact=_HALVES, offset=1.0, note=_GEMMA) for p, n in [
         ("gemma", "GemmaRMSNorm"), ("gemma2", "Gemma2RMSNorm"), ("gemma3", "Gemma3RMSNorm"),
         ("qwen3_next", "Qwen3NextRMSNorm")]),
@@ -154,7 +166,7 @@ def _adopt(new: Any, old: Any, entry: HFNorm) -> None:
     eps = float(getattr(old, entry.eps) if isinstance(entry.eps, str) else entry.eps)
     if entry.kind == "layer":
         LayerNorm.__init__(new, shape, eps=eps, elementwise_affine=weight is not None,
-                           bias=False, device="meta")
+                           bias=False, device="meta", upcast=entry.upcast)
     else:
         RMSNorm.__init__(new, shape, eps=eps, device="meta", offset=entry.offset,
                          round_xhat=entry.round_xhat)
