@@ -87,3 +87,40 @@ def test_check_nodes_says_which_node_is_wrong(capsys):
     assert "d_mu: WRONG" in out and "d_x: WRONG" in out and "d_xc: matches" in out
     with pytest.raises(ValueError, match="missing mu"):
         check_nodes(lambda *a: {k: None for k in NODES if k != "mu"})
+
+
+def test_check_fn_says_not_yet_written_matches_or_wrong(capsys):
+    """The generic exercise check: a stub (NotImplementedError, None, None inside a tuple) is
+    'not yet written' and the call does not raise; a result matches the reference's to the
+    tolerances of its dtype, piece by piece; what does not fit says why."""
+    import torch
+
+    from normbook.booktools import check_fn
+
+    def stub(x):
+        raise NotImplementedError
+
+    x = torch.linspace(-1, 1, 7, dtype=torch.float64)
+    for yours in (stub, lambda x: None, lambda x: (x, None), lambda x: {"a": None}):
+        assert not check_fn("f", yours, torch.tanh, x)
+        assert capsys.readouterr().out == "f: not yet written\n"
+    assert check_fn("tanh", lambda x: torch.sinh(x) / torch.cosh(x), torch.tanh, x)
+    assert capsys.readouterr().out.startswith("tanh: matches, max difference ")
+    assert not check_fn("tanh", lambda x: x, torch.tanh, x)
+    assert capsys.readouterr().out.startswith("tanh: WRONG, max difference 2.4")
+    # float32 is held to float32's tolerance, float64 to float64's
+    assert check_fn("f32", lambda x: (x * (1 + 1e-7)).float(), lambda x: x, x)
+    assert not check_fn("f64", lambda x: x * (1 + 1e-6), lambda x: x, x)
+    assert check_fn("loose", lambda x: x * (1 + 1e-6), lambda x: x, x, rtol=1e-5)
+    capsys.readouterr()
+    # pieces: tuples, dicts, numbers, strings; a reference given as its value
+    assert check_fn("pair", lambda: (1.0, {"s": "nd->n", "t": x}), (1, {"s": "nd->n", "t": x}))
+    assert capsys.readouterr().out == "pair: matches, max difference 0\n"
+    assert not check_fn("s", lambda: "nd->d", "nd->n")
+    assert capsys.readouterr().out == "s: WRONG; expected 'nd->n', got 'nd->d'\n"
+    assert not check_fn("n", lambda: (x, x), (x,))
+    assert capsys.readouterr().out == "n: WRONG; expected 1 value\n"
+    assert not check_fn("shape", lambda: x[:3], x)
+    assert capsys.readouterr().out == "shape: WRONG; expected the shape (7,), got (3,)\n"
+    assert not check_fn("nan", lambda: x / 0 * 0, x)         # NaN is never close
+    assert "nan: WRONG" in capsys.readouterr().out

@@ -229,6 +229,106 @@ def check_nodes(fn, D: int = 6, seed: int = 0) -> bool:
     return ok
 
 
+# Tolerances for a result of each float dtype, as torch.testing.assert_close's defaults; every
+# other number (float64, Python's, integers) is held to float64's.
+_TOLERANCES = {"torch.float16": (1e-3, 1e-5), "torch.bfloat16": (1.6e-2, 1e-5),
+               "torch.float32": (1.3e-6, 1e-5)}
+
+
+def _unwritten(value) -> bool:
+    """Whether a result is a stub's: None, or a tuple, list or dict holding None."""
+    if value is None:
+        return True
+    if isinstance(value, dict):
+        return any(_unwritten(v) for v in value.values())
+    if isinstance(value, (tuple, list)):
+        return any(_unwritten(v) for v in value)
+    return False
+
+
+def _compare(got, want, rtol, atol) -> tuple[bool, float | None, str | None]:
+    """(matches, largest difference of the numbers compared or None, why not) for one result
+    against the reference's, piece by piece."""
+    import torch
+
+    if isinstance(want, (dict, tuple, list)):
+        if isinstance(want, dict):
+            if not isinstance(got, dict) or set(got) != set(want):
+                return False, None, f"expected a dict with the keys {sorted(want)}"
+            pairs = [(got[k], want[k]) for k in want]
+        else:
+            if not isinstance(got, (tuple, list)) or len(got) != len(want):
+                return False, None, (f"expected {len(want)} value"
+                                     + "s" * (len(want) != 1))
+            pairs = list(zip(got, want))
+        ok, diff, why = True, None, None
+        for g, w in pairs:
+            one_ok, one_diff, one_why = _compare(g, w, rtol, atol)
+            ok, why = ok and one_ok, why or one_why
+            if one_diff is not None:
+                diff = one_diff if diff is None else max(diff, one_diff)
+        return ok, diff, why
+    numeric = (torch.is_tensor(want) or hasattr(want, "__array__")
+               or (isinstance(want, numbers.Number) and not isinstance(want, bool)))
+    if not numeric:
+        return got == want, None, None if got == want else f"expected {want!r}, got {got!r}"
+    try:
+        g, w = torch.as_tensor(got), torch.as_tensor(want)
+    except (TypeError, ValueError, RuntimeError):
+        return False, None, f"expected a number or a tensor, got {type(got).__name__}"
+    if g.shape != w.shape:
+        return False, None, f"expected the shape {tuple(w.shape)}, got {tuple(g.shape)}"
+    if g.is_complex() or w.is_complex():
+        g, w = g.to(torch.complex128), w.to(torch.complex128)
+    else:
+        g, w = g.double(), w.double()
+    if not g.numel():
+        return True, 0.0, None
+    default = _TOLERANCES.get(str(torch.as_tensor(got).dtype), (1e-7, 1e-7))
+    rtol = default[0] if rtol is None else rtol
+    atol = default[1] if atol is None else atol
+    diff = (g - w).abs().max().item()
+    return bool(torch.allclose(g, w, rtol=rtol, atol=atol)), diff, None
+
+
+def check_fn(name: str, yours, reference, *inputs, rtol: float | None = None,
+             atol: float | None = None) -> bool:
+    """Run the reader's function on an exercise's inputs and compare its result with a
+    reference's, as an exercise that checks the reader's own code does before its solution.
+
+    ``yours(*inputs)`` is the reader's function. A stub, one that raises NotImplementedError or
+    returns None (or a tuple, list or dict holding None), is ``not yet written``, so that a page
+    runs cleanly with the exercise left blank. ``reference`` is a function called on the same
+    inputs, or the expected result itself. The two results are compared piece by piece: a tuple,
+    list or dict item by item; tensors, arrays and numbers with ``torch.allclose`` at the
+    tolerances ``torch.testing.assert_close`` uses for the dtype of ``yours`` (float64's for
+    Python numbers), or ``rtol`` and ``atol``; anything else, a string say, with ``==``.
+
+    Prints one line: ``name: matches`` or ``name: WRONG``, with the largest difference of the
+    numbers compared or what does not fit (a shape, a number of values), or ``name: not yet
+    written``.
+
+    Returns:
+        True when your result matches the reference's.
+    """
+    try:
+        got = yours(*inputs)
+    except NotImplementedError:
+        got = None
+    if _unwritten(got):
+        print(f"{name}: not yet written")
+        return False
+    want = reference(*inputs) if callable(reference) else reference
+    ok, diff, why = _compare(got, want, rtol, atol)
+    line = f"{name}: {'matches' if ok else 'WRONG'}"
+    if diff is not None:
+        line += f", max difference {prose(diff, '.1e')}"
+    if why is not None:
+        line += f"; {why}"
+    print(line)
+    return ok
+
+
 # ---- reading times: the book's front page and the chapters' sittings count with these --------
 
 def prose_words(text: str) -> int:
