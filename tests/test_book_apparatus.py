@@ -164,3 +164,13 @@ def test_solutions_leave_the_readers_functions_alone():
             redefined = {n for c in code_cells(solution) for n in bound_names(c)} & functions
             clashes += [f"{page.name} {label}: {n}" for n in sorted(redefined)]
     assert not clashes, f"solutions that redefine the reader's code: {clashes}"
+
+
+def test_chapter_9_keeps_to_its_length():
+    """Issue 48: the kernels chapter grew back once (5,319 words of prose, 513 visible code
+    lines); its bounds are 4,500 words and 350 unfolded code lines, counted on the page."""
+    from normbook.booktools import prose_words, shown_code_lines
+
+    text = (ROOT / "book" / "09-kernels.md").read_text()
+    assert prose_words(text) <= 4500 and shown_code_lines(text) <= 350, (
+        prose_words(text), shown_code_lines(text))
