@@ -158,8 +158,8 @@ def test_upcast_on_the_kernels_is_the_plain_call(kernels):
 
 def test_upcast_module_repr_checks_trace_and_float32():
     m = normbook.LayerNorm(D, bias=False, upcast=True)
-    assert repr(m).endswith("bias=False, upcast=True)") and "upcast" not in repr(
-        normbook.LayerNorm(D))
+    # (torch 2.11's repr omits bias=, 2.13's has it)
+    assert repr(m).endswith(", upcast=True)") and "upcast" not in repr(normbook.LayerNorm(D))
     with pytest.raises(TypeError, match="upcast: expected a bool, got 1"):
         normbook.LayerNorm(D, upcast=1)
     with pytest.raises(TypeError, match="upcast: expected a bool, got 'yes'"):
