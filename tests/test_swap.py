@@ -459,6 +459,12 @@ def test_half_olmo_is_swapped_exactly_and_cohere_left_under_strict(dtype):
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         scale = q.grad.abs().max().item()
         assert (p.grad - q.grad).abs().max().item() <= 2 * torch.finfo(dtype).eps * scale, name
+    with normbook.patch_hf("olmo"):           # built by Hugging Face's code: the same bits
+        patched = transformers.OlmoForCausalLM(ref.config).to(dtype)
+    patched.load_state_dict(ref.state_dict())
+    assert all(isinstance(m, normbook.LayerNorm) and m._upcast for m in patched.modules()
+               if type(m).__name__ == "OlmoLayerNorm")
+    assert torch.equal(patched(ids).logits, want)
     cohere = transformers.CohereForCausalLM(transformers.CohereConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=100, eos_token_id=0, pad_token_id=0,

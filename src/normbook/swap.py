@@ -370,11 +370,12 @@ def patch_hf(families: Optional[Union[str, Iterable[str]]] = None, *,
     ``from_pretrained`` (or a model built from a config) holds normbook's norms, with the
     state_dict keys, parameters and attributes of Hugging Face's.
 
-    Each patched norm computes (rms-y) by normbook, with the entry's ``offset`` and
-    ``round_xhat``, where that is the class's forward op for op (:func:`normbook.swap_norms`'s rule:
-    the weight's dtype in the entry's ``exact``, float32, bfloat16 and float16 for every
-    entry today, or every dtype with ``strict=False``) and by the original class's forward
-    elsewhere (float64 with ``strict``), so the model's outputs are Hugging Face's either way.
+    Each patched norm computes (rms-y) or (ln-y) by normbook, with the entry's ``offset``,
+    ``round_xhat`` or ``upcast``, where that is the class's forward op for op
+    (:func:`normbook.swap_norms`'s rule: the weight's dtype in the entry's ``exact``, float32,
+    bfloat16 and float16 for every entry but Cohere's, float32 alone there, or every dtype
+    with ``strict=False``) and by the original class's forward
+    elsewhere (float64, or Cohere's in half, with ``strict``), so the model's outputs are Hugging Face's either way.
     An entry without an exact dtype would be left, and named in the result's ``left``.
 
     Returns:
