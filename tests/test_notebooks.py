@@ -200,3 +200,25 @@ def test_every_chapter_that_runs_a_kernel_installs_triton():
         cells = [c.source for c in notebooks.code_cells(path)]
         if any("kernel_device(" in c for c in cells):
             assert any(notebooks.KERNEL_CELLS.search(c) for c in cells), path.name
+
+
+def test_the_builds_checks_of_placeholders_stay_out_of_the_readers_notebook():
+    """A cell that asserts an exercise's placeholder fails its check is the build's: tagged
+    book-only, and the notebook the reader downloads leaves it out (there it would fail as
+    soon as the reader's answer is right), while a plain removed cell is kept, folded."""
+    import re
+
+    import nbformat
+
+    for page in sorted((ROOT / "book").glob("*.md")):
+        for cell in re.findall(r"^```\{code-cell\}[^\n]*\n(.*?)^```$", page.read_text(),
+                               re.S | re.M):
+            if re.search(r"assert not \(?(stub_|[a-z_0-9]+_ok\b)", cell):
+                assert cell.startswith(":tags: [remove-cell, book-only]"), (page.name, cell)
+    build = nbformat.v4.new_code_cell("assert not mine_ok", metadata={
+        "tags": ["remove-cell", "book-only"]})
+    folded = nbformat.v4.new_code_cell("x = 1", metadata={"tags": ["remove-cell"]})
+    nb = notebooks.convert_notebook(nbformat.v4.new_notebook(cells=[build, folded]),
+                                    "01-one-token", {})
+    sources = [c.source for c in nb.cells]
+    assert "assert not mine_ok" not in sources and "x = 1" in sources

@@ -412,6 +412,8 @@ def convert_notebook(nb, stem: str, glue: dict[str, str], index: Index | None = 
             continue
         meta = cell.metadata
         tags = set(meta.get("tags", []))
+        if "book-only" in tags:   # the build's own check of an exercise's blank placeholder:
+            continue              # in the reader's notebook it would fail once they fill it in
         if tags & {"remove-cell", "remove-input", "hide-input", "hide-cell"}:
             meta.setdefault("jupyter", {})["source_hidden"] = True   # folded in Jupyter, Colab
         figure = (meta.get("mystnb") or {}).get("figure") or {}
