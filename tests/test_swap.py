@@ -269,6 +269,19 @@ def test_gemma_is_swapped_exactly_with_offset_one():
         assert torch.equal(model(ids).logits, ref(ids).logits), dtype
 
 
+def _same_logits_close_grads(model, ref, ids, tol):
+    """The swapped model's logits bitwise the reference's, each parameter's gradient (of the
+    mean square logit) within ``tol`` of the largest entry of the reference's; the logits."""
+    got, want = model(ids).logits, ref(ids).logits
+    assert torch.equal(got, want)
+    got.float().square().mean().backward()
+    want.float().square().mean().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        scale = q.grad.abs().max().item()
+        assert (p.grad - q.grad).abs().max().item() <= tol * scale, name
+    return want
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_llama_is_swapped_exactly(dtype):
     """In bf16 and fp16 a Llama norm rounds xhat before the weight multiplies; its replacement
@@ -283,13 +296,7 @@ def test_half_llama_is_swapped_exactly(dtype):
     norms = norm_modules(model, normbook.RMSNorm)
     assert all(m.weight.dtype == dtype and m._modes == (0.0, True) for m in norms)
     ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(0))
-    got, want = model(ids).logits, ref(ids).logits
-    assert torch.equal(got, want)
-    got.float().square().mean().backward()
-    want.float().square().mean().backward()
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        scale = q.grad.abs().max().item()
-        assert (p.grad - q.grad).abs().max().item() <= torch.finfo(dtype).eps * scale, name
+    _same_logits_close_grads(model, ref, ids, torch.finfo(dtype).eps)
 
 
 def test_float64_llama_is_left_under_strict():
@@ -452,13 +459,7 @@ def test_half_olmo_is_swapped_exactly_and_cohere_left_under_strict(dtype):
         assert normbook.swap_norms(model) == 5
     assert all(m._upcast for m in norm_modules(model, normbook.LayerNorm))
     ids = torch.randint(0, 100, (4, 33), generator=torch.Generator().manual_seed(0))
-    got, want = model(ids).logits, ref(ids).logits
-    assert torch.equal(got, want)
-    got.float().square().mean().backward()
-    want.float().square().mean().backward()
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        scale = q.grad.abs().max().item()
-        assert (p.grad - q.grad).abs().max().item() <= 2 * torch.finfo(dtype).eps * scale, name
+    want = _same_logits_close_grads(model, ref, ids, 2 * torch.finfo(dtype).eps)
     with normbook.patch_hf("olmo"):           # built by Hugging Face's code: the same bits
         patched = transformers.OlmoForCausalLM(ref.config).to(dtype)
     patched.load_state_dict(ref.state_dict())
