@@ -38,9 +38,13 @@ $(STAMP): requirements.txt pyproject.toml
 ## Gate 3: the warnings-as-errors book build. --all re-reads (and so re-executes) every page:
 ## an incremental build would neither re-run a chapter when only src/ changed nor repeat the
 ## warnings of unchanged pages. Source pages (_modules/) are regenerated for the same reason.
+## One torch thread per chapter: in make test the book shares the two cores with the kernel line,
+## and torch's two OpenMP threads then spin waiting for a core (chapter 1's training cell: 11 s
+## alone, 35 s beside two busy processes with two threads, 14 s with one; in one fresh run it
+## passed myst-nb's 300 s cell limit). The chapters' tensors are small: alone, one thread is as fast.
 book: $(STAMP)
 	rm -rf $(HTML_DIR)/_modules
-	$(VENV)/bin/jupyter-book build . --all -W -n --keep-going --path-output build
+	OMP_NUM_THREADS=1 $(VENV)/bin/jupyter-book build . --all -W -n --keep-going --path-output build
 	@echo "The book is in $(HTML_DIR)/: open $(HTML_DIR)/index.html in a browser, or run make serve."
 
 ## Gate 1: the package, with Triton in its interpreter on the CPU.

@@ -83,6 +83,11 @@ PAGES = _pages()
 
 # -- the server and the browser ----------------------------------------------------------------
 
+class _Server(http.server.ThreadingHTTPServer):
+    # a page asks for its scripts, styles and images at once; the default backlog is 5
+    request_queue_size = 128
+
+
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args):
         pass
@@ -93,7 +98,7 @@ def base_url():
     if not (HTML / "index.html").is_file():
         _unavailable(f"no built book at {HTML}: run `make book` first")
     handler = functools.partial(_QuietHandler, directory=str(HTML))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = _Server(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}/"
@@ -136,6 +141,23 @@ def _console_errors(driver) -> list[str]:
         for entry in driver.get_log("browser")
         if entry["level"] == "SEVERE" and not any(s in entry["message"] for s in IGNORED_CONSOLE)
     ]
+
+
+def _open(driver, url: str, tries: int = 3) -> None:
+    """Load url; if Chromium shows its own error page instead (the local server did not answer,
+    as happened once in CI with both cores busy), wait and load it again, then fail saying so.
+
+    An error page has no console error and no math, so without this check a page that never
+    arrived reads as a page whose MathJax and links are broken."""
+    for attempt in range(tries):
+        driver.get(url)
+        where, text = driver.execute_script(
+            "return [location.href, document.body ? document.body.innerText.slice(0, 200) : '']")
+        if not where.startswith("chrome-error://"):
+            return
+        if attempt + 1 < tries:
+            time.sleep(2 * (attempt + 1))
+    pytest.fail(f"{url} did not load in {tries} tries; Chromium showed: {text!r}")
 
 
 # JavaScript run in the page once it has loaded: wait for MathJax and the images, then report.
@@ -273,11 +295,18 @@ def test_the_book_was_built():
     assert "index.html" in PAGES and "search.html" in PAGES, PAGES
 
 
+def test_a_page_that_never_arrives_fails_as_such(browser):
+    # nothing listens on the discard port: Chromium shows its error page, which must not pass
+    # as a page (it has no console error) nor be blamed on MathJax
+    with pytest.raises(pytest.fail.Exception, match="did not load in 1 tries"):
+        _open(browser, "http://127.0.0.1:9/chapter.html", tries=1)
+
+
 @pytest.mark.parametrize("page", PAGES or ["(no built book)"])
 def test_page(page, browser, base_url):
     url = base_url + page
     _console_errors(browser)  # drop what the previous page left
-    browser.get(url)
+    _open(browser, url)
     report = browser.execute_async_script(_INSPECT)
     assert "error" not in report, f"{page}: the page inspection script failed: {report}"
     problems = [f"console: {m}" for m in _console_errors(browser)]
@@ -359,7 +388,7 @@ def test_pages_fit_a_phone(browser, base_url):
     problems = []
     try:
         for page in PHONE_PAGES:
-            browser.get(base_url + page)
+            _open(browser, base_url + page)
             info = browser.execute_async_script(_PHONE)
             assert "error" not in info, f"{page}: {info}"
             problems += [f"{page}: equation cut off at 390 px: {t!r}" for t in info["cut"]]
@@ -396,7 +425,7 @@ def test_results_are_shown_where_they_are_computed(page, browser, base_url):
     output (a value, a table, a figure); every figure a cell draws is vector (SVG)."""
     if page not in PAGES:
         pytest.skip("no chapter built yet")
-    browser.get(base_url + page)
+    _open(browser, base_url + page)
     info = browser.execute_script(_CELLS)
     assert 2 * info["shown"] >= info["cells"], (
         f"{page}: {info['shown']} of {info['cells']} visible code cells show an output; "
@@ -407,7 +436,7 @@ def test_results_are_shown_where_they_are_computed(page, browser, base_url):
 
 def test_search_finds_a_word(browser, base_url):
     _console_errors(browser)
-    browser.get(base_url + "search.html?q=normalization")
+    _open(browser, base_url + "search.html?q=normalization")
     deadline = time.time() + 30
     hits = 0
     while time.time() < deadline:
@@ -426,7 +455,7 @@ def test_exercises_are_numbered_and_solutions_folded(browser, base_url):
         pytest.skip("no chapter built yet")
     found = 0
     for page in chapters:
-        browser.get(base_url + page)
+        _open(browser, base_url + page)
         info = browser.execute_script(r"""
             const ex = [...document.querySelectorAll('div.exercise > .admonition-title')]
                 .map(t => t.textContent.trim());
@@ -456,14 +485,14 @@ def test_screenshots(browser, base_url):
     for name, page in shots.items():
         if page not in PAGES:
             continue
-        browser.get(base_url + page)
+        _open(browser, base_url + page)
         browser.execute_async_script(_INSPECT)
         browser.save_screenshot(str(SCREENSHOTS / f"{name}.png"))
     if chapters:
         # dark theme, scrolled to the first figure or cell output: is it legible?
-        browser.get(base_url + chapters[0])
+        _open(browser, base_url + chapters[0])
         browser.execute_script("localStorage.setItem('mode', 'dark');")
-        browser.get(base_url + chapters[0])
+        _open(browser, base_url + chapters[0])
         browser.execute_async_script(_INSPECT)
         browser.execute_script("""
             const fig = document.querySelector('.cell_output img, figure img');
