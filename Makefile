@@ -101,11 +101,17 @@ gpu-dry-run: $(STAMP)
 	  && test -z "$$(find . -mindepth 1 -type d)" && test "$$(ls | wc -l)" -le 8 \
 	  && echo "gpu-dry-run: $$(ls | wc -l) files, no folders: what the device tool brings back"
 
-## Wheels for the GPU machine (Python 3.12, no network): Liger-Kernel, pure Python, into .whl/
-## (git-ignored), which the device tool carries along (benchmarks/README.md).
+## Wheels for the GPU machine (Python 3.12, no network), into .whl/ (git-ignored), which the
+## device tool carries along (benchmarks/README.md): Liger-Kernel (pure Python), and transformers
+## at requirements.txt's pin with what it needs, for the Llama step (about 28 MB). numpy is left
+## out: the machine's torch and matplotlib have one, and gpu_check.sh puts .whl's packages after
+## the machine's own on the path, so what it has already wins.
+GPU_WHEEL_FLAGS := --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl
 gpu-wheels:
-	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl liger-kernel==0.8.5
+	$(PYTHON) -m pip download --no-deps $(GPU_WHEEL_FLAGS) liger-kernel==0.8.5
+	$(PYTHON) -m pip download $(GPU_WHEEL_FLAGS) $$(grep '^transformers==' requirements.txt)
+	rm -f .whl/numpy-*.whl
 
 ## Each chapter as a notebook that reads outside the book (no MyST markup, glued values written
 ## in, an install cell first: book/_ext/notebooks.py), into build/notebooks (outside book/: a

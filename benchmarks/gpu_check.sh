@@ -69,7 +69,7 @@ BUDGET_S=${BUDGET_S:-480}; whole BUDGET_S "$BUDGET_S"
 RESERVE_S=${RESERVE_S:-20}; whole RESERVE_S "$RESERVE_S"
 KILL_AFTER_S=${KILL_AFTER_S:-5}; whole KILL_AFTER_S "$KILL_AFTER_S"
 MIN_STEP_S=3       # a limit shorter than this is no chance to run: the step is not run
-ALL_STEPS=" env wheels gpu_tests report host plans chapter bench_bf16 bench_fp32 bench_compile"
+ALL_STEPS=" env wheels gpu_tests report host plans llama chapter bench_bf16 bench_fp32 bench_compile"
 ALL_STEPS+=" merge summary plots overview "
 ONLY=${ONLY:-}
 IFS=, read -ra only_steps <<< "$ONLY"
@@ -192,7 +192,7 @@ publish() {
     if [ -f "$WORK/$f" ] && [ "$WORK/$f" -nt "$OUT/$f" ]; then copy_in "$WORK/$f"; fi
   done
   # the archive: the pieces that exist, side by side, so that it unpacks into one folder
-  for f in logs plots host.json plans.json report.json summary.txt "$WORK"/bench-*; do
+  for f in logs plots host.json plans.json llama.json report.json summary.txt "$WORK"/bench-*; do
     [ -e "$WORK/${f#"$WORK"/}" ] && items+=("${f#"$WORK"/}")
   done
   tar -czf "$OUT/logs.tar.gz.part" -C "$WORK" "${items[@]}" 2>> "$LOGS/tar.txt" \
@@ -222,6 +222,8 @@ write_summary() {
   echo; echo "== host time per call"; cat "$LOGS/host.txt" 2>/dev/null
   echo; echo "== the backward of few rows: one program or a grid and its finish"
   cat "$LOGS/plans.txt" 2>/dev/null
+  echo; echo "== a Llama-shaped training step: Hugging Face's norms, normbook's, Liger's"
+  cat "$LOGS/llama.txt" 2>/dev/null
   echo; echo "== benchmark"; cat "$LOGS/summary.txt" 2>/dev/null || echo "no summary (yet)"
   return 0
 }
@@ -289,9 +291,10 @@ step env 30 bash -c '"$1" -c "$2"; rc=$?
   if command -v nvidia-smi >/dev/null; then nvidia-smi 2>&1; else echo "nvidia-smi: none"; fi
   exit $rc' env "$PY" "$ENV_PY"
 
-# Liger-Kernel travels as a wheel in .whl/ (make gpu-wheels); installed apart, never into python3's site
+# Liger-Kernel and transformers travel as wheels in .whl/ (make gpu-wheels); installed apart,
+# never into python3's site, and after it on the path (the machine's own packages win)
 if ls .whl/*.whl >/dev/null 2>&1; then
-  step wheels 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" .whl/*.whl
+  step wheels 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" .whl/*.whl
   export PYTHONPATH="$PYTHONPATH:$WORK/site"
 elif selected wheels; then
   echo "no .whl/ (make gpu-wheels): Liger-Kernel is recorded as not measured" | tee "$LOGS/wheels.txt"
@@ -316,6 +319,14 @@ if [ "$DRY" = 1 ]; then
     --share-rows 64 --json "$WORK/plans.json"
 else
   step plans 45 "$PY" -m normbook.bench plans --json "$WORK/plans.json"
+fi
+# a Llama-shaped bf16 training step with Hugging Face's norms, normbook's (strict and not) and
+# Liger's (issue 47's goal: normbook strict >= 1.25x hf). transformers travels in .whl/ with
+# Liger (make gpu-wheels) where the machine lacks it; without it the step fails in one line.
+if [ "$DRY" = 1 ]; then
+  step llama 60 "$PY" -m normbook.bench step --quick --json "$WORK/llama.json"
+else
+  step llama 90 bash -c "$JUDGED" judged "$PY" -m normbook.bench step --json "$WORK/llama.json"
 fi
 # chapter 9 as a reader with this GPU runs it: every cell, its claims asserted, the kernel cells'
 # tensors on the GPU (booktools.kernel_device), its "measure it on your GPU" cell included.

@@ -37,6 +37,7 @@ Examples:
     normbook-bench host --json host.json              # host time per call, launches stubbed
     normbook-bench cpu --json cpu.json --goal         # the CPU backend against torch
     normbook-bench plans --json plans.json            # the backward's plans for few rows (GPU)
+    normbook-bench step --json step.json              # a Llama training step, HF's norms or ours
 """
 
 from __future__ import annotations
@@ -116,10 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Benchmark LayerNorm/RMSNorm (and the fused residual adds) in GB/s and as "
-                    "a fraction of the device's copy bandwidth; write JSON and plots. Three more "
+                    "a fraction of the device's copy bandwidth; write JSON and plots. Four more "
                     "commands: 'normbook-bench host' (host time per call), 'normbook-bench "
-                    "cpu' (the CPU backend against torch) and 'normbook-bench plans' (the "
-                    "backward's plans for few rows); each has its --help.",
+                    "cpu' (the CPU backend against torch), 'normbook-bench plans' (the "
+                    "backward's plans for few rows) and 'normbook-bench step' (a Llama-shaped "
+                    "training step with each provider's norms); each has its --help.",
         epilog="examples:" + __doc__.split("Examples:", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if available")
@@ -333,7 +335,7 @@ def main(argv=None) -> int:
     """The command line; returns the exit status: 0; 1 for a goal not met (only with --goal);
     2 for a refusal (one line on stderr); 130 when interrupted."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["host"], ["cpu"], ["plans"]):
+    if argv[:1] in (["host"], ["cpu"], ["plans"], ["step"]):
         mode = importlib.import_module(f"normbook.bench.{argv[0]}")
         try:
             return mode.main(argv[1:])
