@@ -50,6 +50,21 @@ def test_bf16_outputs_round_to_nearest(norm):
     assert miss < 0.05, f"{miss:.1%} of bf16 outputs are not the correctly rounded reference"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [2048, 8192])
+def test_bf16_round_xhat_fused_is_the_composition_bit_for_bit(D):
+    """Where bf16 stores round to nearest (a GPU), the fused round_xhat (xhat rounded in the
+    kernel, then the weight) gives the bits of the norm without a weight followed by torch's
+    multiplication: the same statistics, the same two roundings."""
+    import normbook
+
+    g = torch.Generator().manual_seed(D)
+    x = torch.randn(512, D, generator=g).to("cuda", torch.bfloat16)
+    w = (1 + torch.randn(D, generator=g) / 4).to("cuda", torch.bfloat16)
+    y = normbook.rms_norm(x, D, w, 1e-6, round_xhat=True)
+    assert torch.equal(y, w * normbook.rms_norm(x, D, None, 1e-6))
+
+
 # ----------------------------------------------------------------------------- launches and graphs
 
 def _train_step(norms, x, dy):

@@ -175,3 +175,67 @@ def test_upcast_module_repr_checks_trace_and_float32():
     assert torch.equal(traced(xb), m(xb))
     compiled = torch.compile(m.bfloat16(), fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(xb), m(xb))
+
+
+# -- round_xhat fused on the kernels ------------------------------------------------------------
+
+def _saved_bytes(fn):
+    """Bytes of the distinct tensors autograd keeps for backward while ``fn()`` builds its graph."""
+    kept = {}
+
+    def pack(t):
+        kept[(t.data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(kept.values())
+
+
+def test_round_xhat_on_the_kernels_is_one_fused_pass(kernels):
+    """Half rows on the kernels: the rows kernel rounds xhat before the weight (one pass), not
+    the norm and a multiplication: the same bits as that composition in float16 (the
+    interpreter rounds float16 as a GPU does; bf16 on a GPU: tests/test_kernels_gpu.py), and
+    autograd keeps x, the weight and the statistics, not also a (M, D) xhat."""
+    M, width = 64, 256
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(M, width, generator=g).half().requires_grad_()
+    w = (1 + torch.randn(width, generator=g) / 4).half().requires_grad_()
+    dy = torch.randn(M, width, generator=g).half()
+    with normbook.backend("kernels"):
+        fused, fused_bytes = _saved_bytes(lambda: normbook.rms_norm(x, width, w, EPS,
+                                                                    round_xhat=True))
+        composed, composed_bytes = _saved_bytes(lambda: w * normbook.rms_norm(x, width, None, EPS))
+        assert type(fused.grad_fn).__name__ == "_RoundXhatBackward"
+        assert torch.equal(fused, composed)
+        assert composed_bytes - fused_bytes >= M * width * 2   # the composition's xhat
+        got = torch.autograd.grad(fused, (x, w), dy)
+        want = torch.autograd.grad(composed, (x, w), dy)
+    ulp = torch.finfo(torch.float16).eps
+    for g_got, g_want in zip(got, want):   # the composition rounds dy * w first: within ulps
+        assert (g_got.float() - g_want.float()).abs().max() <= 4 * ulp * g_want.float().abs().max()
+
+
+def test_round_xhat_fused_differentiates_twice_and_leaves_the_rest_composed(kernels):
+    x, w, dy = _inputs(torch.bfloat16)
+    with normbook.backend("kernels"):
+        y = normbook.rms_norm(x, D, w, EPS, round_xhat=True)
+        assert type(y.grad_fn).__name__ == "_RoundXhatBackward"
+        # create_graph: the composition's backward, which autograd differentiates again
+        gx, gw = torch.autograd.grad(y, (x, w), dy, create_graph=True)
+        y2 = w * normbook.rms_norm(x, D, None, EPS)
+        hx, hw = torch.autograd.grad(y2, (x, w), dy, create_graph=True)
+        assert torch.equal(gx, hx) and torch.equal(gw, hw)
+        second = torch.autograd.grad((gx.float() ** 2).sum(), (x, w))
+        want = torch.autograd.grad((hx.float() ** 2).sum(), (x, w))
+        assert all(torch.equal(a, b) for a, b in zip(second, want))
+        # only the weight wants a gradient
+        (gw_only,) = torch.autograd.grad(normbook.rms_norm(x.detach(), D, w, EPS,
+                                                            round_xhat=True), (w,), dy,
+                                         create_graph=True)
+        assert gw_only.shape == (D,)
+        # not the rows kernels' case: a weight of another dtype, rows over two dims
+        other = normbook.rms_norm(x, D, w.float(), EPS, round_xhat=True)
+        assert type(other.grad_fn).__name__ == "MulBackward0"
+        two = normbook.rms_norm(x.view(3, 2, D), (2, D), w.expand(2, D), EPS, round_xhat=True)
+        assert type(two.grad_fn).__name__ == "MulBackward0"

@@ -845,7 +845,9 @@ def rms_norm(input: Tensor, normalized_shape: int | Sequence[int],
         round_xhat: round xhat to the input's dtype before the weight multiplies, and the
             product to it again, y = weight * xhat.to(input.dtype) (Llama's order of
             operations in bf16 and fp16); by default the product is taken in float32 and
-            rounded once. A no-op for float32 and float64 inputs.
+            rounded once. A no-op for float32 and float64 inputs. On the kernels, in eager
+            mode, rows of up to 8192 values with a weight of their dtype take it in one
+            fused pass each way; otherwise it is the norm and then a multiplication.
 
     Returns:
         Tensor of input's shape and dtype; under autocast on CUDA or XPU, as torch's, float32
@@ -874,14 +876,68 @@ def _rms_modes(input, normalized_shape, weight, eps, offset, round_xhat):
     rounded to the input's dtype by the norm without a weight, then the product rounded), else
     the plain norm with gamma, its product in float32 rounded once. Those are the operations
     of the Hugging Face norms the modes reproduce (Gemma's ``(xhat * (1.0 +
-    weight.float())).type_as(x)``, Llama's ``weight * xhat.to(input_dtype)``)."""
+    weight.float())).type_as(x)``, Llama's ``weight * xhat.to(input_dtype)``). The kernels'
+    eager case of ``round_xhat`` is fused instead (:class:`_RoundXhat`): the same operations
+    in one pass."""
     offset = _validate.check_modes(offset, round_xhat)
     if offset and weight is not None:
         weight = (weight.float() if isinstance(weight, Tensor) else weight) + offset
     if (round_xhat and weight is not None and isinstance(input, Tensor)
             and input.dtype in _HALF):
+        if _rounds_fused(input, normalized_shape, weight, eps):
+            return _RoundXhat.apply(input, weight, _rms_eps(input, eps))
         return weight * rms_norm(input, normalized_shape, None, eps)
     return rms_norm(input, normalized_shape, weight, eps)
+
+
+def _rounds_fused(input, normalized_shape, weight, eps) -> bool:
+    """Whether ``rms_norm(..., round_xhat=True)`` of a half input takes :class:`_RoundXhat`:
+    the kernels' eager case, a plain tensor whose rows (D of at most ``_FUSED_D`` values, the
+    rows kernels') are normalized over the last dim, a (D,) weight of its dtype and device,
+    eps a number that is not NaN (or None), and no tracer, transform, autocast or forward-mode
+    AD; anything else (and every refusal) takes the composition."""
+    D = input.shape[-1] if input.dim() else 0
+    return (type(input) is Tensor and type(weight) is Tensor and weight.dtype == input.dtype
+            and 0 < D <= _FUSED_D and normalized_shape in (D, (D,), [D])
+            and weight.shape == (D,) and weight.device == input.device
+            and (eps is None or (type(eps) is float and eps == eps))
+            and _use_kernels(input)
+            and not (_compiling() or _transformed() or _any_autocast() or _tracing()
+                     or _fwAD._current_level >= 0))
+
+
+class _RoundXhat(torch.autograd.Function):
+    """``rms_norm(input, D, weight, eps, round_xhat=True)`` of half rows on the kernels, fused
+    (:func:`_rounds_fused` says when): y = weight * xhat.to(dtype), rounded, in the rows
+    kernel's one pass, where the composition, ``weight * rms_norm(input, D)``, writes xhat, reads
+    it back and keeps it for backward (``normbook.kernels._config.rounding``). ``apply(input,
+    weight, eps) -> y``, input (..., D), weight (D,) of input's dtype, eps a float.
+
+    Backward: dweight = sum over rows of dy * xhat.to(dtype), the rounded xhat the weight
+    multiplied; dx is (rms-dx) of ghat = dy * weight in fp32 (the composition's autograd rounds
+    that product to the input's dtype first: the two agree within its rounding). When autograd
+    is building a graph of the backward (create_graph), it is the composition's, through
+    autograd, so that second derivatives are right."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, _, stats = _kernels().norm_forward(_rows(x), None, weight, None, eps, True, True)
+        ctx.save_for_backward(x, weight, stats)
+        ctx.eps = eps
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, stats = ctx.saved_tensors
+        if _grad_enabled():   # create_graph: the composition, which autograd differentiates
+            wanted = [t for t, need in zip((x, weight), ctx.needs_input_grad) if need]
+            with torch.enable_grad():
+                y = weight * rms_norm(x, x.shape[-1], None, ctx.eps)
+                grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True))
+            return (*(next(grads) if need else None for need in ctx.needs_input_grad[:2]), None)
+        dx, dweight, _ = _K.norm_backward(_rows(dy), None, _rows(x), weight, stats, None, True,
+                                          True)
+        return dx.view(x.shape), dweight, None
 
 
 def _add_norm(x, residual, weight, bias, eps, is_rms, kernels=None):

@@ -9,10 +9,10 @@ timed as it is four ways, each on a copy of the same initial weights:
 
 - ``hf``: the model as Hugging Face builds it (``LlamaRMSNorm``, ops in torch);
 - ``normbook``: after ``swap_norms(model)`` (strict, the default: in bf16 and fp16 the norm
-  rounds xhat to the input's dtype before the weight multiplies, as ``LlamaRMSNorm`` does;
-  today that is normbook's norm and then a multiplication, see ``rms_norm``'s ``round_xhat``);
+  rounds xhat to the input's dtype before the weight multiplies, as ``LlamaRMSNorm`` does; on
+  the kernels one fused pass for hidden sizes up to 8192, see ``rms_norm``'s ``round_xhat``);
 - ``normbook_loose``: after ``swap_norms(model, strict=False)`` (the product taken in float32
-  and rounded once: one pass, not bit-identical to Hugging Face's in half precision);
+  and rounded once: not bit-identical to Hugging Face's in half precision);
 - ``liger``: each ``LlamaRMSNorm`` replaced by Liger-Kernel's RMSNorm in its "llama" casting
   mode, in place (its module's defaults), where Liger imports and a GPU is at hand.
 

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from normbook.kernels._config import (MAX_FUSED_D_BWD, backward_plan, narrow_loads, other_device,
-                                      refusal, shared_rows, slot_words)
+                                      refusal, rounding, shared_rows, slot_words)
 from normbook.kernels._launch import launch
 from normbook.kernels._exchange import (_agreed_start, _claim_words, _exchange, _pack, _publish,
                                         _ring, _slot_words, _unpack)
@@ -76,6 +76,8 @@ def norm_bwd_rows_kernel(
                                # row loop
     VEC: tl.constexpr,       # D and the strides are multiples of VEC
                              # (see _config.vec)
+    ROUND_XHAT: tl.constexpr = False,  # the forward rounded xhat to x's
+                                       # dtype before the weight
 ):
     """(ln-dx) and (ln-dparams), or (rms-dx); with HAS_DH the (fork-rule).
     Persistent grid."""
@@ -144,6 +146,8 @@ def norm_bwd_rows_kernel(
         # (ln-dparams), kept per program in fp32; one weight serves every
         # row
         if HAS_WEIGHT:
+            if ROUND_XHAT:   # the weight multiplied the rounded xhat
+                xhat = xhat.to(DX.dtype.element_ty).to(tl.float32)
             dw += tl.sum(dy * xhat, axis=0)
         if HAS_BIAS:
             db += tl.sum(dy, axis=0)
@@ -515,8 +519,9 @@ def launch_keys(plans, x, dy, dhp, w, ow, ob, stride_x: int, stride_dy: int, str
     return (*main, torch.float32), (plans[1].key, ow.dtype, ob.dtype, plans[0].groups, D)
 
 
-def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
+def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool, round_xhat: bool = False):
     """(ln-dx), (rms-dx), (ln-dparams) and (fork-rule): launch the backward on (M, D) rows.
+    ``round_xhat``: the forward's (:func:`normbook.kernels._forward.norm_forward`).
 
     ``x`` has a contiguous last dim; its row stride, and dy's and dh's, are honoured (dy or dh
     with other steps along D, an expanded gradient say, is copied first).
@@ -539,7 +544,7 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
     device = x.get_device()
     if device >= 0 and other_device(device):
         with torch.cuda.device(device):
-            return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)
+            return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms, round_xhat)
     # empty_like: cheapest on the host; contiguous, since x's rows are dense or x is not dense
     dx = torch.empty_like(x)
     if weight is None:
@@ -578,6 +583,8 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
                                   dbias is not None, D & 15, shared_rows(D))
         if plans is None:
             raise refusal(D, e, dh is not None, device, narrow_loads(D, e))
+    if round_xhat:
+        plans = tuple(rounding(p) for p in plans)
     plan = plans[0]
     # placeholders where a tensor is absent: never read or written then
     w = x if weight is None else weight
@@ -609,7 +616,8 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool):
                 M, D, device, e, is_rms, dh is not None, dweight is not None,
                 dbias is not None, (stride_x | stride_dy | stride_dh) & 15,
                 shared_rows(D)) is not None:
-            return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms)  # measured
+            return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms,
+                                 round_xhat)  # measured
     if plan.slices > 1:
         launch_shared(kernel, plan, args, main_key, device)
     else:

@@ -411,6 +411,26 @@ def _plan(kernel: str, grid: int, constexprs: dict, options: dict, **counts) -> 
 
 
 _launch_ids: dict = {}
+_rounded: dict = {}
+
+
+def rounding(plan: Plan) -> Plan:
+    """``plan`` with ROUND_XHAT: xhat rounded to the input's dtype before the weight multiplies
+    (``rms_norm``'s ``round_xhat``, Llama's order of operations in half precision); in the
+    backward, dweight sums dy times that rounded xhat. Only the rows kernels have the flag: the
+    caller takes the mode fused for rows of at most MAX_FUSED_D_BWD values, which the rows
+    kernels always take (the finish, which only sums partials, is returned as it is)."""
+    if plan.kernel == "norm_bwd_finish_kernel":
+        return plan
+    if plan.kernel not in ("norm_fwd_rows_kernel", "norm_bwd_rows_kernel"):
+        raise ValueError(f"round_xhat: the rows kernels have it, not {plan.kernel}")
+    made = _rounded.get(plan.key)
+    if made is None:
+        constexprs = dict(plan.constexprs, ROUND_XHAT=True)
+        flags = dict(constexprs, **plan.options)
+        made = _rounded[plan.key] = plan._replace(constexprs=constexprs, flags=flags,
+                                                  key=_launch_id(plan.kernel, flags))
+    return made
 
 
 def _launch_id(kernel: str, flags: dict) -> int:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normbook.kernels._config import forward_plan, other_device
+from normbook.kernels._config import forward_plan, other_device, rounding
 from normbook.kernels._launch import launch
 
 FP32_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)   # torch.finfo(torch.float32).tiny
@@ -78,6 +78,8 @@ def norm_fwd_rows_kernel(
                                # row loop
     VEC: tl.constexpr,       # D and the strides are multiples of VEC
                              # (see _config.vec)
+    ROUND_XHAT: tl.constexpr = False,  # xhat rounded to Y's dtype before
+                                       # the weight (see _config.rounding)
 ):
     """(ln-mean), (ln-var), (ln-rstd), (ln-xhat), (ln-y); with IS_RMS,
     (rms-ms) and (rms-y). Persistent: program pid takes the tiles of ROWS
@@ -155,6 +157,10 @@ def norm_fwd_rows_kernel(
 
         # y = weight * xhat + bias (ln-y)
         y = xhat
+        if ROUND_XHAT:
+            # Llama's order in half precision: xhat rounded to the output's
+            # dtype, then the weight multiplies (the product rounded below)
+            y = y.to(Y.dtype.element_ty).to(tl.float32)
         if HAS_WEIGHT:
             if HOLD:
                 y = y * w_held
@@ -333,8 +339,10 @@ def launch_key(plan, x, r, w, b, stride_x: int, stride_r: int, M: int, D: int) -
     return plan.key, x.dtype, r.dtype, w.dtype, b.dtype, stride_x, stride_r, M, D
 
 
-def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
+def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool, round_xhat: bool = False):
     """(ln-y) and (rms-y), with the residual add: launch the forward on (M, D) rows, last dim contiguous.
+    ``round_xhat``: xhat rounded to x's dtype before the weight (rows of at most
+    ``MAX_FUSED_D_BWD`` values; see :func:`normbook.kernels._config.rounding`).
 
     Returns:
         y: (M, D) contiguous, x's dtype; h: (M, D) x + residual, or None without a residual;
@@ -345,7 +353,7 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     device = x.get_device()
     if device >= 0 and other_device(device):
         with torch.cuda.device(device):
-            return norm_forward(x, residual, weight, bias, eps, is_rms)
+            return norm_forward(x, residual, weight, bias, eps, is_rms, round_xhat)
     # empty_like: cheapest on the host; contiguous, since x's rows are dense or x is not dense
     y = torch.empty_like(x)
     # two fp32 scalars per row (one for RMSNorm) for backward, in one allocation
@@ -361,6 +369,8 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
         return y, h, stats
     plan = forward_plan(M, D, device, x.element_size(), is_rms, h is not None,
                         weight is not None, bias is not None, (stride_x | stride_r) & 15)[0]
+    if round_xhat:
+        plan = rounding(plan)
     w = x if weight is None else weight  # placeholders: never read when absent
     b = x if bias is None else bias
     args = (x, r, hy, y, w, b, stats, stride_x, stride_r, M, D, eps)
@@ -372,6 +382,6 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool):
     if not plan.measured:   # a GPU, the rows kernel's first launch: size its grid by what it needs
         from normbook.kernels._config import measure
         if measure(kernel, plan, args, device):
-            return norm_forward(x, residual, weight, bias, eps, is_rms)   # the measured plan
+            return norm_forward(x, residual, weight, bias, eps, is_rms, round_xhat)   # measured
     launch(kernel, plan.grid, args, plan.flags, key, device)
     return y, h, stats
