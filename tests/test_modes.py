@@ -221,6 +221,8 @@ def test_round_xhat_fused_differentiates_twice_and_leaves_the_rest_composed(kern
     with normbook.backend("kernels"):
         y = normbook.rms_norm(x, D, w, EPS, round_xhat=True)
         assert type(y.grad_fn).__name__ == "_RoundXhatBackward"
+        module = normbook.RMSNorm(D, eps=EPS, round_xhat=True, dtype=torch.bfloat16)
+        assert type(module(x).grad_fn).__name__ == "_RoundXhatBackward"   # a Parameter weight
         # create_graph: the composition's backward, which autograd differentiates again
         gx, gw = torch.autograd.grad(y, (x, w), dy, create_graph=True)
         y2 = w * normbook.rms_norm(x, D, None, EPS)

@@ -890,6 +890,9 @@ def _rms_modes(input, normalized_shape, weight, eps, offset, round_xhat):
     return rms_norm(input, normalized_shape, weight, eps)
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)   # a module's weight is a Parameter
+
+
 def _rounds_fused(input, normalized_shape, weight, eps) -> bool:
     """Whether ``rms_norm(..., round_xhat=True)`` of a half input takes :class:`_RoundXhat`:
     the kernels' eager case, a plain tensor whose rows (D of at most ``_FUSED_D`` values, the
@@ -897,7 +900,7 @@ def _rounds_fused(input, normalized_shape, weight, eps) -> bool:
     eps a number that is not NaN (or None), and no tracer, transform, autocast or forward-mode
     AD; anything else (and every refusal) takes the composition."""
     D = input.shape[-1] if input.dim() else 0
-    return (type(input) is Tensor and type(weight) is Tensor and weight.dtype == input.dtype
+    return (type(input) is Tensor and type(weight) in _PLAIN and weight.dtype == input.dtype
             and 0 < D <= _FUSED_D and normalized_shape in (D, (D,), [D])
             and weight.shape == (D,) and weight.device == input.device
             and (eps is None or (type(eps) is float and eps == eps))
