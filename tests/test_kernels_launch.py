@@ -47,17 +47,20 @@ def cases():
         r = torch.randn(M, D, generator=g).bfloat16() if residual else None
         w = torch.randn(D, generator=g)
         b = None if is_rms else torch.randn(D, generator=g).bfloat16()
-        yield f"{M}x{D} rms={is_rms} residual={residual}", x, r, w, b, is_rms
+        yield f"{M}x{D} rms={is_rms} residual={residual}", x, r, w, b, is_rms, False
+    # round_xhat: a constexpr the plan sets and the other plans leave to its default
+    x = torch.randn(3, 760, generator=g).bfloat16()
+    yield "3x760 rms round_xhat", x, None, torch.randn(760, generator=g).bfloat16(), None, True, True
     base = torch.randn(2 * 64 + 1).bfloat16()
-    yield "misaligned", base[1:].view(2, 64), None, None, None, False
+    yield "misaligned", base[1:].view(2, 64), None, None, None, False, False
 
 record = []
 with _launch.stub_driver(record):
-    for name, x, r, w, b, is_rms in cases():
+    for name, x, r, w, b, is_rms, rx in cases():
         def both():
-            y, h, stats = _forward.norm_forward(x, r, w, b, 1e-5, is_rms)
+            y, h, stats = _forward.norm_forward(x, r, w, b, 1e-5, is_rms, rx)
             _backward.norm_backward(torch.ones_like(y), None if r is None else y, x if h is None else h,
-                                    w, stats, None if b is None else b.dtype, is_rms)
+                                    w, stats, None if b is None else b.dtype, is_rms, rx)
         _launch._DIRECT = False
         jit = [calls(record, both) for _ in range(2)]
         _launch._DIRECT = True

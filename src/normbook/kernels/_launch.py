@@ -115,8 +115,11 @@ def launch(kernel, grid: tuple, args: tuple, flags: dict, key: Optional[tuple] =
         return
     compiled = kernel[grid](*args, **flags)
     try:
+        # the constexprs after the arguments, in order: a flag the plan leaves out takes the
+        # kernel's default (ROUND_XHAT)
         kept = (compiled.run, compiled.function, compiled.packed_metadata,
-                tuple(flags[name] for name in kernel.arg_names[len(args):]))
+                tuple(flags[p.name] if p.name in flags else p.default
+                      for p in kernel.params[len(args):]))
     except AttributeError:      # None (a compile hook took it) or not a compiled kernel
         return
     if len(_compiled) >= MAX_KEPT:   # (many distinct M: start again rather than grow)
