@@ -174,3 +174,28 @@ def test_chapter_9_keeps_to_its_length():
     text = (ROOT / "book" / "09-kernels.md").read_text()
     assert prose_words(text) <= 4500 and shown_code_lines(text) <= 350, (
         prose_words(text), shown_code_lines(text))
+
+
+# The widest line that fits the code column everywhere (a listing in a dropdown has the least
+# room: a 75-character line there scrolled in the browser check).
+LISTING_COLUMNS = 74
+
+
+def test_listings_fit_their_column():
+    """A function the book shows with ``literalinclude`` fits the page's code column, so an edit
+    to the package's source cannot widen a chapter past it unnoticed until the browser check (a
+    75-character comment in ``norm_fwd_rows_kernel`` did; the pages then scroll sideways)."""
+    include = re.compile(r"```\{literalinclude\} (\S+)\n(?:[ \t]*:\w+:[^\n]*\n)*?[ \t]*:pyobject: ([\w.]+)")
+    wide = []
+    for page in sorted((ROOT / "book").glob("*.md")):
+        for rel, name in include.findall(page.read_text()):
+            path = (page.parent / rel).resolve()
+            source = path.read_text()
+            node = ast.parse(source)
+            for part in name.split("."):        # a method: Class.method
+                node = next(n for n in ast.walk(node)
+                            if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part)
+            lines = source.splitlines()[node.lineno - 1:node.end_lineno]
+            wide += [f"{page.name}: {path.name}:{name}: {line.strip()[:50]!r} ({len(line)})"
+                     for line in lines if len(line) > LISTING_COLUMNS]
+    assert not wide, "listings wider than the code column:\n  " + "\n  ".join(wide)

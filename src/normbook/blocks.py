@@ -203,21 +203,21 @@ def train(model: ResidualStack, teacher: nn.Module, *,
     """Train ``model`` on fresh teacher batches with Adam.
 
     Return the loss at every step. The learning rate rises linearly from
-    lr / warmup to lr over the first ``warmup`` steps (linear warmup), then
-    stays at lr; ``warmup=0`` uses lr from the first step.
+    lr / warmup to lr over the first ``warmup`` steps (linear warmup),
+    then stays at lr; ``warmup=0`` uses lr from the first step.
 
     Args:
         model: a :class:`ResidualStack`, trained in place. teacher: the
             target map, fixed.
-        steps: number of Adam steps. lr: peak learning rate. warmup: warmup
-            length in steps.
+        steps: number of Adam steps. lr: peak learning rate. warmup:
+            warmup length in steps.
         batch: tokens per step. seed: seeds the data stream (the model is
             initialised by the caller).
 
     Returns:
-        A float64 tensor of shape (steps,), the training loss (MSE) of each
-        step's batch before that step's update. A non-finite loss stops
-        training; the remaining entries are nan.
+        A float64 tensor of shape (steps,), the training loss (MSE) of
+        each step's batch before that step's update. A non-finite loss
+        stops training; the remaining entries are nan.
     """
     d_in = model.embed.in_features
     g = torch.Generator().manual_seed(seed)

@@ -68,7 +68,7 @@ def scale_identity_residual(
     x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor | None,
     eps: float,
 ) -> torch.Tensor:
-    """Equation (ln-eps-residual): the exact sum_d xhat_d dx_d when eps > 0.
+    """Equation (ln-eps-residual): the exact sum_d xhat_d dx_d, eps > 0.
 
     With c2 = mean_d(ghat * xhat) and rstd = 1 / sqrt(var + eps),
     sum_d xhat_d dx_d = D * c2 * eps * rstd^3,

@@ -43,8 +43,8 @@ def rms_norm(
     bias.
 
     Args:
-        x: (..., D) array. weight: (D,) array. eps: added inside the square
-            root.
+        x: (..., D) array. weight: (D,) array. eps: added inside the
+            square root.
 
     Returns:
         (..., D) array.

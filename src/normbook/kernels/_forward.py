@@ -158,8 +158,9 @@ def norm_fwd_rows_kernel(
         # y = weight * xhat + bias (ln-y)
         y = xhat
         if ROUND_XHAT:
-            # Llama's order in half precision: xhat rounded to the output's
-            # dtype, then the weight multiplies (the product rounded below)
+            # Llama's order in half precision: xhat rounded to the
+            # output's dtype, then the weight multiplies (the product
+            # rounded below)
             y = y.to(Y.dtype.element_ty).to(tl.float32)
         if HAS_WEIGHT:
             if HOLD:
