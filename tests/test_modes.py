@@ -160,9 +160,9 @@ def test_upcast_module_repr_checks_trace_and_float32():
     m = normbook.LayerNorm(D, bias=False, upcast=True)
     # (torch 2.11's repr omits bias=, 2.13's has it)
     assert repr(m).endswith(", upcast=True)") and "upcast" not in repr(normbook.LayerNorm(D))
-    with pytest.raises(TypeError, match="upcast: expected a bool, got 1"):
+    with pytest.raises(TypeError, match="upcast: expected True, False or 'ops', got 1"):
         normbook.LayerNorm(D, upcast=1)
-    with pytest.raises(TypeError, match="upcast: expected a bool, got 'yes'"):
+    with pytest.raises(TypeError, match="upcast: expected True, False or 'ops', got 'yes'"):
         normbook.layer_norm(torch.randn(2, D), D, upcast="yes")
     with pytest.raises(TypeError, match="upcast"):
         torch.jit.script(m)
@@ -175,6 +175,61 @@ def test_upcast_module_repr_checks_trace_and_float32():
     assert torch.equal(traced(xb), m(xb))
     compiled = torch.compile(m.bfloat16(), fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(xb), m(xb))
+
+
+def _ops_formula(x, w, b):
+    """Cohere's LayerNorm, as its forward writes it: float32 torch ops, rounded once."""
+    h = x.float()
+    mean = h.mean(-1, keepdim=True)
+    var = (h - mean).pow(2).mean(-1, keepdim=True)
+    y = (h - mean) * torch.rsqrt(var + EPS)
+    y = y if w is None else w.float() * y
+    return (y if b is None else y + b.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_upcast_ops_is_the_equations_in_torch_ops(dtype):
+    """``upcast="ops"``: forward and gradients bit for bit those of the written-out ops, also
+    in float32 and without autograd recording (where the plain call takes torch's fused
+    kernel); and the fused kernel differs, so the mode does something in every dtype."""
+    differs = False
+    for M, width in UPCAST_SHAPES:
+        for affine in (True, False):
+            x, w, b, dy = _upcast_inputs(dtype, M, width)
+            if not affine:
+                w = b = None
+            params = [t for t in (x, w, b) if t is not None]
+            want = _ops_formula(x, w, b)
+            got = normbook.layer_norm(x, width, w, b, EPS, upcast="ops")
+            assert got.dtype == dtype and torch.equal(got, want), (M, width, affine)
+            for g, g_want in zip(torch.autograd.grad(got, params, dy),
+                                 torch.autograd.grad(want, params, dy)):
+                assert torch.equal(g, g_want), (M, width, affine)
+            with torch.no_grad():
+                assert torch.equal(normbook.layer_norm(x, width, w, b, EPS, upcast="ops"), want)
+                differs |= not torch.equal(normbook.layer_norm(x, width, w, b, EPS,
+                                                               upcast=True), want)
+    assert differs
+
+
+def test_upcast_ops_module_checks_trace_and_kernels(kernels):
+    """The module's repr and fx node carry the mode; bad input keeps its named errors; on the
+    kernels it is the plain call, as upcast=True is."""
+    m = normbook.LayerNorm(D, bias=False, upcast="ops")
+    assert repr(m).endswith(", upcast='ops')")
+    x = torch.randn(3, D).bfloat16()
+    assert torch.equal(m.bfloat16()(x), _ops_formula(x, m.weight, None))
+    traced = torch.fx.symbolic_trace(torch.nn.Sequential(m))
+    (node,) = [n for n in traced.graph.nodes if n.op == "call_function"]
+    assert node.kwargs == dict(upcast="ops") and torch.equal(traced(x), m(x))
+    with pytest.raises(ValueError, match="normalized_shape"):
+        normbook.layer_norm(x, D + 1, upcast="ops")
+    with pytest.raises(TypeError, match="eps"):
+        normbook.layer_norm(x, D, eps="1e-5", upcast="ops")
+    xk, w, b, dy = _upcast_inputs(torch.bfloat16, 6, 40)
+    with normbook.backend("kernels"):
+        assert torch.equal(normbook.layer_norm(xk, 40, w, b, EPS, upcast="ops"),
+                           normbook.layer_norm(xk, 40, w, b, EPS))
 
 
 # -- round_xhat fused on the kernels ------------------------------------------------------------

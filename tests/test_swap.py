@@ -443,12 +443,13 @@ def test_cohere_and_olmo_layernorms_are_swapped_and_per_head_norms_left():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_olmo_is_swapped_exactly_and_cohere_left_under_strict(dtype):
+def test_half_olmo_and_cohere_are_swapped_exactly(dtype):
     """OLMo's LayerNorm is torch's float32 LayerNorm of a float32 copy: normbook's with
-    ``upcast``, swapped under strict in half precision, the logits bitwise the unswapped
+    ``upcast=True``, swapped under strict in half precision, the logits bitwise the unswapped
     model's (hidden 256: a width where torch's kernel for half rows would round some values
-    differently), the gradients within a unit of rounding. Cohere's writes its formula in torch
-    ops: left under strict with the reason, swapped without it."""
+    differently), the gradients within a unit of rounding. Cohere's writes its equations in
+    torch ops: normbook's with ``upcast="ops"``, swapped under strict, logits and gradients
+    bitwise (the same ops, so autograd's same chain), with and without autograd recording."""
     ref = transformers.OlmoForCausalLM(transformers.OlmoConfig(
         hidden_size=256, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=100, eos_token_id=0, pad_token_id=0,
@@ -466,10 +467,22 @@ def test_half_olmo_is_swapped_exactly_and_cohere_left_under_strict(dtype):
     assert all(isinstance(m, normbook.LayerNorm) and m._upcast for m in patched.modules()
                if type(m).__name__ == "OlmoLayerNorm")
     assert torch.equal(patched(ids).logits, want)
-    cohere = transformers.CohereForCausalLM(transformers.CohereConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+    ref = transformers.CohereForCausalLM(transformers.CohereConfig(
+        hidden_size=256, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=100, eos_token_id=0, pad_token_id=0,
         bos_token_id=0)).to(dtype)
-    with pytest.warns(UserWarning, match=rf"CohereLayerNorm as it is: in {dtype}"):
-        assert normbook.swap_norms(cohere) == 0
-    assert normbook.swap_norms(cohere, strict=False) == 2
+    with torch.no_grad():                     # weights that are not all 1
+        for m in ref.modules():
+            if type(m).__name__ == "CohereLayerNorm":
+                m.weight.normal_(1.0, 0.5)
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert normbook.swap_norms(model) == 3
+    assert all(m._upcast == "ops" for m in norm_modules(model, normbook.LayerNorm))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    _same_logits_close_grads(model, ref, ids, 0.0)
+    for norm, ref_norm in zip(norm_modules(model, normbook.LayerNorm),
+                              [m for m in ref.modules() if type(m).__name__ == "CohereLayerNorm"]):
+        assert torch.equal(norm.weight.grad, ref_norm.weight.grad)

@@ -758,7 +758,7 @@ def _rms_eps(input, eps):
 
 def layer_norm(input: Tensor, normalized_shape: int | Sequence[int],
                weight: Tensor | None = None, bias: Tensor | None = None,
-               eps: float | Tensor = 1e-5, *, upcast: bool = False) -> Tensor:
+               eps: float | Tensor = 1e-5, *, upcast: bool | str = False) -> Tensor:
     """LayerNorm over the trailing ``normalized_shape`` dims, as ``torch.nn.functional.layer_norm``.
 
     Implements equations (ln-mean) to (ln-y) of the chapter "One token's vector":
@@ -774,15 +774,22 @@ def layer_norm(input: Tensor, normalized_shape: int | Sequence[int],
         weight: optional ``(*normalized_shape)`` scale gamma.
         bias: optional ``(*normalized_shape)`` shift beta.
         eps: a number or a 0-d tensor, added to the variance inside the square root.
-        upcast: keyword only, not torch's. Compute as ``torch.nn.functional.layer_norm(
-            input.float(), ...).to(input.dtype)`` does, the parameters taken in float32: the
-            LayerNorm of Hugging Face's OLMo and of OpenAI's CLIP and Whisper, which run torch's
-            float32 kernel on a float32 copy of half rows. Without it, half rows go to torch's
-            kernel as they are (as ``torch.nn.LayerNorm`` in bf16 does): the same formula, in
-            float32 too, but summed in another order, so that a few values in 10^5 differ
-            by a unit in the last place (measured on the CPU, torch 2.13). A no-op for float32
-            and float64 inputs, and on the kernels, which read half rows and compute in
-            float32 whichever way (under autocast too the result keeps the input's dtype).
+        upcast: keyword only, not torch's. ``True``: compute as
+            ``torch.nn.functional.layer_norm(input.float(), ...).to(input.dtype)`` does, the
+            parameters taken in float32: the LayerNorm of Hugging Face's OLMo and of OpenAI's
+            CLIP and Whisper, which run torch's float32 kernel on a float32 copy of half rows.
+            Without it, half rows go to torch's kernel as they are (as ``torch.nn.LayerNorm``
+            in bf16 does): the same formula, in float32 too, but summed in another order, so
+            that a few values in 10^5 differ by a unit in the last place (measured on the CPU,
+            torch 2.13). A no-op for float32 and float64 inputs. ``"ops"``: the equations
+            written out in torch ops over a float32 copy (float64 stays float64), each its own
+            op in this order: mean, ``(x - mean).pow(2).mean()``, ``(x - mean) * rsqrt(var +
+            eps)``, ``weight * xhat``, ``+ bias``, one rounding to the input's dtype; the
+            gradients are autograd's through those ops. That is Cohere's LayerNorm; torch's
+            fused kernel sums in another order, so its float32 values differ from these in
+            about a third of the places by a unit (measured on the CPU, torch 2.13), float32
+            inputs included. Both are no-ops on the kernels, which read half rows and compute
+            in float32 whichever way (under autocast too the result keeps the input's dtype).
 
     Returns:
         Tensor of input's shape and dtype, computed by the backend :func:`backend` chooses
@@ -800,7 +807,7 @@ def layer_norm(input: Tensor, normalized_shape: int | Sequence[int],
     """
     if type(input) is not Tensor:
         if isinstance(input, _Proxy):     # torch.fx.symbolic_trace
-            modes = {"upcast": upcast} if upcast else {}
+            modes = {"upcast": upcast} if upcast is not False else {}
             return _fx_node(layer_norm, input, normalized_shape, weight, bias, eps, **modes)
         if isinstance(input, Tensor) and input.is_nested and not upcast:
             return _nested(layer_norm, input, normalized_shape, weight, bias, eps)
@@ -813,15 +820,36 @@ def _ln_upcast(input, normalized_shape, weight, bias, eps, upcast):
     """:func:`layer_norm` with ``upcast``: half rows on the torch backend, or under autocast,
     as ``layer_norm(input.float(), weight.float(), bias.float()).to(input.dtype)``, composed
     through autograd (so its gradients are those of the same operations); everything else the
-    plain call, which computes the same operations in float32 without the copy."""
-    if type(upcast) is not bool:
-        raise TypeError(f"upcast: expected a bool, got {upcast!r}")
-    if (isinstance(input, Tensor) and input.dtype in _HALF
-            and (not _use_kernels(input) or _any_autocast())):
+    plain call, which computes the same operations in float32 without the copy. ``"ops"``:
+    :func:`_ln_ops` where the torch backend computes (every floating dtype), else the same
+    plain call."""
+    if not (type(upcast) is bool or (type(upcast) is str and upcast == "ops")):
+        raise TypeError(f"upcast: expected True, False or 'ops', got {upcast!r}")
+    on_torch = isinstance(input, Tensor) and (not _use_kernels(input) or _any_autocast())
+    if upcast == "ops" and on_torch:
+        return _ln_ops(input, normalized_shape, weight, bias, eps)
+    if on_torch and input.dtype in _HALF:
         weight, bias = (_fp32(p) if isinstance(p, Tensor) else p for p in (weight, bias))
         y = layer_norm(input.float(), normalized_shape, weight, bias, eps)
         return y.to(input.dtype)
     return layer_norm(input, normalized_shape, weight, bias, eps)
+
+
+def _ln_ops(input, normalized_shape, weight, bias, eps):
+    """``layer_norm(..., upcast="ops")`` on the torch backend: (ln-mean) to (ln-y) as separate
+    torch ops over a float32 copy (float64 as it is), recorded by autograd, rounded once."""
+    params = {"weight": weight, "bias": bias}
+    shape = _validate.check_norm_args(input, normalized_shape, params, eps)
+    dims = tuple(range(-len(shape), 0))
+    h = input if input.dtype in (torch.float32, torch.float64) else input.float()
+    mean = h.mean(dims, keepdim=True)                                    # (ln-mean)
+    var = (h - mean).pow(2).mean(dims, keepdim=True)                     # (ln-var)
+    y = (h - mean) * torch.rsqrt(var + eps)                              # (ln-rstd), (ln-xhat)
+    if weight is not None:
+        y = weight.to(h.dtype) * y                                       # (ln-y)
+    if bias is not None:
+        y = y + bias.to(h.dtype)
+    return y.to(input.dtype)
 
 
 def rms_norm(input: Tensor, normalized_shape: int | Sequence[int],

@@ -31,28 +31,30 @@ class LayerNorm(torch.nn.LayerNorm):
     """LayerNorm module, equations (ln-mean) to (ln-y); see :func:`normbook.layer_norm`.
 
     Args (as ``torch.nn.LayerNorm``): normalized_shape, eps=1e-5, elementwise_affine=True,
-    bias=True, device=None, dtype=None; and, keyword only, normbook's ``upcast`` (half rows
-    normalized as a float32 copy, as OLMo's, CLIP's and Whisper's LayerNorms do), as
-    :func:`normbook.layer_norm` takes it.
+    bias=True, device=None, dtype=None; and, keyword only, normbook's ``upcast``: True (half
+    rows normalized as a float32 copy by torch's kernel, as OLMo's, CLIP's and Whisper's
+    LayerNorms do) or ``"ops"`` (the equations as separate torch ops over a float32 copy, as
+    Cohere's does), as :func:`normbook.layer_norm` takes it.
 
     Shape: input ``(*, *normalized_shape)`` -> output of the same shape.
     """
 
     # (a class attribute, so that a torch.nn.LayerNorm whose class a swap changed has it too;
-    # no annotation: TorchScript reads the class's annotations)
-    _upcast = False
+    # a type comment, not an annotation: TorchScript reads the class's annotations)
+    _upcast = False  # type: Union[bool, str]
 
     def __init__(self, normalized_shape: Union[int, list[int], torch.Size], eps: float = 1e-5,
                  elementwise_affine: bool = True, bias: bool = True, device: Any = None,
-                 dtype: Optional[torch.dtype] = None, *, upcast: bool = False) -> None:
+                 dtype: Optional[torch.dtype] = None, *,
+                 upcast: Union[bool, str] = False) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
-        if type(upcast) is not bool:
-            raise TypeError(f"upcast: expected a bool, got {upcast!r}")
-        if upcast:
-            self._upcast = True
+        if not (type(upcast) is bool or (type(upcast) is str and upcast == "ops")):
+            raise TypeError(f"upcast: expected True, False or 'ops', got {upcast!r}")
+        if upcast is not False:
+            self._upcast = upcast
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + (", upcast=True" if self._upcast else "")
+        return super().extra_repr() + (f", upcast={self._upcast!r}" if self._upcast else "")
 
     def __prepare_scriptable__(self):
         if self._upcast:
@@ -70,7 +72,8 @@ class LayerNorm(torch.nn.LayerNorm):
             weight, bias = self.weight, self.bias
         eps = self.eps
         if self._upcast:
-            return layer_norm(input, self.normalized_shape, weight, bias, eps, upcast=True)
+            return layer_norm(input, self.normalized_shape, weight, bias, eps,
+                              upcast=self._upcast)
         if type(input) is not Tensor:   # a subclass (nested, DTensor): the public door
             return layer_norm(input, self.normalized_shape, weight, bias, eps)
         return _norm(input, self.normalized_shape, weight, bias,

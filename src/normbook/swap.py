@@ -22,10 +22,9 @@ How each maps (equations (ln-y) and (rms-y) of the chapter "One token's vector")
   model's ``weight``.
 - Cohere's and OLMo's ``*LayerNorm``: (ln-y) of a float32 copy of the rows, without bias
   (OLMo's without any parameter, eps 1e-5), rounded once: a ``normbook.LayerNorm(...,
-  bias=False, upcast=True)``. OLMo's runs torch's float32 kernel, as ``upcast`` does: bit for
-  bit in every dtype. Cohere's writes the formula in torch ops, whose sums round differently
-  from that kernel's on some half inputs: bit for bit in float32, to rounding in bf16 and
-  fp16 (swapped there with ``strict=False``).
+  bias=False, upcast=...)``. OLMo's runs torch's float32 kernel, as ``upcast=True`` does;
+  Cohere's writes the equations out in torch ops, whose sums round differently from that
+  kernel's, as ``upcast="ops"`` does. Both bit for bit in float32, bfloat16 and float16.
 
 A norm that is left alone (not reproducible, or not exact in its dtype under ``strict``) gives
 one ``UserWarning`` per class that names it. Classes are matched by module path and name,
@@ -62,8 +61,9 @@ class HFNorm:
         offset: the replacement's ``offset`` (gamma = offset + weight in float32: Gemma's 1).
         round_xhat: the replacement's ``round_xhat`` (xhat rounded to the input's dtype before
             the weight multiplies: Llama's order in bf16 and fp16).
-        upcast: a LayerNorm replacement's ``upcast`` (half rows normalized as a float32 copy,
-            by torch's float32 kernel: OLMo's).
+        upcast: a LayerNorm replacement's ``upcast``: True, half rows normalized as a float32
+            copy by torch's float32 kernel (OLMo's); "ops", by the equations in torch ops
+            (Cohere's).
     """
 
     module: str
@@ -74,7 +74,7 @@ class HFNorm:
     note: str = ""
     offset: float = 0.0
     round_xhat: bool = False
-    upcast: bool = False
+    upcast: Union[bool, str] = False
     kind: str = "rms"        # "layer": a LayerNorm without bias, normbook.LayerNorm(bias=False)
 
 
@@ -98,7 +98,7 @@ def _hf(package: str, name: str, note: str = _LLAMA, **kw) -> HFNorm:
 #: Qwen3-MoE, Phi-3, Granite, GraniteMoe, DeepSeek-V3, GLM-4, SmolLM3; ``round_xhat``), T5's
 #: (the same order where input and weight share a dtype), OLMo-2's (one rounding, normbook's
 #: own), and Gemma, Gemma 2, Gemma 3 and Qwen3-Next (y = xhat * (1 + weight); ``offset`` 1);
-#: and two LayerNorms without bias: OLMo's (``upcast``) and Cohere's, exact in float32 only
+#: and two LayerNorms without bias: OLMo's (``upcast=True``) and Cohere's (``upcast="ops"``)
 #: (a per-head QK-norm of Cohere's, whose weight has two dims, is left).
 #: Checked against transformers 5.24: tests/test_swap.py resolves every entry and compares each
 #: class with its replacement in each dtype. Models built on ``torch.nn.LayerNorm`` (GPT-2)
@@ -119,17 +119,14 @@ HF_NORMS: tuple[HFNorm, ...] = (
         note="weight * (x * rsqrt(mean(x^2) + variance_epsilon)), xhat rounded to a bf16/fp16 "
              "weight's dtype first: (rms-y) with gamma = weight (T5's LayerNorm has no mean), "
              "round_xhat for inputs in the weight's dtype"),
-    # LayerNorms without bias: Cohere's, (h - mean) * rsqrt(var + eps) * weight in float32,
-    # rounded once; OLMo's, F.layer_norm of h in float32 without parameters, eps 1e-5, rounded
-    # once. OLMo's is normbook's with upcast, bit for bit in every dtype. Cohere's is bit for
-    # bit in float32; in bf16 and fp16 its formula, summed in torch ops over a float32 copy,
-    # and torch's float32 kernel (normbook's, upcast or not) differ in a few values in 10^5 by
-    # a unit in the last place (swapped with strict=False)
-    _hf("cohere", "CohereLayerNorm", kind="layer", upcast=True,
-        note="weight * ((h - mean) * rsqrt(var + variance_epsilon)), h = x.to(float32), rounded "
-             "once: (ln-y) with gamma = weight and no bias, upcast; in bf16 and fp16 its "
-             "torch-op sums round differently from torch's float32 kernel in a few values in "
-             "10^5 (a unit in the last place), so it is swapped there only with strict=False"),
+    # LayerNorms without bias: Cohere's, (h - mean) * rsqrt(var + eps) * weight in float32
+    # torch ops, rounded once (upcast="ops": torch's fused float32 kernel sums in another order
+    # and differs in about a third of the float32 values by a unit); OLMo's, F.layer_norm of h
+    # in float32 without parameters, eps 1e-5, rounded once (upcast=True)
+    _hf("cohere", "CohereLayerNorm", kind="layer", upcast="ops", exact=_HALVES,
+        note="weight * ((h - mean) * rsqrt(var + variance_epsilon)), h = x.to(float32), "
+             "var = (h - mean).pow(2).mean(), rounded once: (ln-y) with gamma = weight and no "
+             "bias, in those torch ops (upcast='ops')"),
     _hf("olmo", "OlmoLayerNorm", kind="layer", weight=None, eps=1e-5, upcast=True,
         exact=_HALVES,
         note="F.layer_norm(x.to(float32), eps=1e-5) rounded once: (ln-y) without parameters, "
@@ -373,9 +370,9 @@ def patch_hf(families: Optional[Union[str, Iterable[str]]] = None, *,
     Each patched norm computes (rms-y) or (ln-y) by normbook, with the entry's ``offset``,
     ``round_xhat`` or ``upcast``, where that is the class's forward op for op
     (:func:`normbook.swap_norms`'s rule: the weight's dtype in the entry's ``exact``, float32,
-    bfloat16 and float16 for every entry but Cohere's, float32 alone there, or every dtype
-    with ``strict=False``) and by the original class's forward
-    elsewhere (float64, or Cohere's in half, with ``strict``), so the model's outputs are Hugging Face's either way.
+    bfloat16 and float16 for every entry, or every dtype with ``strict=False``) and by the
+    original class's forward elsewhere (float64, with ``strict``), so the model's outputs are
+    Hugging Face's either way.
     An entry without an exact dtype would be left, and named in the result's ``left``.
 
     Returns:
