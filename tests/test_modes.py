@@ -114,6 +114,17 @@ def _upcast_inputs(dtype, M, width, bias=True):
     return x, w, b, dy
 
 
+def _upcast_cases(dtype):
+    """(width, x, w, b, dy, the tensors to differentiate) per shape, with and without
+    parameters."""
+    for M, width in UPCAST_SHAPES:
+        for affine in (True, False):
+            x, w, b, dy = _upcast_inputs(dtype, M, width)
+            if not affine:
+                w = b = None
+            yield width, x, w, b, dy, [t for t in (x, w, b) if t is not None]
+
+
 def _upcast_formula(x, w, b):
     F = torch.nn.functional
     return F.layer_norm(x.float(), x.shape[-1:], None if w is None else w.float(),
@@ -126,22 +137,17 @@ def test_upcast_is_the_layer_norm_of_a_float32_copy(dtype):
     autograd's of the written-out form, with and without parameters; and the plain call is
     not bit for bit on some of these shapes, so the mode does something."""
     differs = False
-    for M, width in UPCAST_SHAPES:
-        for affine in (True, False):
-            x, w, b, dy = _upcast_inputs(dtype, M, width)
-            if not affine:
-                w = b = None
-            params = [t for t in (x, w, b) if t is not None]
-            want = _upcast_formula(x, w, b)
-            got = normbook.layer_norm(x, width, w, b, EPS, upcast=True)
-            assert got.dtype == dtype and torch.equal(got, want), (M, width, affine)
-            for g, g_want in zip(torch.autograd.grad(got, params, dy),
-                                 torch.autograd.grad(want, params, dy)):
-                # (ln-dx) in normbook's order against torch's backward kernel: a few values
-                # a unit apart, as for the RMSNorm modes above
-                torch.testing.assert_close(g, g_want, rtol=0,
-                                           atol=2 * torch.finfo(dtype).eps * g_want.abs().max())
-            differs |= not torch.equal(normbook.layer_norm(x, width, w, b, EPS), want)
+    for width, x, w, b, dy, params in _upcast_cases(dtype):
+        want = _upcast_formula(x, w, b)
+        got = normbook.layer_norm(x, width, w, b, EPS, upcast=True)
+        assert got.dtype == dtype and torch.equal(got, want), (x.shape, w is None)
+        for g, g_want in zip(torch.autograd.grad(got, params, dy),
+                             torch.autograd.grad(want, params, dy)):
+            # (ln-dx) in normbook's order against torch's backward kernel: a few values a
+            # unit apart, as for the RMSNorm modes above
+            torch.testing.assert_close(g, g_want, rtol=0,
+                                       atol=2 * torch.finfo(dtype).eps * g_want.abs().max())
+        differs |= not torch.equal(normbook.layer_norm(x, width, w, b, EPS), want)
     assert differs
 
 
@@ -193,22 +199,17 @@ def test_upcast_ops_is_the_equations_in_torch_ops(dtype):
     in float32 and without autograd recording (where the plain call takes torch's fused
     kernel); and the fused kernel differs, so the mode does something in every dtype."""
     differs = False
-    for M, width in UPCAST_SHAPES:
-        for affine in (True, False):
-            x, w, b, dy = _upcast_inputs(dtype, M, width)
-            if not affine:
-                w = b = None
-            params = [t for t in (x, w, b) if t is not None]
-            want = _ops_formula(x, w, b)
-            got = normbook.layer_norm(x, width, w, b, EPS, upcast="ops")
-            assert got.dtype == dtype and torch.equal(got, want), (M, width, affine)
-            for g, g_want in zip(torch.autograd.grad(got, params, dy),
-                                 torch.autograd.grad(want, params, dy)):
-                assert torch.equal(g, g_want), (M, width, affine)
-            with torch.no_grad():
-                assert torch.equal(normbook.layer_norm(x, width, w, b, EPS, upcast="ops"), want)
-                differs |= not torch.equal(normbook.layer_norm(x, width, w, b, EPS,
-                                                               upcast=True), want)
+    for width, x, w, b, dy, params in _upcast_cases(dtype):
+        want = _ops_formula(x, w, b)
+        got = normbook.layer_norm(x, width, w, b, EPS, upcast="ops")
+        assert got.dtype == dtype and torch.equal(got, want), (x.shape, w is None)
+        for g, g_want in zip(torch.autograd.grad(got, params, dy),
+                             torch.autograd.grad(want, params, dy)):
+            assert torch.equal(g, g_want), (x.shape, w is None)
+        with torch.no_grad():
+            assert torch.equal(normbook.layer_norm(x, width, w, b, EPS, upcast="ops"), want)
+            differs |= not torch.equal(normbook.layer_norm(x, width, w, b, EPS, upcast=True),
+                                       want)
     assert differs
 
 
