@@ -110,6 +110,12 @@ def check_eps(eps) -> None:
         raise ValueError(f"eps: expected a real number other than NaN, got {eps!r}")
 
 
+def check_upcast(upcast) -> None:
+    """LayerNorm's ``upcast``: True, False or "ops", else a TypeError that names it."""
+    if not (type(upcast) is bool or (type(upcast) is str and upcast == "ops")):
+        raise TypeError(f"upcast: expected True, False or 'ops', got {upcast!r}")
+
+
 def check_modes(offset, round_xhat) -> float:
     """RMSNorm's ``offset`` (a real number, not a bool) and ``round_xhat`` (a bool), each a
     TypeError naming it otherwise; returns the offset as a float."""

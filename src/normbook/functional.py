@@ -823,8 +823,7 @@ def _ln_upcast(input, normalized_shape, weight, bias, eps, upcast):
     plain call, which computes the same operations in float32 without the copy. ``"ops"``:
     :func:`_ln_ops` where the torch backend computes (every floating dtype), else the same
     plain call."""
-    if not (type(upcast) is bool or (type(upcast) is str and upcast == "ops")):
-        raise TypeError(f"upcast: expected True, False or 'ops', got {upcast!r}")
+    _validate.check_upcast(upcast)
     on_torch = isinstance(input, Tensor) and (not _use_kernels(input) or _any_autocast())
     if upcast == "ops" and on_torch:
         return _ln_ops(input, normalized_shape, weight, bias, eps)

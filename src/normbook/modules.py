@@ -48,8 +48,7 @@ class LayerNorm(torch.nn.LayerNorm):
                  dtype: Optional[torch.dtype] = None, *,
                  upcast: Union[bool, str] = False) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
-        if not (type(upcast) is bool or (type(upcast) is str and upcast == "ops")):
-            raise TypeError(f"upcast: expected True, False or 'ops', got {upcast!r}")
+        _validate.check_upcast(upcast)
         if upcast is not False:
             self._upcast = upcast
 
