@@ -411,6 +411,11 @@ def _clear_plans():
         cached.cache_clear()
 
 
+def _stream_driver(stream):
+    """Stands in for Triton's driver module where the launcher reads the current stream."""
+    return SimpleNamespace(active=SimpleNamespace(get_current_stream=lambda device: stream))
+
+
 @pytest.fixture
 def fake_h200(monkeypatch):
     """CUDA device 0 is an H200 (sm_90, 132 SMs, 64K registers, 228 KB of shared memory and
@@ -423,6 +428,10 @@ def fake_h200(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(_config, "measured_per_sm", {})
     monkeypatch.setattr(_backward, "_cooperation_refused", False)
+    # the sharing backward's slot buffers: device 0's stream 0, nothing captured
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(_backward, "_drivers", _stream_driver(0))
+    monkeypatch.setattr(_backward, "_slot_buffers", {})
     monkeypatch.delenv("NORMBOOK_SHARED_ROWS", raising=False)
     _clear_plans()
     yield
@@ -565,3 +574,74 @@ def test_a_row_of_a_tile_of_its_own_is_a_program_on_a_gpu(norm):
     want = (reference.rms_norm_forward(x, w, 1e-5) if is_rms
             else reference.layer_norm_forward(x, w, b, 1e-5))[0]
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+
+
+def _sharing_plan(groups, slices=4, ring=2, words_per_slice=4):
+    """What the slot buffer reads of a sharing backward's plan."""
+    return SimpleNamespace(grid=(groups * slices,), slices=slices,
+                           constexprs=dict(RING=ring, SLICES=words_per_slice))
+
+
+def test_slot_epochs_never_repeat_on_a_stream(monkeypatch):
+    """The sharing backward's slots are kept per (device, stream), not zeroed per launch: each
+    launch's epoch is past every tag the buffer's earlier launches used (their rows per
+    group), whatever their plans; a plan needing more words gets a new zeroed buffer; another
+    stream or device has its own; tags about to pass TAG_LIMIT zero the buffer, once; a launch
+    being captured into a CUDA graph gets new zeroed slots and epoch 0, leaving the kept ones
+    as they are."""
+    monkeypatch.setattr(_backward, "_slot_buffers", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(_backward, "_drivers", _stream_driver(7))
+    x = torch.empty(0)
+    small, big = _sharing_plan(groups=3), _sharing_plan(groups=5)
+    slots, epoch = _backward._slots(small, 10, x, 0)               # 4 rows per group
+    assert epoch == 0 and slots.numel() == _config.slot_words(small) and not slots.any()
+    slots.fill_(3 << 32)                                           # words of tag 3 left
+    again, epoch = _backward._slots(small, 10, x, 0)
+    assert again is slots and epoch == 4
+    _, epoch = _backward._slots(small, 2, x, 0)                     # 1 row per group
+    assert epoch == 8
+    bigger, epoch = _backward._slots(big, 10, x, 0)
+    assert bigger is not slots and epoch == 0 and not bigger.any()
+    assert _backward._slots(small, 10, x, 0) == (bigger, 2)        # fits in the bigger one
+    other, epoch = _backward._slots(small, 10, x, 1)                # another device
+    assert other is not bigger and epoch == 0
+    monkeypatch.setattr(_backward, "_drivers", _stream_driver(8))  # another stream
+    assert _backward._slots(small, 10, x, 0)[1] == 0
+    monkeypatch.setattr(_backward, "_drivers", _stream_driver(7))
+    # past the last tag: zeroed, and the epochs start again
+    bigger.fill_(1 << 32)
+    _backward._slot_buffers[0, 7][1] = _backward.TAG_LIMIT - 3
+    assert _backward._slots(small, 9, x, 0) == (bigger, _backward.TAG_LIMIT - 3)   # 3 rows
+    assert _backward._slots(small, 1, x, 0) == (bigger, 0) and not bigger.any()
+    # a CUDA graph's capture: slots of its own, zeroed in the graph
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    captured, epoch = _backward._slots(small, 10, x, 0)
+    assert captured is not bigger and epoch == 0 and not captured.any()
+    assert _backward._slot_buffers[0, 7][1] == 1
+
+
+@pytest.mark.slow                  # wide rows in the interpreter
+def test_the_wide_backward_zeroes_no_slots_per_call(monkeypatch):
+    """A wide-row backward after the first runs no zeroing op (its slots are kept with an
+    epoch, not zeroed: no memset launch per call on a GPU) and gives the first call's bits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if DEVICE != "cpu":
+        pytest.skip("the interpreter's launches (a GPU's are seen by the GPU tests)")
+    monkeypatch.setattr(_backward, "_slot_buffers", {})
+    seen = set()
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    D = 20000
+    first = _wide("rms", D, True)
+    assert _backward._slot_buffers, "no slots kept: the test's rows are not shared"
+    with Ops():
+        again = _wide("rms", D, True)
+    assert not seen & {"aten.zero_", "aten.zeros", "aten.fill_", "aten.new_zeros",
+                       "aten.zeros_like"}, sorted(seen)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))

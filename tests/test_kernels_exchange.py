@@ -118,22 +118,27 @@ def test_backward_ring_reused_by_later_rows(monkeypatch):
     _, _, stats = _forward.norm_forward(x, None, w, b, EPS, False)
     want = _backward.norm_backward(dy, None, x, w, stats, b.dtype, False)
     plan = _config.backward_plan(4, D, -1, 4, False, False, True, True, 0, True)[0]
+    # a slot buffer of its own: one group running all 4 rows tags more rows than the plan's
+    # groups do, past the epoch the launcher gives the buffer's next launch
+    monkeypatch.setattr(_backward, "_slot_buffers", {})
     S, block, SLICES = plan.slices, plan.constexprs["BLOCK_D"], plan.constexprs["SLICES"]
     (dx, _, _), seen = _capture(monkeypatch, _backward, lambda: _backward.norm_backward(
         dy, None, x, w, stats, b.dtype, False))
     dx.fill_(float("nan"))                             # what no program writes stays NaN
-    slots = seen["args"][6]                            # the rows in flight, not M x S
+    slots, epoch = seen["args"][6:8]                   # the rows in flight, not M x S
     # each group's ring (2 rows of 2 words a slot), then a word per program
-    assert seen["programs"] > S and slots.shape == (seen["programs"] // S * 4 * SLICES
-                                                    + seen["programs"],)
+    assert seen["programs"] > S and _config.slot_words(plan) == (
+        seen["programs"] // S * 4 * SLICES + seen["programs"]) <= slots.numel()
     one_group = dict(seen, programs=S)
     _run(one_group, polls=1_000_000, delays={})
     assert torch.equal(dx, want[0])
-    # group 0's ring: (half, word, slot), slots S.. unused; rows 2 and 3, tagged i + 1
+    # group 0's ring: (place, word, slot), slots S.. unused; rows 2 and 3, tagged
+    # epoch + i + 1, each in the place of its tag modulo 2
     tags = (slots[:4 * SLICES].view(2, 2, SLICES)[:, :, :S] >> 32).tolist()
-    assert tags == [[[3] * S] * 2, [[4] * S] * 2], tags
+    last = sorted((epoch + 3, epoch + 4), key=lambda tag: (tag - 1) % 2)
+    assert tags == [[[last[0]] * S] * 2, [[last[1]] * S] * 2], (tags, epoch)
     dx.fill_(float("nan"))
-    slots.zero_()                                      # a new launch: the slots zeroed
+    slots.zero_()                       # the same launch again (its epoch): the slots zeroed
     missing = 4
     _run(one_group, polls=300, delays={}, never={missing})
     cols = slice(missing * block, (missing + 1) * block)
@@ -154,10 +159,46 @@ def test_rms_backward_publishes_one_word_and_the_rest_is_right(monkeypatch):
     want = _backward.norm_backward(dy, None, x, w, stats, None, True)
     (dx, dw, _), seen = _capture(monkeypatch, _backward, lambda: _backward.norm_backward(
         dy, None, x, w, stats, None, True))
-    slots = seen["args"][6]
+    slots, epoch = seen["args"][6:8]
     programs = seen["programs"]
     _run(seen, polls=300, delays={}, never={3})
     SLICES = seen["flags"]["SLICES"]
-    assert (slots[:SLICES] == 0).all() and (slots[SLICES:2 * SLICES] != 0).any()  # no word a
+    place = slots[epoch % 2 * 2 * SLICES:][:2 * SLICES] >> 32    # the row's, tagged epoch + 1
+    assert (place[:SLICES] != epoch + 1).all() and (place[SLICES:] == epoch + 1).any()  # no a
     _run(seen, polls=300, delays={}, never=set(range(programs)) - {3})
     assert torch.equal(dx, want[0]) and torch.equal(dw, want[1])
+
+
+def test_words_of_an_earlier_launch_are_not_taken(monkeypatch):
+    """Two launches into one slot buffer, not zeroed between them (the launcher keeps one per
+    stream), with other data. In the second, one program is absent at first: its partners find
+    its slot holding the first launch's word for the same row and place, tagged below their
+    epoch, so they wait their bound, compute its slice themselves, and, with it launched
+    afterwards, dx and dweight are bitwise the one-by-one ones. The same second launch given the
+    first one's epoch (tags that restart with each launch, as zeroed slots had them) takes the
+    stale word: the epoch is what keeps the answer right."""
+    monkeypatch.setattr(_backward, "_slot_buffers", {})
+    x, w, b, dy = _inputs(1)
+    x2, dy2 = x * 0.5 - 1, dy.flip(1)                  # the second launch's rows
+    _, _, stats = _forward.norm_forward(x, None, w, b, EPS, False)
+    _, _, stats2 = _forward.norm_forward(x2, None, w, b, EPS, False)
+    want = _backward.norm_backward(dy2, None, x2, w, stats2, b.dtype, False)
+
+    def launch(x, dy, stats):
+        return _capture(monkeypatch, _backward, lambda: _backward.norm_backward(
+            dy, None, x, w, stats, b.dtype, False))
+
+    (_, _, _), first = launch(x, dy, stats)
+    _run(first, polls=1_000_000, delays={})
+    slots, epoch = first["args"][6:8]
+    for again in (False, True):
+        (dx, dw, db), second = launch(x2, dy2, stats2)
+        assert second["args"][6].data_ptr() == slots.data_ptr() and second["args"][7] > epoch
+        if again:
+            second["args"] = (*second["args"][:7], epoch, *second["args"][8:])
+        missing = 5
+        _run(second, polls=300, delays={}, never={missing})
+        _run(second, polls=300, delays={}, never=set(range(second["programs"])) - {missing})
+        right = all(torch.equal(got, ref) for got, ref in zip((dx, dw, db), want))
+        assert right != again, again
+        _run(first, polls=1_000_000, delays={})        # the first launch's words again

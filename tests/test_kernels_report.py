@@ -108,7 +108,7 @@ def test_traffic_is_counted_from_the_plans():
     """report.traffic reads a plan's counts, no per-kernel table: LayerNorm at D = 4096 bf16
     (whole rows, 2 per step), and at 65536 (the forward swept in chunks, its re-read from L2
     not counted; the backward's shared rows: the groups' rings of slots and a word per
-    program, 16 bytes a word, zeroed and written back once per launch)."""
+    program, 8 bytes a word written back once per launch: kept, not zeroed, between launches)."""
     from normbook.kernels import report
 
     M, e, D = report.M_REPORT, 2, 4096
@@ -133,7 +133,7 @@ def test_traffic_is_counted_from_the_plans():
     # two words a slot, then a word per program (its warps' first row left for the end)
     words = 2 * ring + bwd.grid[0]
     assert t["bytes_per_row"] == (3 * D * e + 8 + D * e / M + 2 * bwd.groups * D * 4 / M
-                                  + 16 * words / M)
+                                  + 8 * words / M)
     assert t["grid"] == bwd.groups * bwd.slices and t["step_bytes"] == 3 * bwd.constexprs["BLOCK_D"] * e
 
 

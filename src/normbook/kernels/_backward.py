@@ -16,7 +16,8 @@ Kernels, chosen by row length:
 - ``norm_bwd_rows_kernel``: ROWS whole rows at a time in registers, one read of x and dy.
 - ``norm_bwd_coop_kernel``: wide rows, one read of x and dy. S programs share each row, one
   column slice each, and exchange their slices' partial sums of c1 and c2 through a small
-  buffer of 64-bit slots; each keeps its slice's partials of dweight and dbias.
+  buffer of 64-bit slots, kept per stream and tagged by launch (``_slots``: no zeroing
+  launch per call); each keeps its slice's partials of dweight and dbias.
 - ``norm_bwd_finish_kernel``: sums the partials and writes dweight, dbias in the
   parameters' dtypes, one launch for both.
 
@@ -28,11 +29,13 @@ once have no plan (``_config.kernels_take``).
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import driver as _drivers
 
 from normbook.kernels._config import (MAX_FUSED_D_BWD, backward_plan, narrow_loads, other_device,
                                       refusal, rounding, shared_rows, slot_words)
@@ -231,7 +234,7 @@ def _slice_dx(sa, sb, valid, D, x, dy, dh, w, DX, row, c, mask, mean, rstd,
     tl.store(DX + row * D + c, dx.to(DX.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])
 def norm_bwd_coop_kernel(
     X,                       # (M, D) forward input (h when the residual
                              # add was fused)
@@ -243,9 +246,12 @@ def norm_bwd_coop_kernel(
     W,                       # (D,) weight gamma (if HAS_WEIGHT)
     Stats,                   # (2, M) fp32 mean [0], rstd [1] saved by the
                              # forward; RMSNorm (1, M)
-    Slots,                   # (groups * RING * 2 * SLICES,) int64,
-                             # zeroed: per group a ring of RING rows'
-                             # S slots, two words each (_ring, _pack)
+    Slots,                   # (groups * RING * 2 * SLICES + programs,)
+                             # int64: per group a ring of RING rows' S
+                             # slots, two words each (_ring, _pack); no
+                             # word tagged above epoch (_slots)
+    epoch,                   # the tag before this launch's first row:
+                             # row i of a group is tagged epoch + i + 1
     DW,                      # (groups, D) fp32 partial dweight, a row
                              # per group; with one group, dweight itself
     DB,                      # (groups, D) fp32 partial dbias (as DW)
@@ -320,7 +326,7 @@ def norm_bwd_coop_kernel(
     start = tl.minimum(first, M - 1)
     deferred = pid * 0 + M         # first row left for the end (M: none);
                                    # int32 (a register fewer than int64)
-    tag = pid * 0                  # the last row's tag (int32; 0: none)
+    tag = pid * 0 + epoch          # the last row's tag (int32; epoch: none)
     x_next = tl.load(Xj + start * stride_x + cols, mask=mask, other=0.0)
     dy_next = tl.load(DYj + start * stride_dy + cols, mask=mask,
                       other=0.0)
@@ -346,7 +352,7 @@ def norm_bwd_coop_kernel(
                                   IS_RMS, HAS_WEIGHT)
         # publish: the owner's sums, the bits a program computing them for
         # a late owner also writes (same code, see the end of the loop)
-        tag += 1                   # this row: 1 + its place in the group
+        tag += 1                   # this row: epoch + 1 + its place in the group
         ring = _ring(Slots, first, tag, SLICES, RING)
         sums = _slice_sums(xhat, ghat, tag)
         # (none after a wait ran out: see the end; a branch for RMSNorm
@@ -395,7 +401,7 @@ def norm_bwd_coop_kernel(
     # moment, and this loop synchronises them: _agreed_start): a warp's dx
     # of a row it finished in the loop is computed again, the same way
     # (dweight and dbias took every row above, once)
-    deferred = _agreed_start(Slots, pid, groups, deferred, M, cols,
+    deferred = _agreed_start(Slots, pid, groups, deferred, M, cols, epoch,
                              SLICES, RING).to(tl.int32)
     for r in range(deferred, M, groups):
         row = first * 0 + r            # int64: offsets may pass 2^31
@@ -403,7 +409,7 @@ def norm_bwd_coop_kernel(
         mean = 0.0
         if not IS_RMS:
             mean = tl.load(Stats + row)
-        tag = ((row - first) // groups + 1).to(tl.int32)
+        tag = ((row - first) // groups + 1 + epoch).to(tl.int32)
         ring = _ring(Slots, first, tag, SLICES, RING)
         sa = tl.zeros((SLICES,), dtype=tl.int64)
         sb = sa
@@ -503,6 +509,45 @@ def launch_shared(kernel, plan, args: tuple, key=None, device: int = 0) -> None:
 
 # the launchers look their kernels up by a plan's name here: the module's own namespace
 _KERNELS = globals()
+
+TAG_LIMIT = (1 << 31) - 1      # the highest tag a slot's word holds (int32; words stay >= 0)
+MAX_SLOT_BUFFERS = 64          # (device, stream) buffers kept before the table starts again
+# (device, stream) -> [its slot buffer, the highest tag launched into it]
+_slot_buffers: dict = {}
+_slot_lock = threading.Lock()
+
+
+def _slots(plan, M: int, x: torch.Tensor, device: int) -> tuple:
+    """The slot buffer and epoch of a sharing launch of ``plan`` over M rows of x, on CUDA
+    device ``device`` (-1: the interpreter), without zeroing the buffer per launch.
+
+    The buffer belongs to the current stream: launches on one stream run one after another,
+    so each finds every word of the previous ones written. Row i of a group is tagged
+    epoch + i + 1, and the epoch is the highest tag that any earlier launch into the buffer
+    used (the buffer was zeroed when made), so no word left by an earlier launch, whatever its
+    layout, has this launch's tag, and the kernel reads such words as empty. A launch into a
+    CUDA graph being captured gets a new buffer, zeroed in the graph, and epoch 0: replays
+    launch with the epoch they captured, so they must start from zeros each time. When the
+    tags would pass TAG_LIMIT (after 2^31 rows per group) the buffer is zeroed, once, on its
+    stream."""
+    words = slot_words(plan)
+    rows = -(-M // (plan.grid[0] // plan.slices))        # at most, per group
+    if device >= 0 and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(words, dtype=torch.int64, device=x.device), 0
+    key = device, (_drivers.active.get_current_stream(device) if device >= 0 else 0)
+    with _slot_lock:        # (threads launching on one stream take epochs one after another)
+        kept = _slot_buffers.get(key)
+        if kept is None or kept[0].numel() < words:
+            if len(_slot_buffers) >= MAX_SLOT_BUFFERS:
+                _slot_buffers.clear()
+            kept = _slot_buffers[key] = [torch.zeros(words, dtype=torch.int64,
+                                                     device=x.device), 0]
+        elif kept[1] + rows > TAG_LIMIT:
+            kept[0].zero_()
+            kept[1] = 0
+        epoch = kept[1]
+        kept[1] = epoch + rows    # (the program's own word is tagged epoch + 1 <= epoch + rows)
+        return kept[0], epoch
 
 
 def launch_keys(plans, x, dy, dhp, w, ow, ob, stride_x: int, stride_dy: int, stride_dh: int,
@@ -608,8 +653,7 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool, round_xhat
     kernel = _KERNELS[plan.kernel]
     args = (x, dy, dhp, dx, w, stats, pw, pb, stride_x, stride_dy, stride_dh, M, D)
     if plan.slices > 1:   # groups of S programs, one per slice of a row, exchanging sums
-        slots = torch.zeros(slot_words(plan), dtype=torch.int64, device=x.device)
-        args = (*args[:6], slots, *args[6:])
+        args = (*args[:6], *_slots(plan, M, x, device), *args[6:])
     if not plan.measured:   # a GPU, the kernel's first launch: size the grid by what it needs
         from normbook.kernels._config import measure
         if measure(kernel, plan, args, device) and backward_plan(

@@ -483,9 +483,10 @@ def coop_flags(dev: Device) -> dict:
 
 
 def slot_words(plan) -> int:
-    """The int64 words of a sharing launch's slot buffer, zeroed before it: each group's ring
-    (RING rows of 2 words per slice) and, after all the rings, one word per program (where
-    the warps of a program agree on the first row they left for after the loop)."""
+    """The int64 words a sharing launch uses of its slot buffer (``_backward._slots``): each
+    group's ring (RING rows of 2 words per slice) and, after all the rings, one word per
+    program (where the warps of a program agree on the first row they left for after the
+    loop)."""
     ring = plan.constexprs["RING"] * 2 * plan.constexprs["SLICES"]
     return plan.grid[0] // plan.slices * ring + plan.grid[0]
 

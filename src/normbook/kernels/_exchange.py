@@ -17,17 +17,19 @@ import triton.language as tl
 def _ring(Slots, first, tag, SLICES: tl.constexpr, RING: tl.constexpr):
     """Where the slots of the row tagged ``tag`` are. A group's slots
     are a ring of RING rows (2 on a GPU): its i-th row (first + i *
-    groups) is tagged i + 1 and uses place i % RING, so a program can
-    publish row i + 1 while its partners still read row i, and row i + 2
-    only once they all have (while no wait runs out: after one, a late
-    program's words may land on a later row's place, and the tags keep
-    them from being taken for that row's). A place is SLICES words a,
-    then SLICES words b (a constexpr apart: no register holds the
-    offset). The slots are zeroed per launch: tag 0 is "empty". The
-    interpreter, which runs a group's programs one after another, keeps
-    every row of a group, so that the slots the first program computes
-    stay for the others."""
-    place = first * RING + (tag + RING - 1) % RING
+    groups) is tagged epoch + i + 1 and uses the place of that tag
+    modulo RING, so a program can publish row i + 1 while its partners
+    still read row i, and row i + 2 only once they all have (while no
+    wait runs out: after one, a late program's words may land on a later
+    row's place, and the tags keep them from being taken for that
+    row's). A place is SLICES words a, then SLICES words b (a constexpr
+    apart: no register holds the offset). The slots are not zeroed per
+    launch: every word an earlier launch left holds a tag of at most this
+    launch's epoch, and so counts as empty (the launcher's
+    ``_backward._slots``). The interpreter, which runs a group's programs
+    one after another, keeps every row of a group, so that the slots the
+    first program computes stay for the others."""
+    place = first * RING + (tag - 1) % RING        # (tag >= 1: no overflow)
     return Slots + place * (2 * SLICES)
 
 
@@ -122,21 +124,24 @@ def _agreed(v, lanes, M):
 
 
 @triton.jit
-def _agreed_start(Slots, pid, groups, deferred, M, lanes, SLICES: tl.constexpr,
+def _agreed_start(Slots, pid, groups, deferred, M, lanes, epoch, SLICES: tl.constexpr,
                   RING: tl.constexpr):
     """The first row any warp of the program left for after its loop (``deferred``, M for
     none), the same in every thread: each warp reads the slots at its own moment, so one may
     find a wait run out that another found ended, while the loop after it synchronises the
-    program. The warps that left a row raise the program's word past the groups' rings (M -
-    their row; zeroed with the slots, so 0 for none) and, after a barrier, every thread reads
-    it back. Under a cooperative launch no wait runs out, and nothing is written. (An atomic
+    program. The warps that left a row raise the program's word past the groups' rings to
+    M - their row, tagged epoch + 1 in the high half as a slot's word is (a word of an
+    earlier launch has a lower tag: 0 for none) and, after a barrier, every thread reads it
+    back. Under a cooperative launch no wait runs out, and nothing is written. (An atomic
     and a barrier rather than a block reduction: the reduction here costs the backward 12
     bytes of spill, in its loop.)"""
     own = Slots + groups * (RING * 2 * SLICES) + pid
+    mark = (epoch + 1).to(tl.int64) << 32
     gap = (M - deferred).to(tl.int64)              # > 0: this thread left a row
-    tl.atomic_max(own + lanes * 0, gap, mask=lanes * 0 < gap, sem="relaxed")
+    tl.atomic_max(own + lanes * 0, mark | gap, mask=lanes * 0 < gap, sem="relaxed")
     tl.debug_barrier()
-    return M - tl.load(own, volatile=True)
+    word = tl.load(own, volatile=True)
+    return M - tl.where((word >> 32) == epoch + 1, word & 0xFFFFFFFF, 0)
 
 
 @triton.jit
@@ -163,7 +168,8 @@ def _claim_words(ring, SLICES: tl.constexpr, u, wa, wb, packed, tag, ONE: tl.con
 @triton.jit
 def _claim(slot, seen, value, tag):
     """Publish ``value`` (a word of :func:`_pack`) in ``slot``, which held ``seen``, unless
-    that was this row's word already or a later row's (a partner has gone on):
+    that was this row's word already or a later row's (a partner has gone on; a lower tag is
+    an earlier row's or an earlier launch's, empty for this row):
     compare-and-swap, so that the first writer wins; the compare value of a slot not to be
     written matches no word (words are >= 0). Returns the word the row's programs use: the
     slot's if it holds one of this row, else ``value``. The owner of a slice and a program that
