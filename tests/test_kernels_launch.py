@@ -335,3 +335,46 @@ def test_no_gradient_no_function(ready_calls):
     """Under no_grad a ready call launches without the autograd Function (no grad_fn) and
     without the launchers."""
     assert ready_calls["no grad"] == {"grad_fn": True, "launched": [], "launches": 1}
+
+
+_EPOCH_SCRIPT = r'''
+import json, warnings
+warnings.simplefilter("ignore")
+import torch
+from normbook.kernels import _backward, _forward, _launch
+
+record, out = [], {}
+with _launch.stub_driver(record):
+    x, w = torch.randn(2, 20000).bfloat16(), torch.randn(20000).bfloat16()
+    y, _, stats = _forward.norm_forward(x, None, w, None, 1e-5, True)
+    slots = _backward._slots
+    for direct in (False, True):
+        _launch._DIRECT = direct
+        out[str(direct)] = []
+        for epoch in (0, 1, 16, 17, 2**31 - 8):
+            _backward._slots = lambda *a, e=epoch: (slots(*a)[0], e)
+            n = len(record)
+            _backward.norm_backward(torch.ones_like(y), None, x, w, stats, None, True)
+            # (function handle, whether the argument after the slots is this epoch)
+            out[str(direct)].append([[a[4], len(a) > 16 and type(a[16]) is int and a[16] == epoch]
+                                     for a in record[n:]])
+print(json.dumps(out))
+'''
+
+
+def test_the_epoch_is_not_specialized_on():
+    """The wide backward's ``epoch`` changes every launch, so no compiled kernel may be
+    specialized on its value (Triton makes an int of 1 a constant and one divisible by 16
+    an aligned one, which a kept kernel would then apply to every later epoch): epochs 0, 1,
+    16, 17 and near 2^31 launch the same compiled kernels (their stub handles), by Triton's
+    path and directly, with the epoch passed as an argument."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _EPOCH_SCRIPT], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    first = got["False"][0]
+    assert len(first) == 2 and first[0][1], first   # the sharing kernel (epoch passed), finish
+    for launches in got["False"] + got["True"]:
+        assert [handle for handle, _ in launches] == [handle for handle, _ in first], got
+        assert launches[0][1], got
