@@ -326,7 +326,8 @@ def norm_bwd_coop_kernel(
     start = tl.minimum(first, M - 1)
     deferred = pid * 0 + M         # first row left for the end (M: none);
                                    # int32 (a register fewer than int64)
-    tag = pid * 0 + epoch          # the last row's tag (int32; epoch: none)
+    tag = pid * 0 + epoch          # the last row's tag (int32; epoch:
+                                   # none yet)
     x_next = tl.load(Xj + start * stride_x + cols, mask=mask, other=0.0)
     dy_next = tl.load(DYj + start * stride_dy + cols, mask=mask,
                       other=0.0)
@@ -352,7 +353,8 @@ def norm_bwd_coop_kernel(
                                   IS_RMS, HAS_WEIGHT)
         # publish: the owner's sums, the bits a program computing them for
         # a late owner also writes (same code, see the end of the loop)
-        tag += 1                   # this row: epoch + 1 + its place in the group
+        tag += 1                   # this row's: epoch + 1 + its place in
+                                   # the group
         ring = _ring(Slots, first, tag, SLICES, RING)
         sums = _slice_sums(xhat, ghat, tag)
         # (none after a wait ran out: see the end; a branch for RMSNorm

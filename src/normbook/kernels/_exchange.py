@@ -29,7 +29,7 @@ def _ring(Slots, first, tag, SLICES: tl.constexpr, RING: tl.constexpr):
     ``_backward._slots``). The interpreter, which runs a group's programs
     one after another, keeps every row of a group, so that the slots the
     first program computes stay for the others."""
-    place = first * RING + (tag - 1) % RING        # (tag >= 1: no overflow)
+    place = first * RING + (tag - 1) % RING   # (tag >= 1: no overflow)
     return Slots + place * (2 * SLICES)
 
 
