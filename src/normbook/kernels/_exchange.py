@@ -24,11 +24,11 @@ def _ring(Slots, first, tag, SLICES: tl.constexpr, RING: tl.constexpr):
     row's place, and the tags keep them from being taken for that
     row's). A place is SLICES words a, then SLICES words b (a constexpr
     apart: no register holds the offset). The slots are not zeroed per
-    launch: every word an earlier launch left holds a tag of at most this
-    launch's epoch, and so counts as empty (the launcher's
-    ``_backward._slots``). The interpreter, which runs a group's programs
-    one after another, keeps every row of a group, so that the slots the
-    first program computes stay for the others."""
+    launch: every word an earlier launch left holds a tag of at most
+    this launch's epoch, and so counts as empty (the launcher's
+    ``_backward._slots``). The interpreter, which runs a group's
+    programs one after another, keeps every row of a group, so that the
+    slots the first program computes stay for the others."""
     place = first * RING + (tag - 1) % RING   # (tag >= 1: no overflow)
     return Slots + place * (2 * SLICES)
 
