@@ -56,8 +56,13 @@ def _traced() -> bool:
 
 
 def _plain(t: torch.Tensor) -> bool:
-    """A plain tensor with data: not a subclass, not meta, not legacy-batched."""
-    return type(t) is torch.Tensor and not t.is_meta and not _is_legacy_batched(t)
+    """A plain tensor with data: a Tensor or a Parameter (a module's weight, in backward too:
+    autograd hands a saved leaf back as itself), not another subclass, not meta, not
+    legacy-batched."""
+    return type(t) in _PLAIN_TYPES and not t.is_meta and not _is_legacy_batched(t)
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 _is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda t: False)
