@@ -587,8 +587,8 @@ def test_slot_epochs_never_repeat_on_a_stream(monkeypatch):
     launch's epoch is past every tag the buffer's earlier launches used (their rows per
     group), whatever their plans; a plan needing more words gets a new zeroed buffer; another
     stream or device has its own; tags about to pass TAG_LIMIT zero the buffer, once; a launch
-    being captured into a CUDA graph gets new zeroed slots and epoch 0, leaving the kept ones
-    as they are."""
+    being captured into a CUDA graph, or the custom op's, gets new zeroed slots and epoch 0,
+    leaving the kept ones as they are."""
     monkeypatch.setattr(_backward, "_slot_buffers", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(_backward, "_drivers", _stream_driver(7))
@@ -614,7 +614,9 @@ def test_slot_epochs_never_repeat_on_a_stream(monkeypatch):
     _backward._slot_buffers[0, 7][1] = _backward.TAG_LIMIT - 3
     assert _backward._slots(small, 9, x, 0) == (bigger, _backward.TAG_LIMIT - 3)   # 3 rows
     assert _backward._slots(small, 1, x, 0) == (bigger, 0) and not bigger.any()
-    # a CUDA graph's capture: slots of its own, zeroed in the graph
+    # the custom op's (kept False) and a CUDA graph's capture: slots of their own, zeroed
+    fresh, epoch = _backward._slots(small, 10, x, 0, kept=False)
+    assert fresh is not bigger and epoch == 0 and not fresh.any()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     captured, epoch = _backward._slots(small, 10, x, 0)
     assert captured is not bigger and epoch == 0 and not captured.any()
@@ -645,3 +647,25 @@ def test_the_wide_backward_zeroes_no_slots_per_call(monkeypatch):
     assert not seen & {"aten.zero_", "aten.zeros", "aten.fill_", "aten.new_zeros",
                        "aten.zeros_like"}, sorted(seen)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.slow                  # wide rows in the interpreter
+def test_the_custom_op_keeps_no_slots(monkeypatch):
+    """torch.ops.normbook.norm_backward (what compiled graphs call) takes new zeroed slots for
+    shared rows, never the kept ones: torch.compile's CUDA graph trees warm up in a memory
+    pool of their own that they may reclaim. Its gradients are the eager launcher's."""
+    if DEVICE != "cpu":
+        pytest.skip("the interpreter's launches")
+    from normbook import _ops
+
+    monkeypatch.setattr(_backward, "_slot_buffers", {})
+    D = 20000
+    g = torch.Generator().manual_seed(5)
+    x, dy = (torch.randn(2, D, generator=g) for _ in range(2))
+    w = torch.randn(D, generator=g)
+    _, _, stats = _forward.norm_forward(x, None, w, None, 1e-5, True)
+    dx, dw, _ = _ops.norm_backward(dy, None, x, w, stats, None, True)
+    assert not _backward._slot_buffers
+    want = _backward.norm_backward(dy, None, x, w, stats, None, True)
+    assert _backward._slot_buffers
+    assert torch.equal(dx, want[0]) and torch.equal(dw, want[1])

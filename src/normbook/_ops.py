@@ -75,9 +75,11 @@ def norm_backward(dy: Tensor, dh: Optional[Tensor], x: Tensor, weight: Optional[
     dweight, dbias (empty if absent)."""
     from normbook.kernels import _backward
 
+    # (new zeroed slots for rows shared among programs: a compiled graph's CUDA graph tree
+    # warms up in a memory pool it may reclaim, where no buffer kept across calls may live)
     dx, dweight, dbias = _backward.norm_backward(
         _rows(dy), None if dh is None else _rows(dh), _rows(x), weight,
-        stats.reshape(stats.shape[0], -1), bias_dtype, is_rms)
+        stats.reshape(stats.shape[0], -1), bias_dtype, is_rms, kept_slots=False)
     empty = x.new_empty((0,))
     return (dx if x.dim() == 2 else dx.view(x.shape), empty.clone() if dweight is None else dweight,
             empty if dbias is None else dbias)

@@ -519,9 +519,10 @@ _slot_buffers: dict = {}
 _slot_lock = threading.Lock()
 
 
-def _slots(plan, M: int, x: torch.Tensor, device: int) -> tuple:
+def _slots(plan, M: int, x: torch.Tensor, device: int, kept: bool = True) -> tuple:
     """The slot buffer and epoch of a sharing launch of ``plan`` over M rows of x, on CUDA
-    device ``device`` (-1: the interpreter), without zeroing the buffer per launch.
+    device ``device`` (-1: the interpreter), without zeroing the buffer per launch (with
+    ``kept`` False, new zeroed slots and epoch 0, as under capture: see below).
 
     The buffer belongs to the current stream: launches on one stream run one after another,
     so each finds every word of the previous ones written. Row i of a group is tagged
@@ -529,12 +530,14 @@ def _slots(plan, M: int, x: torch.Tensor, device: int) -> tuple:
     used (the buffer was zeroed when made), so no word left by an earlier launch, whatever its
     layout, has this launch's tag, and the kernel reads such words as empty. A launch into a
     CUDA graph being captured gets a new buffer, zeroed in the graph, and epoch 0: replays
-    launch with the epoch they captured, so they must start from zeros each time. When the
-    tags would pass TAG_LIMIT (after 2^31 rows per group) the buffer is zeroed, once, on its
-    stream."""
+    launch with the epoch they captured, so they must start from zeros each time. So does a
+    launch of the custom op (``kept`` False: torch.compile's graphs, whose CUDA graph trees
+    warm up in a memory pool of their own that they may later reclaim, which a kept buffer
+    must never be in). When the tags would pass TAG_LIMIT (after 2^31 rows per group) the
+    buffer is zeroed, once, on its stream."""
     words = slot_words(plan)
     rows = -(-M // (plan.grid[0] // plan.slices))        # at most, per group
-    if device >= 0 and torch.cuda.is_current_stream_capturing():
+    if not kept or (device >= 0 and torch.cuda.is_current_stream_capturing()):
         return torch.zeros(words, dtype=torch.int64, device=x.device), 0
     key = device, (_drivers.active.get_current_stream(device) if device >= 0 else 0)
     with _slot_lock:        # (threads launching on one stream take epochs one after another)
@@ -566,9 +569,12 @@ def launch_keys(plans, x, dy, dhp, w, ow, ob, stride_x: int, stride_dy: int, str
     return (*main, torch.float32), (plans[1].key, ow.dtype, ob.dtype, plans[0].groups, D)
 
 
-def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool, round_xhat: bool = False):
+def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool, round_xhat: bool = False,
+                  kept_slots: bool = True):
     """(ln-dx), (rms-dx), (ln-dparams) and (fork-rule): launch the backward on (M, D) rows.
     ``round_xhat``: the forward's (:func:`normbook.kernels._forward.norm_forward`).
+    ``kept_slots``: rows shared among programs exchange sums through slots kept per stream
+    (:func:`_slots`); False for new zeroed slots each call (the custom op's).
 
     ``x`` has a contiguous last dim; its row stride, and dy's and dh's, are honoured (dy or dh
     with other steps along D, an expanded gradient say, is copied first).
@@ -591,7 +597,8 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool, round_xhat
     device = x.get_device()
     if device >= 0 and other_device(device):
         with torch.cuda.device(device):
-            return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms, round_xhat)
+            return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms, round_xhat,
+                                 kept_slots)
     # empty_like: cheapest on the host; contiguous, since x's rows are dense or x is not dense
     dx = torch.empty_like(x)
     if weight is None:
@@ -655,7 +662,7 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool, round_xhat
     kernel = _KERNELS[plan.kernel]
     args = (x, dy, dhp, dx, w, stats, pw, pb, stride_x, stride_dy, stride_dh, M, D)
     if plan.slices > 1:   # groups of S programs, one per slice of a row, exchanging sums
-        args = (*args[:6], *_slots(plan, M, x, device), *args[6:])
+        args = (*args[:6], *_slots(plan, M, x, device, kept_slots), *args[6:])
     if not plan.measured:   # a GPU, the kernel's first launch: size the grid by what it needs
         from normbook.kernels._config import measure
         if measure(kernel, plan, args, device) and backward_plan(
@@ -663,7 +670,7 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool, round_xhat
                 dbias is not None, (stride_x | stride_dy | stride_dh) & 15,
                 shared_rows(D)) is not None:
             return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms,
-                                 round_xhat)  # measured
+                                 round_xhat, kept_slots)  # measured
     if plan.slices > 1:
         launch_shared(kernel, plan, args, main_key, device)
     else:
