@@ -5,7 +5,8 @@
 Both norms, forward and forward + backward, fp32 and bf16, at M x D = 4096 x 1024,
 2048 x 4096, 512 x 16384 and 64 x 131072 (:data:`SHAPES`): ``normbook.layer_norm`` / ``normbook.rms_norm`` on the torch-ops backend
 (``normbook.backend("torch")``: the book's backward, equations (ln-dx) and (rms-dx)) beside
-``torch.nn.functional`` on the same tensors, in one run, the two interleaved repeat by repeat.
+``torch.nn.functional`` on the same tensors (weight and bias ``Parameter``\ s, as in a module),
+in one run, the two interleaved repeat by repeat.
 Time per call: the best of ``repeat`` calls (``time.perf_counter``), after two warm-up calls.
 
 JSON keys: ``<norm>_<dtype>_<D>_<fwd|fwd_bwd>_ratio`` (normbook over torch; norm ``layer`` or
@@ -45,8 +46,9 @@ def _calls(norm: str, M: int, D: int, dtype: torch.dtype) -> dict:
 
     g = torch.Generator().manual_seed(M + D)
     x = torch.randn(M, D, generator=g).to(dtype).requires_grad_()
-    w = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype).requires_grad_()
-    b = (0.1 * torch.randn(D, generator=g)).to(dtype).requires_grad_()
+    # Parameters, as a module's weight and bias are (the paths once differed for them)
+    w = torch.nn.Parameter((1 + 0.1 * torch.randn(D, generator=g)).to(dtype))
+    b = torch.nn.Parameter((0.1 * torch.randn(D, generator=g)).to(dtype))
     dy = torch.randn(M, D, generator=g).to(dtype)
     if norm == "layer":
         fns = {"normbook": lambda: normbook.layer_norm(x, (D,), w, b),
