@@ -37,6 +37,8 @@ def test_each_side_runs_its_plan(tmp_path, capsys):
     assert few["one_us"] > 0 and few["grid_programs"] > 1 and few["finish_us"] > 0
     assert many["one_us"] is None and many["grid_programs"] > 1
     assert 0 < many["finish_share"] < 1
+    assert "finish_block_us" not in few and sorted(many["finish_block_us"]) == ["16", "32", "64"]
+    assert all(us > 0 for us in many["finish_block_us"].values())
     assert "D   2048 M      4" in capsys.readouterr().out
 
 
@@ -62,3 +64,29 @@ def test_the_one_program_backward_matches_the_grid_s():
         == (1,)
     for a, c in zip(one, grid):
         torch.testing.assert_close(a, c)
+
+
+def test_the_finish_s_column_width_changes_no_bit():
+    """The finish candidates the command times differ only in their columns per program: each
+    column's partials are summed FINISH_BLOCK_P rows a step in the same order, so dweight and
+    dbias are the same bits whichever width wins."""
+    from normbook.kernels import _backward, _launch
+
+    g = torch.Generator().manual_seed(1)
+    groups, D = 37, 1000
+    pw, pb = torch.randn(2, groups, D, generator=g)
+    got = []
+    for block in (64, 32, 16):
+        was = _config.FINISH_BLOCK_D
+        _config.FINISH_BLOCK_D = block
+        try:
+            finish = _config.finish_plan(D, True, True, groups)
+        finally:
+            _config.FINISH_BLOCK_D = was
+        assert finish.grid == (-(-D // block),)
+        dw, db = torch.empty(D, dtype=torch.bfloat16), torch.empty(D)
+        _launch.launch(_backward._KERNELS[finish.kernel], finish.grid,
+                       (pw, pb, dw, db, groups, D), finish.flags)
+        got.append((dw, db))
+    for dw, db in got[1:]:
+        assert torch.equal(dw, got[0][0]) and torch.equal(db, got[0][1])

@@ -1,7 +1,7 @@
 """The backward's two plans for few rows, timed on the device: one program, or a grid and a finish.
 
     normbook-bench plans [--json FILE] [--dims 1024,4096,8192] [--rows 1,2,4,8,16,32]
-                         [--share-rows 32768]
+                         [--share-rows 32768] [--finish-blocks 64,32,16]
 
 The rows backward with a weight keeps sums over rows (dweight, dbias). On a grid of several
 programs each keeps partial sums, and a second kernel, the finish, adds them in a fixed order;
@@ -14,7 +14,12 @@ measures: LayerNorm with weight and bias, bf16, for each D and M:
 - ``grid_us``: the backward on the persistent grid (``grid_programs`` programs), with its
   finish;
 - ``finish_us``: the finish alone, on that grid's partials, and ``finish_share``, its part
-  of ``grid_us`` (``--share-rows``: large batches, where only the grid is timed).
+  of ``grid_us`` (``--share-rows``: large batches, where only the grid is timed);
+- ``finish_block_us``, for the large batches: the finish alone with each column width of
+  ``--finish-blocks`` (``_config.FINISH_BLOCK_D``; D / width programs, the same
+  ``FINISH_BLOCK_P`` partial rows a step, so the same sums in the same order: the same bits).
+  The finish runs on D / 64 programs today, 64 of an H200's 132 SMs at D = 4096 and 16 at
+  D = 1024: whether more, narrower programs make it cheaper is for this to measure.
 
 Device time: :func:`normbook.bench.timing.bench` (replays of a CUDA graph on a GPU; on a CPU,
 in Triton's interpreter, wall clock, which says only that the code runs). JSON: ``rows``, a
@@ -51,8 +56,9 @@ def one_program_rows(n: int):
         _config.backward_plan.cache_clear()
 
 
-def _case(M: int, D: int, device: str):
-    """(backward call, finish call or None, programs) on the plan in force for (M, D)."""
+def _case(M: int, D: int, device: str, finish_block: int = 0):
+    """(backward call, finish call or None, programs) on the plan in force for (M, D); the
+    finish with columns of ``finish_block`` (0: the plan's, FINISH_BLOCK_D)."""
     from normbook.kernels import _backward, _config, _forward, _launch
 
     g = torch.Generator().manual_seed(M * 7 + D)
@@ -69,6 +75,13 @@ def _case(M: int, D: int, device: str):
     if len(plans) == 1:
         return backward, None, plans[0].grid[0]
     main, finish = plans
+    if finish_block:
+        was = _config.FINISH_BLOCK_D
+        _config.FINISH_BLOCK_D = finish_block
+        try:
+            finish = _config.finish_plan(D, True, True, main.groups)
+        finally:
+            _config.FINISH_BLOCK_D = was
     pw, pb = torch.zeros(2, main.groups, D, device=device)
     ow, ob = torch.empty(D, device=device, dtype=torch.bfloat16), torch.empty_like(w)
     kernel = _backward._KERNELS[finish.kernel]
@@ -80,7 +93,7 @@ def _case(M: int, D: int, device: str):
     return backward, finish_only, main.grid[0]
 
 
-def measure(dims, rows, share_rows, device: str) -> list[dict]:
+def measure(dims, rows, share_rows, device: str, finish_blocks=()) -> list[dict]:
     """One dict per (D, M): see the module docstring."""
     from normbook.bench.timing import bench
 
@@ -100,6 +113,12 @@ def measure(dims, rows, share_rows, device: str) -> list[dict]:
                 row["finish_us"] = None if finish is None else 1e3 * bench(finish, device)[0]
             row["finish_share"] = (None if row["finish_us"] is None
                                    else row["finish_us"] / row["grid_us"])
+            if M in share_rows and finish is not None:
+                row["finish_block_us"] = {}
+                with one_program_rows(0):
+                    for block in finish_blocks:
+                        finish = _case(M, D, device, block)[1]
+                        row["finish_block_us"][str(block)] = 1e3 * bench(finish, device)[0]
             out.append(row)
             print(_line(row), flush=True)
     return out
@@ -107,9 +126,11 @@ def measure(dims, rows, share_rows, device: str) -> list[dict]:
 
 def _line(row: dict) -> str:
     f = (lambda v, fmt: "-" if v is None else format(v, fmt))
+    blocks = "".join(f"\n    finish with columns of {b}: {us:7.2f} us"
+                     for b, us in row.get("finish_block_us", {}).items())
     return (f"D {row['D']:6d} M {row['M']:6d}  one {f(row['one_us'], '8.2f')} us  grid "
             f"{row['grid_us']:8.2f} us ({row['grid_programs']} programs)  finish "
-            f"{f(row['finish_us'], '7.2f')} us = {f(row['finish_share'], '.3f')} of it")
+            f"{f(row['finish_us'], '7.2f')} us = {f(row['finish_share'], '.3f')} of it{blocks}")
 
 
 def main(argv=None) -> int:
@@ -123,9 +144,14 @@ def main(argv=None) -> int:
     p.add_argument("--dims", default="1024,4096,8192", help="D, comma-separated")
     p.add_argument("--rows", default="1,2,4,8,16,32", help="M timed both ways")
     p.add_argument("--share-rows", default="32768", help="M timed on the grid alone")
+    p.add_argument("--finish-blocks", default="64,32,16",
+                   help="column widths of the finish timed at --share-rows (powers of two)")
     args = p.parse_args(argv)
     dims, rows = _sizes(p, "--dims", args.dims), _sizes(p, "--rows", args.rows)
     share = _sizes(p, "--share-rows", args.share_rows)
+    blocks = _sizes(p, "--finish-blocks", args.finish_blocks)
+    if any(b & (b - 1) or b < 4 for b in blocks):
+        p.error(f"--finish-blocks: powers of two of at least 4, got {args.finish_blocks}")
     writable_file("--json", args.json)
     try:
         import triton
@@ -139,7 +165,7 @@ def main(argv=None) -> int:
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise BenchError("no CUDA device: set TRITON_INTERPRET=1 to run it in Triton's "
                          "interpreter (which says only that it runs)")
-    found = measure(dims, rows, share, device)
+    found = measure(dims, rows, share, device, blocks)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": found, "device": torch.cuda.get_device_name()
