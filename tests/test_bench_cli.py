@@ -756,3 +756,17 @@ def test_the_recorded_h200_run_reads_with_summary_plot_and_model_check(tmp_path)
     rc, out, err = _main(["--model-check", run, "--report", run / "report.json", "--out", tmp_path / "model.png"])
     assert rc == 0, err
     assert "largest shortfall against the model" in out and (tmp_path / "model.png").read_bytes().startswith(PNG)
+
+
+def test_an_absent_quack_says_why(monkeypatch):
+    """Without quack-kernels on a GPU, the skipped row's reason says what stands in the way
+    (its CUTLASS DSL wheel does not travel to the lent GPU machines), not only the import's
+    error."""
+    import torch
+
+    def absent(name):
+        raise providers.Unsupported(f"{name} not importable (ModuleNotFoundError: no)")
+
+    monkeypatch.setattr(providers, "_import", absent)
+    with pytest.raises(providers.Unsupported, match="92 MB.*64 MiB"):
+        providers.quack("rms_norm", "fwd", torch.device("cuda"))   # (only its type is read)

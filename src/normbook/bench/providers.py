@@ -276,7 +276,13 @@ def liger(op: str, mode: str, device) -> Fn:
 def _ready_quack(device):
     if device.type != "cuda":
         raise Unsupported("quack needs a GPU (CuTe DSL)")
-    return _import("quack.rmsnorm")
+    try:
+        return _import("quack.rmsnorm")
+    except Unsupported as e:
+        # the usual case on the lent GPU machines: say why, beside the import's own error
+        raise Unsupported(f"{e}; quack-kernels needs the CUTLASS DSL's wheel (about 92 MB), "
+                          "over the 64 MiB the device tool carries (benchmarks/README.md), so "
+                          "install it where the GPU is to measure it") from None
 
 
 def quack(op: str, mode: str, device) -> Fn:
