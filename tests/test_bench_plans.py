@@ -77,12 +77,7 @@ def test_the_finish_s_column_width_changes_no_bit():
     pw, pb = torch.randn(2, groups, D, generator=g)
     got = []
     for block in (64, 32, 16):
-        was = _config.FINISH_BLOCK_D
-        _config.FINISH_BLOCK_D = block
-        try:
-            finish = _config.finish_plan(D, True, True, groups)
-        finally:
-            _config.FINISH_BLOCK_D = was
+        finish = _config.finish_plan(D, True, True, groups, block)
         assert finish.grid == (-(-D // block),)
         dw, db = torch.empty(D, dtype=torch.bfloat16), torch.empty(D)
         _launch.launch(_backward._KERNELS[finish.kernel], finish.grid,

@@ -578,7 +578,7 @@ def test_a_row_of_a_tile_of_its_own_is_a_program_on_a_gpu(norm):
 
 def _sharing_plan(groups, slices=4, ring=2, words_per_slice=4):
     """What the slot buffer reads of a sharing backward's plan."""
-    return SimpleNamespace(grid=(groups * slices,), slices=slices,
+    return SimpleNamespace(grid=(groups * slices,), slices=slices, groups=groups,
                            constexprs=dict(RING=ring, SLICES=words_per_slice))
 
 

@@ -917,7 +917,7 @@ def _rms_modes(input, normalized_shape, weight, eps, offset, round_xhat):
     return rms_norm(input, normalized_shape, weight, eps)
 
 
-_PLAIN = (Tensor, torch.nn.Parameter)   # a module's weight is a Parameter
+_PLAIN = _math._PLAIN_TYPES   # Tensor or Parameter: a module's weight is a Parameter
 
 
 def _rounds_fused(input, normalized_shape, weight, eps) -> bool:

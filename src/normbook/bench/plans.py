@@ -76,12 +76,7 @@ def _case(M: int, D: int, device: str, finish_block: int = 0):
         return backward, None, plans[0].grid[0]
     main, finish = plans
     if finish_block:
-        was = _config.FINISH_BLOCK_D
-        _config.FINISH_BLOCK_D = finish_block
-        try:
-            finish = _config.finish_plan(D, True, True, main.groups)
-        finally:
-            _config.FINISH_BLOCK_D = was
+        finish = _config.finish_plan(D, True, True, main.groups, finish_block)
     pw, pb = torch.zeros(2, main.groups, D, device=device)
     ow, ob = torch.empty(D, device=device, dtype=torch.bfloat16), torch.empty_like(w)
     kernel = _backward._KERNELS[finish.kernel]

@@ -536,7 +536,7 @@ def _slots(plan, M: int, x: torch.Tensor, device: int, kept: bool = True) -> tup
     must never be in). When the tags would pass TAG_LIMIT (after 2^31 rows per group) the
     buffer is zeroed, once, on its stream."""
     words = slot_words(plan)
-    rows = -(-M // (plan.grid[0] // plan.slices))        # at most, per group
+    rows = -(-M // plan.groups)                           # at most, per group
     if not kept or (device >= 0 and torch.cuda.is_current_stream_capturing()):
         return torch.zeros(words, dtype=torch.int64, device=x.device), 0
     key = device, (_drivers.active.get_current_stream(device) if device >= 0 else 0)

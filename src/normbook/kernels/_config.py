@@ -248,14 +248,17 @@ def backward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool, has
     return main, finish_plan(D, has_weight, has_bias, main.groups)
 
 
-def finish_plan(D: int, has_weight: bool, has_bias: bool, groups: int) -> Plan:
+def finish_plan(D: int, has_weight: bool, has_bias: bool, groups: int,
+                block_d: Optional[int] = None) -> Plan:
     """(groups, D) fp32 partials summed in a fixed order into dweight and dbias: column blocks
-    of FINISH_BLOCK_D, FINISH_BLOCK_P partial rows a step."""
-    cfg = Config(FINISH_BLOCK_D, FINISH_BLOCK_P, FINISH_WARPS, maxnreg_for(FINISH_WARPS))
+    of FINISH_BLOCK_D (or ``block_d``: the same sums, in the same order), FINISH_BLOCK_P
+    partial rows a step."""
+    block_d = block_d or FINISH_BLOCK_D
+    cfg = Config(block_d, FINISH_BLOCK_P, FINISH_WARPS, maxnreg_for(FINISH_WARPS))
     n_par = int(has_weight) + int(has_bias)
     constexprs = dict(HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, BLOCK_P=FINISH_BLOCK_P,
-                      BLOCK_D=FINISH_BLOCK_D, VEC=vec(D, 4))
-    return _plan("norm_bwd_finish_kernel", -(-D // FINISH_BLOCK_D), constexprs, cfg.launch(),
+                      BLOCK_D=block_d, VEC=vec(D, 4))
+    return _plan("norm_bwd_finish_kernel", -(-D // block_d), constexprs, cfg.launch(),
                  slices=1, groups=1, rows=FINISH_BLOCK_P, per_sm=resident_per_sm(cfg), reads=0,
                  writes=0, stats=0, params=n_par, partials=groups * n_par, ahead=n_par,
                  elem_bytes=4)
