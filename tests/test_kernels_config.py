@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 import normbook.kernels as K  # noqa: E402
 from normbook import reference  # noqa: E402
-from normbook.kernels import _backward, _config, _forward  # noqa: E402
+from normbook.kernels import _backward, _config, _forward, _launch, _take  # noqa: E402
 from helpers import DEVICE  # noqa: E402
 
 
@@ -48,14 +48,14 @@ def test_wide_forward_is_finite_near_1e20(norm):
                                     ("yes", True), ("", True)])
 def test_shared_rows_switch_accepts_the_usual_spellings(monkeypatch, raw, on):
     monkeypatch.setenv("NORMBOOK_SHARED_ROWS", raw)
-    assert _config.shared_rows(65536) is on
-    assert _config.shared_rows(1024) is False                # narrow rows never share
+    assert _take.shared_rows(65536) is on
+    assert _take.shared_rows(1024) is False                # narrow rows never share
 
 
 def test_shared_rows_switch_refuses_a_guess(monkeypatch):
     monkeypatch.setenv("NORMBOOK_SHARED_ROWS", "sometimes")
     with pytest.raises(ValueError, match=r"NORMBOOK_SHARED_ROWS: expected .* got 'sometimes'"):
-        _config.shared_rows(65536)
+        _take.shared_rows(65536)
 
 
 def test_shared_rows_switch_takes_effect_after_plans_are_cached(monkeypatch):
@@ -69,13 +69,13 @@ def test_shared_rows_switch_takes_effect_after_plans_are_cached(monkeypatch):
 
     def plan():
         return _config.backward_plan(3, D, x.get_device(), 4, False, False, True, True, 0,
-                                     _config.shared_rows(D))
+                                     _take.shared_rows(D))
     K.layer_norm(x, D)
-    assert plan()[0].slices > 1 and _config.kernels_take(D, 4, False, x.get_device())
+    assert plan()[0].slices > 1 and _take.kernels_take(D, 4, False, x.get_device())
     _, _, stats = _forward.norm_forward(x, None, None, None, 1e-5, False)
     monkeypatch.setenv("NORMBOOK_SHARED_ROWS", "off")
-    assert plan() is None and not _config.kernels_take(D, 4, False, x.get_device())
-    assert _config.kernels_take(_config.MAX_FUSED_D_BWD, 4, True, x.get_device())
+    assert plan() is None and not _take.kernels_take(D, 4, False, x.get_device())
+    assert _take.kernels_take(_config.MAX_FUSED_D_BWD, 4, True, x.get_device())
     assert torch.equal(_forward.norm_forward(x, None, None, None, 1e-5, False)[2], stats)
     with pytest.raises(ValueError, match=r"D = 20000 .*wider than 8192.*NORMBOOK_SHARED_ROWS is off"):
         _backward.norm_backward(x, None, x, None, stats, None, False)
@@ -85,9 +85,9 @@ def test_narrow_rows_never_read_the_switch(monkeypatch):
     """kernels_take is called on every call: for rows one program holds it answers without
     looking at the environment (a bad value there would raise if it did)."""
     monkeypatch.setenv("NORMBOOK_SHARED_ROWS", "sometimes")
-    assert _config.kernels_take(_config.MAX_FUSED_D_BWD, 2, False, -1)
+    assert _take.kernels_take(_config.MAX_FUSED_D_BWD, 2, False, -1)
     with pytest.raises(ValueError, match="NORMBOOK_SHARED_ROWS"):
-        _config.kernels_take(_config.MAX_FUSED_D_BWD + 1, 2, False, -1)
+        _take.kernels_take(_config.MAX_FUSED_D_BWD + 1, 2, False, -1)
 
 
 @pytest.fixture
@@ -96,10 +96,10 @@ def few_cpu_slices(monkeypatch):
     small enough to run."""
     monkeypatch.delenv("NORMBOOK_SHARED_ROWS", raising=False)
     monkeypatch.setattr(_config, "CPU_SLICES", 8)
-    for cached in (_config.forward_plan, _config.backward_plan, _config._fits):
+    for cached in (_config.forward_plan, _config.backward_plan, _take._fits):
         cached.cache_clear()
     yield 8
-    for cached in (_config.forward_plan, _config.backward_plan, _config._fits):
+    for cached in (_config.forward_plan, _config.backward_plan, _take._fits):
         cached.cache_clear()
 
 
@@ -108,11 +108,11 @@ def test_rows_too_wide_to_share_are_not_taken(few_cpu_slices):
     backward plan, and the kernels do not take it; the forward holds 16384 in registers and
     sweeps wider rows in chunks, any D (it shares no row)."""
     bwd = _config.COOP_BYTES // 4
-    assert _config.kernels_take(few_cpu_slices * bwd, 4, False, -1)
-    assert not _config.kernels_take(few_cpu_slices * bwd + 1, 4, False, -1)
+    assert _take.kernels_take(few_cpu_slices * bwd, 4, False, -1)
+    assert not _take.kernels_take(few_cpu_slices * bwd + 1, 4, False, -1)
     # bf16 with the residual: 8 slices of 4096 both ways hold 32768
-    assert _config.kernels_take(few_cpu_slices * 2 * bwd, 2, True, -1)
-    assert not _config.kernels_take(few_cpu_slices * 2 * bwd + 1, 2, True, -1)
+    assert _take.kernels_take(few_cpu_slices * 2 * bwd, 2, True, -1)
+    assert not _take.kernels_take(few_cpu_slices * 2 * bwd + 1, 2, True, -1)
     for D, kernel in ((_config.MAX_FUSED_D_FWD, "norm_fwd_rows_kernel"),
                       (_config.MAX_FUSED_D_FWD + 1, "norm_fwd_loop_kernel"),
                       (1 << 24, "norm_fwd_loop_kernel")):
@@ -213,8 +213,8 @@ def test_launches_switch_to_the_tensors_device(monkeypatch):
     """Triton launches on the current CUDA device: a launcher for tensors on another device
     makes theirs current first (checked on a machine with two GPUs by the test below)."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    assert _config.other_device(1) and not _config.other_device(0)
-    assert not _config.other_device(-1)                      # the CPU: nothing to switch
+    assert _launch.other_device(1) and not _launch.other_device(0)
+    assert not _launch.other_device(-1)                      # the CPU: nothing to switch
 
 
 @pytest.mark.gpu
@@ -316,7 +316,7 @@ def test_bounded_wait_runs_out_and_gives_the_same_bits(monkeypatch, norm, residu
         pytest.skip("the interpreter's sequential programs are what make the wait run out")
     D = 40000
     plain = _wide(norm, D, residual)
-    monkeypatch.setattr(_config, "coop_flags", lambda device_index: dict(POLLS=3))
+    monkeypatch.setattr(_config, "CPU_POLLS", 3)
     _config.forward_plan.cache_clear()
     _config.backward_plan.cache_clear()
     try:
@@ -406,8 +406,7 @@ class _Compiling:
 
 
 def _clear_plans():
-    for cached in (_config.arch, _config.device, _config.forward_plan, _config.backward_plan,
-                   _config._fits):
+    for cached in (_config.device, _config.forward_plan, _config.backward_plan, _take._fits):
         cached.cache_clear()
 
 
@@ -536,9 +535,9 @@ def test_the_interpreter_never_measures(monkeypatch):
 def test_a_measurement_that_fails_keeps_the_assumed_grid(monkeypatch):
     """A warmup that raises (a Triton whose API differs) must not stop the launch it sizes:
     the plan keeps its assumed programs per SM, marked measured, with one warning."""
-    plan = _config._plan("norm_fwd_rows_kernel", 264, {}, {}, slices=1, groups=264, rows=1,
-                         per_sm=2, ahead=1, elem_bytes=2, measured=False, reads=1, writes=1,
-                         stats=2, params=2, partials=0)
+    cfg = _config.Config(1024, 1, 4, 128)
+    plan = _config._plan("norm_fwd_rows_kernel", 264, {}, cfg, per_sm=2, measured=False,
+                         reads=1, writes=1, stats=2, params=2, partials=0, ahead=1, elem_bytes=2)
 
     class Broken:
         def warmup(self, *args, **kwargs):
@@ -546,7 +545,7 @@ def test_a_measurement_that_fails_keeps_the_assumed_grid(monkeypatch):
 
     monkeypatch.setattr(_config, "measured_per_sm", {})
     with pytest.warns(RuntimeWarning, match="could not read the compiled occupancy"):
-        changed = _config.measure(Broken(), plan, (), 0)
+        changed = _launch.measure(Broken(), plan, (), 0)
     assert changed is False
     assert _config.measured_per_sm[_config.measure_key(plan.kernel, plan.flags, 0)] == 2
 
@@ -579,7 +578,8 @@ def test_a_row_of_a_tile_of_its_own_is_a_program_on_a_gpu(norm):
 def _sharing_plan(groups, slices=4, ring=2, words_per_slice=4):
     """What the slot buffer reads of a sharing backward's plan."""
     return SimpleNamespace(grid=(groups * slices,), slices=slices, groups=groups,
-                           constexprs=dict(RING=ring, SLICES=words_per_slice))
+                           constexprs=dict(RING=ring, SLICES=words_per_slice),
+                           slot_words=groups * (ring * 2 * words_per_slice + slices))
 
 
 def test_slot_epochs_never_repeat_on_a_stream(monkeypatch):
@@ -595,7 +595,7 @@ def test_slot_epochs_never_repeat_on_a_stream(monkeypatch):
     x = torch.empty(0)
     small, big = _sharing_plan(groups=3), _sharing_plan(groups=5)
     slots, epoch = _backward._slots(small, 10, x, 0)               # 4 rows per group
-    assert epoch == 0 and slots.numel() == _config.slot_words(small) and not slots.any()
+    assert epoch == 0 and slots.numel() == small.slot_words and not slots.any()
     slots.fill_(3 << 32)                                           # words of tag 3 left
     again, epoch = _backward._slots(small, 10, x, 0)
     assert again is slots and epoch == 4

@@ -127,7 +127,7 @@ def test_backward_ring_reused_by_later_rows(monkeypatch):
     dx.fill_(float("nan"))                             # what no program writes stays NaN
     slots, epoch = seen["args"][6:8]                   # the rows in flight, not M x S
     # each group's ring (2 rows of 2 words a slot), then a word per program
-    assert seen["programs"] > S and _config.slot_words(plan) == (
+    assert seen["programs"] > S and plan.slot_words == (
         seen["programs"] // S * 4 * SLICES + seen["programs"]) <= slots.numel()
     one_group = dict(seen, programs=S)
     _run(one_group, polls=1_000_000, delays={})

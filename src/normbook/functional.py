@@ -44,7 +44,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF = (torch.float16, torch.bfloat16)
 _BACKENDS = ("auto", "kernels", "torch")
 _backend = "auto"          # see backend()
-_FUSED_D = 8192            # rows up to this wide always fit the kernels (kernels._config.kernels_take)
+_FUSED_D = 8192            # rows up to this wide always fit the kernels (kernels._take.kernels_take)
 
 
 # ----------------------------------------------------------------------------- backends
@@ -114,7 +114,7 @@ class _Kernels(NamedTuple):
     norm_forward: Any       # the launchers, kernels._forward.norm_forward and
     norm_backward: Any      # kernels._backward.norm_backward
     ops: Any                # kernels.ops: the custom ops
-    config: Any             # kernels._config
+    take: Any               # kernels._take: which rows the kernels take
     ready: Any              # kernels._ready.ready
     plain: Any              # kernels._launch.plain
 
@@ -123,10 +123,10 @@ def _kernels():
     """The kernel layer (imports triton on first use: ``import normbook`` never does)."""
     global _K, _READY
     if _K is None:
-        from normbook.kernels import _backward, _config, _forward, _launch, _ready, ops
+        from normbook.kernels import _backward, _forward, _launch, _ready, _take, ops
 
         _READY = _launch.READY
-        _K = _Kernels(_forward.norm_forward, _backward.norm_backward, ops, _config, _ready.ready,
+        _K = _Kernels(_forward.norm_forward, _backward.norm_backward, ops, _take, _ready.ready,
                       _launch.plain)
     return _K
 
@@ -484,10 +484,10 @@ def _check_residual(residual, input) -> None:
 
 
 def _wide_rows_fit(D: int, itemsize: int, has_residual: bool, device_index: int) -> bool:
-    """kernels._config.kernels_take, a value to torch.compile: Dynamo calls it once, while it
+    """kernels._take.kernels_take, a value to torch.compile: Dynamo calls it once, while it
     traces, and keeps the answer, rather than tracing the plan builders (their caches, the
     device's properties, the environment switch) into the graph."""
-    return _kernels()[3].kernels_take(D, itemsize, has_residual, device_index)
+    return _kernels().take.kernels_take(D, itemsize, has_residual, device_index)
 
 
 # torch.compiler.assume_constant_result(_wide_rows_fit), without importing torch._dynamo (and

@@ -18,8 +18,9 @@ a DTensor it calls them through the custom ops ``torch.ops.normbook.norm_forward
 Triton 3.6 and 3.9.
 
 Modules, one topic each: ``_forward`` and ``_backward`` (kernels and launchers), ``_config``
-(block sizes, rows per program, persistent grid, cached launch options), ``_launch`` (the
-compiled kernels kept and launched directly; the stub driver), ``ops`` (these
+(from D, dtype and device to a plan: the kernel, its block shape, grid and launch options),
+``_take`` (which rows the kernels take), ``_launch`` (the compiled kernels kept and launched
+directly; the occupancy measured at a first launch; the stub driver), ``ops`` (these
 public functions; the custom ops themselves are defined in ``normbook._ops``, without
 Triton, so that an exported program loads after ``import normbook``), ``report``
 (``python -m normbook.kernels.report``: the static compile report; its command line,

@@ -7,7 +7,7 @@ Per row, with xhat recomputed from x, mean and rstd (never saved):
 and across rows dweight = sum_n dy * xhat, dbias = sum_n dy.
 
 The parameter gradients are a reduction over M rows. Programs of a persistent grid (a fixed
-number, see ``_config.persistent_programs``) each loop over their rows and keep fp32 partial
+number, see ``_config._persistent``) each loop over their rows and keep fp32 partial
 sums, write one (D,) partial each, and ``norm_bwd_finish_kernel`` sums them (a grid of one
 program writes dweight and dbias itself): no atomics, no locks, the
 same summation order every run, so the result is bitwise reproducible.
@@ -23,7 +23,7 @@ Kernels, chosen by row length:
 
 Which ones, with what grids and flags, are plans (``_config.backward_plan``): the launcher
 runs them, the compile report compiles them. Rows with more slices than the device runs at
-once have no plan (``_config.kernels_take``).
+once have no plan (``_take.kernels_take``).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 from triton.runtime import driver as _drivers
 
-from normbook.kernels._config import (MAX_FUSED_D_BWD, backward_plan, narrow_loads, other_device,
-                                      refusal, rounding, shared_rows, slot_words)
-from normbook.kernels._launch import launch
+from normbook.kernels._config import MAX_FUSED_D_BWD, backward_plan, narrow_loads, rounding
+from normbook.kernels._launch import launch, measure, other_device
+from normbook.kernels._take import refusal, shared_rows
 from normbook.kernels._exchange import (_agreed_start, _claim_words, _exchange, _pack, _publish,
                                         _ring, _slot_words, _unpack)
 from normbook.kernels._forward import multiple
@@ -486,7 +486,7 @@ _cooperation_refused = False
 
 
 def launch_shared(kernel, plan, args: tuple, key=None, device: int = 0) -> None:
-    """Launch a kernel that exchanges sums (:func:`coop_flags`) by ``plan``. Cooperatively
+    """Launch a kernel that exchanges sums (``_config._shared``) by ``plan``. Cooperatively
     first; should the driver refuse (``too many blocks in cooperative launch``: a partitioned
     GPU under MPS or green contexts, a sanitizer adding registers, a compiler change), plainly,
     now and for every later launch, with one warning: the bounded wait and the computation of
@@ -535,7 +535,7 @@ def _slots(plan, M: int, x: torch.Tensor, device: int, kept: bool = True) -> tup
     warm up in a memory pool of their own that they may later reclaim, which a kept buffer
     must never be in). When the tags would pass TAG_LIMIT (after 2^31 rows per group) the
     buffer is zeroed, once, on its stream."""
-    words = slot_words(plan)
+    words = plan.slot_words
     rows = -(-M // plan.groups)                           # at most, per group
     if not kept or (device >= 0 and torch.cuda.is_current_stream_capturing()):
         return torch.zeros(words, dtype=torch.int64, device=x.device), 0
@@ -591,7 +591,7 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool, round_xhat
         weight; dbias: (D,) in ``bias_dtype``, or None without a bias.
 
     Raises:
-        ValueError: rows that no plan takes (:func:`normbook.kernels._config.kernels_take`).
+        ValueError: rows that no plan takes (:func:`normbook.kernels._take.kernels_take`).
     """
     M, D = x.shape
     device = x.get_device()
@@ -664,7 +664,6 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool, round_xhat
     if plan.slices > 1:   # groups of S programs, one per slice of a row, exchanging sums
         args = (*args[:6], *_slots(plan, M, x, device, kept_slots), *args[6:])
     if not plan.measured:   # a GPU, the kernel's first launch: size the grid by what it needs
-        from normbook.kernels._config import measure
         if measure(kernel, plan, args, device) and backward_plan(
                 M, D, device, e, is_rms, dh is not None, dweight is not None,
                 dbias is not None, (stride_x | stride_dy | stride_dh) & 15,

@@ -32,15 +32,16 @@ alignment D and the strides share (:func:`vec`). Triton's JIT also specializes o
 and on 16-byte-aligned pointers and strides: that lets the loads be 128 bits wide.
 
 Rows whose backward has more slices than the device runs at once, and every row wider than
-MAX_FUSED_D_BWD when NORMBOOK_SHARED_ROWS is off (:func:`shared_rows`), have no backward plan:
-:func:`kernels_take` says so, and the front door sends them to the torch-ops backend.
+MAX_FUSED_D_BWD when NORMBOOK_SHARED_ROWS is off, have no backward plan: ``_take`` says which
+rows the kernels take, and the front door sends the rest to the torch-ops backend. On a GPU a
+plan's grid first assumes the programs per SM its block shape allows
+(:func:`resident_per_sm`); its first launch measures the compiled kernel
+(``_launch.measure``), and the plans are rebuilt with that.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -108,6 +109,8 @@ RING = 2                  # rows of a group whose slots are kept at once: one be
                           # next being published (the interpreter keeps all of a group's rows)
 CPU_SLICES = 64           # the interpreter shares a row among up to this many slices (it runs
                           # them one by one: the first program of a row computes every slot)
+CPU_POLLS = 0             # the interpreter's bound of a wait: no read (a program computes and
+                          # publishes a slot still empty itself)
 WEIGHT_ONCE_FROM = (3, 9)  # from this Triton on the sharing backward holds its weight slice
                           # through its loop unspilled (see weight_loads)
 FINISH_BLOCK_D = 64       # the finish kernel sums (32, 64) fp32 tiles of partials, 8 KB per
@@ -141,9 +144,9 @@ class Config(NamedTuple):
 
 
 class Device(NamedTuple):
-    """What a plan needs to know of a device: its compute capability (see :func:`arch`) and
-    its streaming multiprocessors, 0 for Triton's interpreter (which runs a launch's programs
-    one by one on the CPU). The compile report plans for the model's H200 with one."""
+    """What a plan needs to know of a device: its compute capability as 80, 90, ... and its
+    streaming multiprocessors, 0 for Triton's interpreter (which runs a launch's programs one
+    by one on the CPU). The compile report plans for the model's H200 with one."""
 
     arch: int
     sms: int
@@ -179,6 +182,9 @@ class Plan(NamedTuple):
     simple: bool = False   # the launchers' common case, one test: whole rows (S = 1), measured,
                            # and (the backward) no finish after it
     key: int = -1          # the launch (kernel, flags) as one small int, the same for equal
+    slot_words: int = 0    # int64 words of the slot buffer a sharing launch uses: each
+                           # group's ring (RING rows of 2 words a slice), then one word a
+                           # program (where its warps agree on the first row they left for)
 
 
 # the two plans: read these first ----------------------------------------------------------------
@@ -197,23 +203,21 @@ def forward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool,
                  HAS_BIAS=has_bias, VEC=vec(D, itemsize, strides))
     inputs = 2 if has_residual else 1                  # x (and the residual) in, y (and h) out
     counts = dict(reads=inputs, writes=inputs, stats=1 if is_rms else 2,
-                  params=int(has_weight) + int(has_bias), partials=0)
-    if D <= MAX_FUSED_D_FWD and (cfg.BLOCK_D < TILE_ELEMS or not dev.sms):
-        return (_rows_plan("norm_fwd_rows_kernel", M, D, cfg, dev, itemsize, inputs, flags,
-                           device_index, **counts),)
-    if D <= MAX_FUSED_D_FWD:    # a row a program on a GPU, its loads not pipelined (ROW_ELEMS)
-        constexprs = dict(flags, ROWS=1, BLOCK_D=cfg.BLOCK_D, NUM_STAGES=1)
-        return (_plan("norm_fwd_rows_kernel", M, constexprs, cfg.launch(), slices=1, groups=M,
-                      rows=1, per_sm=resident_per_sm(cfg), ahead=inputs, elem_bytes=itemsize,
+                  params=int(has_weight) + int(has_bias), partials=0, ahead=inputs,
+                  elem_bytes=itemsize)
+    if D > MAX_FUSED_D_FWD:
+        # two sweeps of chunks: one program a row up to LOOP_WIDE_FROM, else LOOP_PER_SM per SM
+        # looping over the rows; CPU_PROGRAMS in the interpreter. The grid depends on the
+        # device alone: nothing to measure
+        programs = M if D <= LOOP_WIDE_FROM else LOOP_PER_SM * dev.sms
+        grid = max(1, min(M, programs if dev.sms else CPU_PROGRAMS))
+        return (_plan("norm_fwd_loop_kernel", grid, dict(flags, BLOCK_D=cfg.BLOCK_D), cfg,
                       **counts),)
-    # one program a row up to LOOP_WIDE_FROM, else LOOP_PER_SM per SM looping over the rows;
-    # CPU_PROGRAMS in the interpreter. The grid depends on the device alone: nothing to measure
-    programs = M if D <= LOOP_WIDE_FROM else LOOP_PER_SM * dev.sms
-    grid = max(1, min(M, programs if dev.sms else CPU_PROGRAMS))
-    constexprs = dict(flags, BLOCK_D=cfg.BLOCK_D)
-    return (_plan("norm_fwd_loop_kernel", grid, constexprs, cfg.launch(), slices=1, groups=grid,
-                  rows=1, per_sm=resident_per_sm(cfg), ahead=inputs, elem_bytes=itemsize,
-                  **counts),)
+    if cfg.BLOCK_D >= TILE_ELEMS and dev.sms:
+        # a row a program on a GPU, its loads not pipelined (see ROW_ELEMS)
+        constexprs = dict(flags, ROWS=1, BLOCK_D=cfg.BLOCK_D, NUM_STAGES=1)
+        return (_plan("norm_fwd_rows_kernel", M, constexprs, cfg, **counts),)
+    return (_persistent("norm_fwd_rows_kernel", M, cfg, dev, device_index, flags, **counts),)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -222,26 +226,27 @@ def backward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool, has
                   shared: bool = True) -> Optional[tuple[Plan, ...]]:
     """The backward's launches on a device, cached as :func:`forward_plan`: the kernel, then,
     when several groups kept partials of dweight or dbias, the finish that sums them. None
-    when no plan takes the rows."""
+    when no plan takes the rows: wider than MAX_FUSED_D_BWD with ``shared`` False, or with
+    more slices than the device runs at once."""
     dev = device(device_index)
     cfg = backward_config(M, D, narrow_loads(D, itemsize, strides), itemsize, dev.arch)
     flags = dict(IS_RMS=is_rms, HAS_DH=has_dh, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias,
                  VEC=vec(D, itemsize, strides))
     n_par = int(has_weight) + int(has_bias)
-    counts = dict(reads=2 + has_dh, writes=1, stats=1 if is_rms else 2, params=int(has_weight))
+    counts = dict(reads=2 + has_dh, writes=1, stats=1 if is_rms else 2, params=int(has_weight),
+                  partials=0, elem_bytes=itemsize)
     if not cfg.SLICES:
-        main = _rows_plan("norm_bwd_rows_kernel", M, D, cfg, dev, itemsize, 2 + has_dh, flags,
-                          device_index, partials=0, **counts)
+        main = _persistent("norm_bwd_rows_kernel", M, cfg, dev, device_index, flags,
+                           ahead=2 + has_dh, **counts)
+        if M <= ONE_PROGRAM_ROWS and n_par and main.groups > 1:
+            main = main._replace(grid=(1,), groups=1)       # one launch for a few rows
     elif not shared:
         return None
     else:   # the next row's x and dy are in flight while a program waits (dh comes after)
-        main = _shared_plan("norm_bwd_coop_kernel", M, D, cfg, dev, itemsize, 2,
-                            dict(flags, WEIGHT_LOADS=weight_loads(has_dh)), device_index,
-                            partials=0, **counts)
+        main = _shared("norm_bwd_coop_kernel", M, D, cfg, dev, device_index,
+                       dict(flags, WEIGHT_LOADS=weight_loads(has_dh)), ahead=2, **counts)
         if main is None:
             return None
-    if not cfg.SLICES and M <= ONE_PROGRAM_ROWS and n_par and main.groups > 1:
-        main = main._replace(grid=(1,), groups=1)       # one launch for a few rows
     if main.groups == 1 or not n_par:      # one group writes dweight and dbias itself
         return (main,)
     main = main._replace(partials=main.groups * n_par, simple=False)
@@ -258,10 +263,9 @@ def finish_plan(D: int, has_weight: bool, has_bias: bool, groups: int,
     n_par = int(has_weight) + int(has_bias)
     constexprs = dict(HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, BLOCK_P=FINISH_BLOCK_P,
                       BLOCK_D=block_d, VEC=vec(D, 4))
-    return _plan("norm_bwd_finish_kernel", -(-D // block_d), constexprs, cfg.launch(),
-                 slices=1, groups=1, rows=FINISH_BLOCK_P, per_sm=resident_per_sm(cfg), reads=0,
-                 writes=0, stats=0, params=n_par, partials=groups * n_par, ahead=n_par,
-                 elem_bytes=4)
+    return _plan("norm_bwd_finish_kernel", -(-D // block_d), constexprs, cfg, groups=1,
+                 reads=0, writes=0, stats=0, params=n_par, partials=groups * n_par,
+                 ahead=n_par, elem_bytes=4)
 
 
 # block shapes -----------------------------------------------------------------------------------
@@ -280,141 +284,150 @@ def forward_config(M: int, D: int, itemsize: int = 2) -> Config:
     if block_d >= TILE_ELEMS:       # a row a program (see ROW_ELEMS)
         warps = min(ROW_MAX_WARPS, block_d // (32 * ROW_ELEMS))
         return Config(block_d, 1, warps, maxnreg_for(warps))
-    return _config(M, D, MAX_FUSED_D_FWD, ELEMS_FWD)
+    return _tiles(M, block_d, ELEMS_FWD)
 
 
 @functools.lru_cache(maxsize=4096)
 def backward_config(M: int, D: int, narrow: bool = False, itemsize: int = 2,
                     arch: int = 90) -> Config:
-    """Block shape of the backward for M rows of length D (cached).
-    ``narrow``: loads narrower than 16 bytes (:func:`narrow_loads`), which take more registers
-    per value: half as many values per thread, twice the warps, then. Wider rows than
-    MAX_FUSED_D_BWD: slices of COOP_BYTES (half that with narrow loads) that exchange their
-    sums (``SLICES``). ``arch``: the compute capability (see :func:`arch`)."""
+    """Block shape of the backward for M rows of length D (cached): tiles of several rows as
+    the forward's, ELEMS_BWD values a thread. ``narrow``: loads narrower than 16 bytes
+    (:func:`narrow_loads`), which take more registers per value: half as many values per
+    thread, twice the warps, then. Wider rows than MAX_FUSED_D_BWD: slices of COOP_BYTES (half
+    that with narrow loads; at most COOP_VALUES_SM80 values a thread before Hopper, ``arch``
+    < 90) that exchange their sums (``SLICES``)."""
     if D > MAX_FUSED_D_BWD:
-        return _shared_config(D, COOP_BYTES // itemsize // (2 if narrow else 1), arch)
-    return _config(M, D, MAX_FUSED_D_BWD, ELEMS_BWD // 2 if narrow else ELEMS_BWD)
-
-
-def _config(M: int, D: int, max_fused: int, elems: int) -> Config:
+        block = COOP_BYTES // itemsize // (2 if narrow else 1)
+        if arch < 90:
+            block = min(block, COOP_VALUES_SM80 * 32 * COOP_WARPS)
+        return Config(block, 1, COOP_WARPS, COOP_MAXNREG, SLICES=next_power_of_2(-(-D // block)))
     block_d = max(MIN_BLOCK_D, next_power_of_2(D))
+    return _tiles(M, block_d, ELEMS_BWD // 2 if narrow else ELEMS_BWD)
+
+
+def _tiles(M: int, block_d: int, elems: int) -> Config:
+    """ROWS rows of ``block_d`` columns a tile, about TILE_ELEMS values (at most MAX_ROWS
+    rows, and no more than M needs), ``elems`` values a thread."""
     rows = max(1, min(MAX_ROWS, TILE_ELEMS // block_d, next_power_of_2(max(M, 1))))
     num_warps = max(1, min(MAX_WARPS, rows * block_d // (32 * elems)))
     return Config(block_d, rows, num_warps, maxnreg_for(num_warps))
-
-
-def _shared_config(D: int, block: int, arch: int) -> Config:
-    """Slices of ``block`` columns (fewer values a thread before Hopper, see COOP_VALUES_SM80)
-    for the kernels that share a row among S programs."""
-    if arch < 90:
-        block = min(block, COOP_VALUES_SM80 * 32 * COOP_WARPS)
-    return Config(block, 1, COOP_WARPS, COOP_MAXNREG, SLICES=next_power_of_2(-(-D // block)))
 
 
 def maxnreg_for(num_warps: int) -> int:
     return min(MAX_REGISTERS, 65536 // (32 * num_warps))   # 64K registers per SM
 
 
-@functools.lru_cache(maxsize=4096)
-def num_stages(cfg: Config, itemsize: int, inputs: int) -> int:
-    """Stages of a rows kernel's software pipeline: one more than the tiles that fit in
-    SMEM_PER_PROGRAM (their loads are in flight ahead of the arithmetic), at most MAX_STAGES;
-    1 (no pipelining) when not even one does. A tile is ROWS rows of each of the ``inputs``
-    row-sized tensors loaded. (No rows kernel takes 32 warps, whose 64 registers a thread
-    would leave none to pipeline with: MAX_FUSED_D_FWD keeps the forward at 16.)
-    """
-    tile = cfg.ROWS * cfg.BLOCK_D * itemsize * inputs
-    return min(MAX_STAGES, 1 + SMEM_PER_PROGRAM // tile)
-
-
 # grids ------------------------------------------------------------------------------------------
 
-def persistent_programs(tiles: int, sms: int, per_sm: int) -> int:
-    """Grid size of a persistent kernel: as many programs as the GPU holds
-    at once (``per_sm`` on each of its ``sms`` SMs; 0 SMs means Triton's
-    interpreter, which takes CPU_PROGRAMS), never more than the tiles.
+def _persistent(kernel: str, M: int, cfg: Config, dev: Device, device_index, flags: dict,
+                **counts) -> Plan:
+    """Whole rows (S = 1) on a persistent grid: as many programs as the GPU holds at once
+    (:func:`_resident` on each SM; CPU_PROGRAMS in the interpreter, any fixed number being
+    deterministic), never more than the tiles, each ROWS rows a step of its loop. The count
+    depends only on the device and the shapes, so two runs with the same shapes split the rows
+    the same way and sum the backward's partials in the same order: bitwise equal.
 
-    The count depends only on the device and the shapes, so two runs with
-    the same shapes split the rows the same way and sum the backward's
-    partials in the same order: bitwise equal.
-    """
-    # the interpreter: any fixed number is deterministic
-    programs = per_sm * sms if sms else CPU_PROGRAMS
-    return max(1, min(programs, tiles))
-
-
-def resident_per_sm(cfg: Config) -> int:
-    """Programs of a persistent kernel that one SM holds, which sizes its grid.
-
-    At most 255 registers per thread (the launch's maxnreg) means a 4-warp program takes at
-    most 32K of the 64K registers, so two fit; an 8-warp program or wider, one (two of the
-    wide kernels', capped at COOP_MAXNREG). Pipelined tiles take at most SMEM_PER_PROGRAM of
-    shared memory each. The compile report checks it against the registers and shared memory
-    each kernel really needs.
-    """
-    return max(1, min(64 // cfg.num_warps, 65536 // (cfg.maxnreg * 32 * cfg.num_warps)))
-
-
-def _rows_plan(kernel: str, M: int, D: int, cfg: Config, dev: Device, itemsize: int, inputs: int,
-               flags: dict, device_index=None, **counts) -> Plan:
-    """S = 1: a persistent grid of what the GPU holds, each program ROWS whole rows a step,
-    with its row loop's pipeline stages (``inputs``: row-sized tensors it loads)."""
+    The loop is software-pipelined: NUM_STAGES is one more than the tiles (ROWS rows of each
+    of the ``ahead`` row-sized tensors loaded) that fit in SMEM_PER_PROGRAM, whose loads are
+    in flight ahead of the arithmetic, at most MAX_STAGES; 1 (no pipelining) when not even one
+    does. (No rows kernel takes 32 warps, whose 64 registers a thread would leave none to
+    pipeline with: MAX_FUSED_D_FWD keeps the forward at 16.)"""
+    tile = cfg.ROWS * cfg.BLOCK_D * counts["elem_bytes"] * counts["ahead"]
     constexprs = dict(flags, ROWS=cfg.ROWS, BLOCK_D=cfg.BLOCK_D,
-                      NUM_STAGES=num_stages(cfg, itemsize, inputs))
-    options = cfg.launch()
-    per_sm, measured = _resident(kernel, dict(constexprs, **options), cfg, dev, device_index)
-    groups = persistent_programs(-(-M // cfg.ROWS), dev.sms, per_sm)
-    return _plan(kernel, groups, constexprs, options, slices=1, groups=groups, rows=cfg.ROWS,
-                 per_sm=per_sm, ahead=inputs, elem_bytes=itemsize, measured=measured, **counts)
+                      NUM_STAGES=min(MAX_STAGES, 1 + SMEM_PER_PROGRAM // tile))
+    per_sm, measured = _resident(kernel, constexprs, cfg, dev, device_index)
+    programs = per_sm * dev.sms if dev.sms else CPU_PROGRAMS
+    groups = max(1, min(programs, -(-M // cfg.ROWS)))
+    return _plan(kernel, groups, constexprs, cfg, per_sm=per_sm, measured=measured, **counts)
 
 
-def _shared_plan(kernel: str, M: int, D: int, cfg: Config, dev: Device, itemsize: int,
-                 ahead: int, flags: dict, device_index=None, **counts) -> Optional[Plan]:
-    """S > 1: groups of S programs, one per slice of a row, exchanging sums; None when a row
-    has more slices than can run at once (:func:`shared_groups`)."""
-    coop = coop_flags(dev)
-    constexprs = dict(flags, BLOCK_D=cfg.BLOCK_D, SLICES=cfg.SLICES, POLLS=coop["POLLS"],
-                      RING=RING)
-    options = dict(cfg.launch(), **{k: v for k, v in coop.items() if k != "POLLS"})
-    per_sm, measured = _resident(kernel, dict(constexprs, **options), cfg, dev, device_index)
-    groups = shared_groups(M, D, cfg, dev, per_sm)
-    if not groups:
-        return None
-    if not dev.sms:     # a ring that holds every row of a group (see _forward._ring)
-        constexprs["RING"] = max(RING, -(-M // groups))
+def _shared(kernel: str, M: int, D: int, cfg: Config, dev: Device, device_index, flags: dict,
+            **counts) -> Optional[Plan]:
+    """S > 1: groups of S = cdiv(D, BLOCK_D) programs, one per slice of a row, exchanging
+    sums; None when S exceeds :func:`shared_capacity`. All of them resident at once: as many
+    groups as fit, at most one a row. On a GPU the launch is cooperative (so that no wait runs
+    out; see ``_backward.launch_shared`` for a refusal) and each wait at most EXCHANGE_POLLS
+    reads of L2. The interpreter runs programs one by one: CPU_PROGRAMS groups, waits of
+    CPU_POLLS reads and a ring that holds every row of a group (see ``_exchange._ring``)."""
+    gpu = dev.sms > 0
+    constexprs = dict(flags, BLOCK_D=cfg.BLOCK_D, SLICES=cfg.SLICES,
+                      POLLS=EXCHANGE_POLLS if gpu else CPU_POLLS, RING=RING)
+    options = dict(cfg.launch(), launch_cooperative_grid=True) if gpu else cfg.launch()
+    per_sm, measured = _resident(kernel, constexprs, cfg, dev, device_index, options)
     slices = -(-D // cfg.BLOCK_D)
-    return _plan(kernel, groups * slices, constexprs, options, slices=slices, groups=groups,
-                 rows=1, per_sm=per_sm, ahead=ahead, elem_bytes=itemsize, measured=measured,
-                 **counts)
+    capacity = shared_capacity(cfg, dev, per_sm)
+    if slices > capacity:
+        return None
+    groups = max(1, min(M, capacity // slices if gpu else CPU_PROGRAMS))
+    if not gpu:
+        constexprs["RING"] = max(RING, -(-M // groups))
+    words = groups * (constexprs["RING"] * 2 * cfg.SLICES + slices)
+    return _plan(kernel, groups * slices, constexprs, cfg, options, slices=slices, groups=groups,
+                 per_sm=per_sm, measured=measured, slot_words=words, **counts)
 
 
 def shared_capacity(cfg: Config, dev: Device, per_sm: int = 0) -> int:
     """Programs that share rows and can all run at once: what a GPU holds of them (all of a
     cooperative grid must be resident), or CPU_SLICES in the interpreter. ``per_sm``: the
-    compiled kernel's programs per SM when measured (:func:`measure`), else the assumption."""
+    compiled kernel's programs per SM when measured, else :func:`resident_per_sm`."""
     return (per_sm or resident_per_sm(cfg)) * dev.sms if dev.sms else CPU_SLICES
 
 
-def shared_groups(M: int, D: int, cfg: Config, dev: Device, per_sm: int = 0) -> int:
-    """Groups of S = cdiv(D, BLOCK_D) programs, all resident at once: as many as fit, at most
-    one per row (CPU_PROGRAMS at most in the interpreter); 0 when S exceeds
-    :func:`shared_capacity`: no plan shares such rows."""
-    slices = -(-D // cfg.BLOCK_D)
-    capacity = shared_capacity(cfg, dev, per_sm)
-    if slices > capacity:
-        return 0
-    return max(1, min(M, CPU_PROGRAMS if not dev.sms else capacity // slices))
+def resident_per_sm(cfg: Config) -> int:
+    """Programs of a block shape that one SM holds, as assumed before its kernel is compiled.
+
+    At most 255 registers per thread (the launch's maxnreg) means a 4-warp program takes at
+    most 32K of the 64K registers, so two fit; an 8-warp program or wider, one (two of the
+    wide kernels', capped at COOP_MAXNREG). Pipelined tiles take at most SMEM_PER_PROGRAM of
+    shared memory each. The compile report checks it against the registers and shared memory
+    each kernel really needs; on a GPU, ``_launch.measure`` replaces it at the first launch.
+    """
+    return max(1, min(64 // cfg.num_warps, 65536 // (cfg.maxnreg * 32 * cfg.num_warps)))
 
 
-def _plan(kernel: str, grid: int, constexprs: dict, options: dict, **counts) -> Plan:
-    simple = counts["slices"] == 1 and counts.get("measured", True)
+# programs per SM of compiled kernels, measured at their first launch on a GPU
+# (``_launch.measure``): (kernel name, its launch keywords, device index) -> programs per SM
+measured_per_sm: dict = {}
+
+
+def measure_key(kernel: str, flags: dict, device_index) -> tuple:
+    return kernel, tuple(flags.items()), device_index
+
+
+def _resident(kernel: str, constexprs: dict, cfg: Config, dev: Device, device_index,
+              options: Optional[dict] = None) -> tuple:
+    """(programs per SM, measured): the compiled kernel's on a GPU once it was measured, else
+    :func:`resident_per_sm`'s assumption (always in the interpreter, which has nothing to
+    measure). ``options``: the launch options, ``cfg.launch()`` unless given."""
+    if not dev.sms:
+        return resident_per_sm(cfg), True
+    flags = dict(constexprs, **(cfg.launch() if options is None else options))
+    per_sm = measured_per_sm.get(measure_key(kernel, flags, device_index))
+    return (resident_per_sm(cfg), False) if per_sm is None else (per_sm, True)
+
+
+def _plan(kernel: str, grid: int, constexprs: dict, cfg: Config, options: Optional[dict] = None,
+          *, slices: int = 1, groups: int = 0, per_sm: int = 0, measured: bool = True,
+          **counts) -> Plan:
+    """A :class:`Plan` of ``grid`` programs of ``cfg``'s shape (``options``: its launch
+    options, ``cfg.launch()`` unless given; ``groups``: the grid unless given; ``per_sm``:
+    :func:`resident_per_sm` unless given)."""
+    options = cfg.launch() if options is None else options
     flags = dict(constexprs, **options)
-    return Plan(kernel, (grid,), constexprs, options, flags, simple=simple,
+    return Plan(kernel, (grid,), constexprs, options, flags, slices=slices,
+                groups=groups or grid, rows=cfg.ROWS, per_sm=per_sm or resident_per_sm(cfg),
+                measured=measured, simple=slices == 1 and measured,
                 key=_launch_id(kernel, flags), **counts)
 
 
 _launch_ids: dict = {}
 _rounded: dict = {}
+
+
+def _launch_id(kernel: str, flags: dict) -> int:
+    """One int per distinct (kernel, flags): a launch key that hashes in no time (a tuple of
+    the flags' items would be hashed again, item by item, at every launch)."""
+    return _launch_ids.setdefault((kernel, *flags.items()), len(_launch_ids))
 
 
 def rounding(plan: Plan) -> Plan:
@@ -436,64 +449,6 @@ def rounding(plan: Plan) -> Plan:
     return made
 
 
-def _launch_id(kernel: str, flags: dict) -> int:
-    """One int per distinct (kernel, flags): a launch key that hashes in no time (a tuple of
-    the flags' items would be hashed again, item by item, at every launch)."""
-    return _launch_ids.setdefault((kernel, *flags.items()), len(_launch_ids))
-
-
-# the wide backward: rows shared by programs -----------------------------------------------------
-
-def shared_rows(D: int) -> bool:
-    """Whether rows of D values may be shared among programs that exchange sums.
-    NORMBOOK_SHARED_ROWS=0 (or off, false, no) turns the sharing off: rows wider than
-    MAX_FUSED_D_BWD then have no plan and take the torch-ops backend, a way around a GPU or
-    driver that misbehaves with cooperative launches. Read each time a plan is looked up, so
-    that a change takes effect at once (the plans are cached with it); rows narrow enough for
-    one program never share and do not read it, which keeps the environment off the hot path
-    of small rows."""
-    return D > MAX_FUSED_D_BWD and env_switch("NORMBOOK_SHARED_ROWS", True)
-
-
-_ON = ("1", "true", "yes", "on")
-
-
-_OFF = ("0", "false", "no", "off")
-
-
-def env_switch(name: str, default: bool) -> bool:
-    """An on/off environment variable, in any of the usual spellings (1/0, true/false, yes/no,
-    on/off, any case); unset or empty means ``default``. Anything else is an error that names
-    the variable, rather than a silent guess."""
-    raw = os.environ.get(name, "")
-    value = raw.strip().lower()
-    if not value:
-        return default
-    if value in _ON or value in _OFF:
-        return value in _ON
-    raise ValueError(f"{name}: expected one of {', '.join(_ON)} (on) or {', '.join(_OFF)} (off), "
-                     f"got {raw!r}")
-
-
-def coop_flags(dev: Device) -> dict:
-    """How a kernel exchanging sums is launched: on a GPU cooperatively (all programs resident
-    at once, so that no wait runs out; see ``_backward.launch_shared`` for a refusal) and with waits
-    of at most EXCHANGE_POLLS reads; in the interpreter, which runs programs one by one, with
-    waits of 0 reads (a program computes and publishes a slot still empty itself)."""
-    if not dev.sms:
-        return dict(POLLS=0)
-    return dict(POLLS=EXCHANGE_POLLS, launch_cooperative_grid=True)
-
-
-def slot_words(plan) -> int:
-    """The int64 words a sharing launch uses of its slot buffer (``_backward._slots``): each
-    group's ring (RING rows of 2 words per slice) and, after all the rings, one word per
-    program (where the warps of a program agree on the first row they left for after the
-    loop)."""
-    ring = plan.constexprs["RING"] * 2 * plan.constexprs["SLICES"]
-    return plan.grid[0] // plan.slices * ring + plan.grid[0]
-
-
 @functools.lru_cache(maxsize=2)
 def weight_loads(has_dh: bool) -> int:
     """How the sharing backward loads its slice of the weight (its ``WEIGHT_LOADS``), the
@@ -511,169 +466,19 @@ def weight_loads(has_dh: bool) -> int:
     return 0 if version >= WEIGHT_ONCE_FROM else 1
 
 
-def kernels_take(D: int, itemsize: int, has_residual: bool, device_index: int) -> bool:
-    """Whether the kernels take rows of D values (of ``itemsize`` bytes, with or without the
-    fused residual add) on device ``device_index`` (-1: the interpreter), both directions:
-    True for every D <= MAX_FUSED_D_BWD without reading anything; past it, only when
-    NORMBOOK_SHARED_ROWS is on (read at every call, :func:`shared_rows`) and a row's slices
-    all run at once (cached per shape and device). The front door sends the rest to the
-    torch-ops backend.
-
-    Why not run such rows on the sharing kernel without the cooperative attribute, which
-    its bounded wait makes correct at any residency? Only R programs of the S > R of a row
-    run at once; each publishes its slice, waits the full bound (EXCHANGE_POLLS reads,
-    about 50 ms) and then computes every slice still missing itself, so a row is read
-    :func:`normbook.bench.model.unshared_reads` (S, R) times, 1 + R (S - R) / S: at S = 2R
-    on an H200 (R = 264 slices of 4096 bf16 values in the backward, rows of over a million
-    values) that is 133 reads of each row, where torch ops take a few dozen passes at most
-    (autograd through the composed LayerNorm: 12 forward, 33 backward, counted by
-    :func:`normbook.bench.counting.count`). Such rows are rare; torch ops serve them faster.
-    """
-    if D <= MAX_FUSED_D_BWD:
-        return True
-    return shared_rows(D) and _fits(D, itemsize, has_residual, device_index)
-
-
-@functools.lru_cache(maxsize=4096)
-def _fits(D: int, itemsize: int, has_residual: bool, device_index) -> bool:
-    """The backward has a plan for rows of D with contiguous rows (any M: one row is the
-    hardest to fit, it needs one group); the forward has one for every D."""
-    return backward_plan(1, D, device_index, itemsize, False, has_residual, True,
-                         True) is not None
-
-
-def widest_shared(itemsize: int, has_residual: bool, device_index, narrow: bool = False) -> int:
-    """The widest row the backward has a plan for on the device, whole in one program or
-    shared by slices that all run at once (for the launcher's error). (The forward takes rows
-    of any length.)"""
-    dev = device(device_index)
-    cfg = backward_config(1, 1 << 40, narrow, itemsize, dev.arch)
-    return max(MAX_FUSED_D_BWD, shared_capacity(cfg, dev) * cfg.BLOCK_D)
-
-
-def refusal(D: int, itemsize: int, has_residual: bool, device_index,
-            narrow: bool = False) -> ValueError:
-    """The backward launcher's error for rows that no plan takes, naming D and the limit."""
-    if not shared_rows(D):
-        return ValueError(f"norm_backward: rows of D = {D} values are wider than "
-                          f"{MAX_FUSED_D_BWD}, the widest one program holds, and "
-                          "NORMBOOK_SHARED_ROWS is off; use the torch-ops backend "
-                          "(normbook.layer_norm / normbook.rms_norm route such rows there)")
-    limit = widest_shared(itemsize, has_residual, device_index, narrow)
-    odd = ", for rows whose loads are narrower than 16 bytes" if narrow else ""
-    return ValueError(f"norm_backward: rows of D = {D} values need more programs sharing a row "
-                      f"than the device runs at once (at most D = {limit} here{odd}); use the "
-                      "torch-ops backend (normbook.layer_norm / normbook.rms_norm route such rows "
-                      "there)")
-
-
-# occupancy, measured at a kernel's first launch on a GPU ----------------------------------------
-
-# programs per SM of compiled kernels, measured at their first launch on a GPU (:func:`measure`):
-# (kernel name, its launch keywords, device index) -> programs per SM
-measured_per_sm: dict = {}
-
-
-def measure_key(kernel: str, flags: dict, device_index) -> tuple:
-    return kernel, tuple(flags.items()), device_index
-
-
-def _resident(kernel: str, flags: dict, cfg: Config, dev: Device, device_index) -> tuple:
-    """(programs per SM, measured): the compiled kernel's on a GPU once :func:`measure` has
-    seen it, else :func:`resident_per_sm`'s assumption (always in the interpreter, which has
-    nothing to measure)."""
-    if not dev.sms:
-        return resident_per_sm(cfg), True
-    per_sm = measured_per_sm.get(measure_key(kernel, flags, device_index))
-    return (resident_per_sm(cfg), False) if per_sm is None else (per_sm, True)
-
-
-def device_limits(device_index: int) -> dict:
-    """The model's hardware dict (:data:`normbook.bench.model.H200`) with what
-    torch.cuda.get_device_properties tells of device ``device_index``: its SMs, registers,
-    shared memory and threads per SM (the H200's values for what it does not tell)."""
-    from normbook.bench.model import H200
-    props = torch.cuda.get_device_properties(device_index)
-    hw = dict(H200, sms=props.multi_processor_count)
-    registers = getattr(props, "regs_per_multiprocessor", 0)
-    shared = (getattr(props, "shared_memory_per_multiprocessor", 0)
-              or getattr(props, "max_shared_memory_per_block_optin", 0)
-              or getattr(props, "shared_memory_per_block_optin", 0))
-    threads = getattr(props, "max_threads_per_multi_processor", 0)
-    if registers:
-        hw["registers"] = registers
-    if shared:
-        hw["shared"] = shared
-    if threads:
-        hw["warps"] = threads // 32
-    return hw
-
-
-def measure(kernel, plan: Plan, args: tuple, device_index: int) -> bool:
-    """Programs per SM of ``plan``'s kernel as compiled for ``args`` on CUDA device
-    ``device_index`` (the current one), from its registers, shared memory and warps
-    (:func:`normbook.bench.model.programs_per_sm` with :func:`device_limits`): compiled
-    without a launch (``kernel.warmup``, the binary loaded for its register count), recorded
-    in :data:`measured_per_sm` for the plan builders, whose caches are cleared so that they
-    rebuild their plans with it, marked measured. True when it differs from the plan's
-    ``per_sm``: the plan's grid is wrong, rebuild it (too many programs of a cooperative grid
-    and the driver refuses the launch; too few leave SMs idle)."""
-    try:
-        compiled = kernel.warmup(*args, grid=plan.grid, **plan.flags)
-        if compiled is None:            # a compile hook took it: keep the assumption
-            per_sm = plan.per_sm
-        else:
-            init = getattr(compiled, "_init_handles", None)
-            if init is not None:        # n_regs is known once the binary is loaded
-                init()
-            from normbook.bench.model import programs_per_sm
-            per_sm = max(1, programs_per_sm(compiled.n_regs, compiled.metadata.num_warps,
-                                            compiled.metadata.shared, device_limits(device_index)))
-    except Exception as e:  # noqa: BLE001 - a measurement must never stop the launch it sizes
-        # (a Triton whose warmup or metadata differs from 3.6 / 3.9's): keep the assumption,
-        # say so once; a compile error proper is raised again by the launch itself
-        per_sm = plan.per_sm
-        warnings.warn(f"normbook: could not read the compiled occupancy of {plan.kernel} "
-                      f"({type(e).__name__}: {e}); its grid keeps {per_sm} programs per SM",
-                      RuntimeWarning, stacklevel=3)
-    measured_per_sm[measure_key(plan.kernel, plan.flags, device_index)] = per_sm
-    forward_plan.cache_clear()
-    backward_plan.cache_clear()
-    if per_sm == plan.per_sm:
-        return False
-    _fits.cache_clear()             # which wide rows fit all their slices may change
-    return True
-
-
 # devices and alignment --------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=64)
 def device(device_index) -> Device:
-    """The :class:`Device` of Tensor.get_device() (-1: the interpreter); a Device is itself."""
+    """The :class:`Device` of Tensor.get_device() (-1: the interpreter, planned as the goal's
+    GPU, compute capability 9.0); a Device is itself."""
     if isinstance(device_index, Device):
         return device_index
     if device_index < 0:
         return Device(90, 0)
-    return Device(arch(device_index),
-                  torch.cuda.get_device_properties(device_index).multi_processor_count)
-
-
-@functools.lru_cache(maxsize=64)
-def arch(device_index: int) -> int:
-    """Compute capability of CUDA device ``device_index`` as 80, 90, ...; 90 for the
-    interpreter (-1), whose launch shapes are those of the goal's GPU."""
-    if device_index < 0:
-        return 90
     major, minor = torch.cuda.get_device_capability(device_index)
-    return 10 * major + minor
-
-
-def other_device(device_index: int) -> bool:
-    """Whether CUDA device ``device_index`` is not the current one. Triton launches a kernel
-    on the current device and its current stream, whatever device the arguments are on, so
-    a launcher for tensors on another device (cuda:1 while cuda:0 is current) makes theirs
-    current first. False for the CPU (-1)."""
-    return device_index >= 0 and device_index != torch.cuda.current_device()
+    return Device(10 * major + minor,
+                  torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
 def vec(D: int, itemsize: int, strides: int = 0) -> int:

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from normbook.kernels._config import forward_plan, other_device, rounding
-from normbook.kernels._launch import launch
+from normbook.kernels._config import forward_plan, rounding
+from normbook.kernels._launch import launch, measure, other_device
 
 FP32_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)   # torch.finfo(torch.float32).tiny
 FP32_MAX = tl.constexpr(3.4028234663852886e38)           # torch.finfo(torch.float32).max
@@ -381,7 +381,6 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool, round_xhat
     key = launch_key(plan, x, r, w, b, stride_x, stride_r, M, D) if aligned else None
     kernel = _KERNELS[plan.kernel]
     if not plan.measured:   # a GPU, the rows kernel's first launch: size its grid by what it needs
-        from normbook.kernels._config import measure
         if measure(kernel, plan, args, device):
             return norm_forward(x, residual, weight, bias, eps, is_rms, round_xhat)   # measured
     launch(kernel, plan.grid, args, plan.flags, key, device)

@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 from typing import Iterator, Optional
 
+import torch
 import triton
 from triton import knobs
 from triton.runtime import driver as _drivers
@@ -41,7 +43,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 __all__ = ["launch", "direct", "stub_driver", "TESTED", "compiled_variants", "kept", "plain",
-           "READY"]
+           "READY", "measure", "other_device"]
 
 TESTED = ("3.6", "3.9")   # Triton versions whose JITFunction.run this mirrors, and is tested on
 
@@ -126,6 +128,75 @@ def launch(kernel, grid: tuple, args: tuple, flags: dict, key: Optional[tuple] =
         _compiled.clear()
         READY.clear()
     _compiled[key, device] = kept
+
+
+def other_device(device_index: int) -> bool:
+    """Whether CUDA device ``device_index`` is not the current one. Triton launches a kernel
+    on the current device and its current stream, whatever device the arguments are on, so
+    a launcher for tensors on another device (cuda:1 while cuda:0 is current) makes theirs
+    current first. False for the CPU (-1)."""
+    return device_index >= 0 and device_index != torch.cuda.current_device()
+
+
+# ------------------------------------------------- occupancy, measured at a kernel's first launch
+
+def device_limits(device_index: int) -> dict:
+    """The model's hardware dict (:data:`normbook.bench.model.H200`) with what
+    torch.cuda.get_device_properties tells of device ``device_index``: its SMs, registers,
+    shared memory and threads per SM (the H200's values for what it does not tell)."""
+    from normbook.bench.model import H200
+    props = torch.cuda.get_device_properties(device_index)
+    hw = dict(H200, sms=props.multi_processor_count)
+    registers = getattr(props, "regs_per_multiprocessor", 0)
+    shared = (getattr(props, "shared_memory_per_multiprocessor", 0)
+              or getattr(props, "max_shared_memory_per_block_optin", 0)
+              or getattr(props, "shared_memory_per_block_optin", 0))
+    threads = getattr(props, "max_threads_per_multi_processor", 0)
+    if registers:
+        hw["registers"] = registers
+    if shared:
+        hw["shared"] = shared
+    if threads:
+        hw["warps"] = threads // 32
+    return hw
+
+
+def measure(kernel, plan, args: tuple, device_index: int) -> bool:
+    """Programs per SM of ``plan``'s kernel as compiled for ``args`` on CUDA device
+    ``device_index`` (the current one), from its registers, shared memory and warps
+    (:func:`normbook.bench.model.programs_per_sm` with :func:`device_limits`): compiled
+    without a launch (``kernel.warmup``, the binary loaded for its register count), recorded
+    in ``_config.measured_per_sm`` for the plan builders, whose caches are cleared so that
+    they rebuild their plans with it, marked measured. True when it differs from the plan's
+    ``per_sm``: the plan's grid is wrong, rebuild it (too many programs of a cooperative grid
+    and the driver refuses the launch; too few leave SMs idle)."""
+    from normbook.kernels import _config, _take
+
+    try:
+        compiled = kernel.warmup(*args, grid=plan.grid, **plan.flags)
+        if compiled is None:            # a compile hook took it: keep the assumption
+            per_sm = plan.per_sm
+        else:
+            init = getattr(compiled, "_init_handles", None)
+            if init is not None:        # n_regs is known once the binary is loaded
+                init()
+            from normbook.bench.model import programs_per_sm
+            per_sm = max(1, programs_per_sm(compiled.n_regs, compiled.metadata.num_warps,
+                                            compiled.metadata.shared, device_limits(device_index)))
+    except Exception as e:  # noqa: BLE001 - a measurement must never stop the launch it sizes
+        # (a Triton whose warmup or metadata differs from 3.6 / 3.9's): keep the assumption,
+        # say so once; a compile error proper is raised again by the launch itself
+        per_sm = plan.per_sm
+        warnings.warn(f"normbook: could not read the compiled occupancy of {plan.kernel} "
+                      f"({type(e).__name__}: {e}); its grid keeps {per_sm} programs per SM",
+                      RuntimeWarning, stacklevel=3)
+    _config.measured_per_sm[_config.measure_key(plan.kernel, plan.flags, device_index)] = per_sm
+    _config.forward_plan.cache_clear()
+    _config.backward_plan.cache_clear()
+    if per_sm == plan.per_sm:
+        return False
+    _take._fits.cache_clear()       # which wide rows fit all their slices may change
+    return True
 
 
 # ----------------------------------------------------------------------------- the stub seam

@@ -45,7 +45,7 @@ from normbook._report_cli import ARCHS, main  # noqa: E402,F401
 from normbook.bench import bytemodel, goal, model  # noqa: E402
 from normbook.kernels import sass  # noqa: E402
 from normbook.kernels._config import (  # noqa: E402
-    Device, Plan, backward_plan, forward_plan, narrow_loads, slot_words)
+    Device, Plan, backward_plan, forward_plan, narrow_loads)
 
 try:   # needed to compile, not to print --help: without it main refuses in one line
     import triton
@@ -95,14 +95,14 @@ def direction(plan: Plan) -> str:
 def traffic(plan: Plan, D: int, dtype: str, M: int = M_REPORT) -> dict:
     """What one launch moves, counted from its plan: HBM bytes per row of the problem (its
     row-sized tensors read and written, the fp32 statistics; once per launch, the parameters,
-    the fp32 partials and a shared row's slot buffer, 8 bytes a word (:func:`_config.slot_words`:
+    the fp32 partials and a shared row's slot buffer, 8 bytes a word (:attr:`Plan.slot_words`:
     exchanged at L2 and written back at most once; kept, not zeroed, between launches), the
     bytes of loads one program has in flight per step of its loop (its tile), its grid, and (but for the finish kernel, which has no rows) the bytes
     one program's row step reads and writes, which must outlast its chain of waits."""
     e = bytemodel.itemsize(dtype)
     out = dict(bytes_per_row=D * e * (plan.reads + plan.writes) + 4 * plan.stats
                + (D * (e * plan.params + 4 * plan.partials)
-                  + (8 * slot_words(plan) if plan.slices > 1 else 0)) / M,
+                  + 8 * plan.slot_words) / M,
                tile_bytes=plan.rows * min(D, plan.constexprs["BLOCK_D"]) * plan.elem_bytes * plan.ahead,
                grid=plan.grid[0])
     if plan.kernel != "norm_bwd_finish_kernel":
