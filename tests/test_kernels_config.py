@@ -669,3 +669,40 @@ def test_the_custom_op_keeps_no_slots(monkeypatch):
     want = _backward.norm_backward(dy, None, x, w, stats, None, True)
     assert _backward._slot_buffers
     assert torch.equal(dx, want[0]) and torch.equal(dw, want[1])
+
+
+def test_a_rounding_launch_is_measured_once(fake_h200, monkeypatch):
+    """``round_xhat`` (Llama's order in half precision) launches the rows kernels with
+    ROUND_XHAT, a plan of its own: its first launch on a GPU measures the compiled kernel and
+    later ones reuse the measurement, forward and backward, as a plain launch's do."""
+    fwd, bwd, finish = _Compiling(n_regs=40), _Compiling(n_regs=64), _Compiling(n_regs=32)
+    monkeypatch.setattr(_forward, "norm_fwd_rows_kernel", fwd)
+    monkeypatch.setattr(_backward, "norm_bwd_rows_kernel", bwd)
+    monkeypatch.setattr(_backward, "norm_bwd_finish_kernel", finish)
+    M, D = 4096, 1024
+    x = torch.randn(M, D).to(torch.bfloat16).as_subclass(_OnGPU)
+    w = torch.ones(D, dtype=torch.bfloat16)
+    for _ in range(3):
+        _, _, stats = _forward.norm_forward(x, None, w, None, 1e-6, True, True)
+        _backward.norm_backward(torch.randn_like(x), None, x, w, stats, None, True, True)
+    assert len(fwd.warmups) == 1 and len(fwd.launches) == 3
+    assert len(bwd.warmups) == 1 and len(bwd.launches) == 3
+    assert all(f["ROUND_XHAT"] for _, f in fwd.warmups + bwd.warmups)
+
+
+def test_a_measurement_the_plans_cannot_see_does_not_loop(fake_h200, monkeypatch):
+    """Should a measurement be recorded where the plan builders do not look it up (a key that
+    differs), the launchers launch once more on the assumed grid rather than measure and
+    re-plan forever: one warmup and one launch per call, forward and backward."""
+    monkeypatch.setattr(_config, "measure_key", lambda kernel, flags, device: object())
+    fwd, bwd, finish = _Compiling(n_regs=40), _Compiling(n_regs=64), _Compiling(n_regs=32)
+    monkeypatch.setattr(_forward, "norm_fwd_rows_kernel", fwd)
+    monkeypatch.setattr(_backward, "norm_bwd_rows_kernel", bwd)
+    monkeypatch.setattr(_backward, "norm_bwd_finish_kernel", finish)
+    x = torch.randn(4096, 1024).to(torch.bfloat16).as_subclass(_OnGPU)
+    w = torch.ones(1024, dtype=torch.bfloat16)
+    for calls in (1, 2):
+        _, _, stats = _forward.norm_forward(x, None, w, None, 1e-6, True)
+        _backward.norm_backward(torch.randn_like(x), None, x, w, stats, None, True)
+        assert len(fwd.warmups) == len(fwd.launches) == calls
+        assert len(bwd.warmups) == len(bwd.launches) == calls

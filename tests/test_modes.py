@@ -272,6 +272,28 @@ def test_round_xhat_on_the_kernels_is_one_fused_pass(kernels):
         assert (g_got.float() - g_want.float()).abs().max() <= 4 * ulp * g_want.float().abs().max()
 
 
+def test_round_xhat_fused_plans_each_batch_of_its_own(kernels):
+    """One width, several batch sizes in turn: each takes its own launches (the grid, the
+    partials of dweight, whether one program writes dweight itself), as a plain call's do,
+    and its gradients are the composition's. (The rounding launches were once kept by their
+    flags alone: a batch of 4 rows after one of 64 ran on the 64 rows' grid, whose programs
+    each wrote a partial row past the end of dweight.)"""
+    width = 1024                           # tiles of 4 rows, up to 8 rows and past them
+    g = torch.Generator().manual_seed(2)
+    w = (1 + torch.randn(width, generator=g) / 4).half().requires_grad_()
+    ulp = torch.finfo(torch.float16).eps
+    for M in (64, 4, 8, 64, 100):
+        x = torch.randn(M, width, generator=g).half().requires_grad_()
+        dy = torch.randn(M, width, generator=g).half()
+        with normbook.backend("kernels"):
+            got = torch.autograd.grad(normbook.rms_norm(x, width, w, EPS, round_xhat=True),
+                                      (x, w), dy)
+            want = torch.autograd.grad(w * normbook.rms_norm(x, width, None, EPS), (x, w), dy)
+        for g_got, g_want in zip(got, want):
+            bound = 4 * ulp * g_want.float().abs().max()
+            assert (g_got.float() - g_want.float()).abs().max() <= bound, M
+
+
 def test_round_xhat_fused_differentiates_twice_and_leaves_the_rest_composed(kernels):
     x, w, dy = _inputs(torch.bfloat16)
     with normbook.backend("kernels"):

@@ -940,7 +940,7 @@ class _RoundXhat(torch.autograd.Function):
     """``rms_norm(input, D, weight, eps, round_xhat=True)`` of half rows on the kernels, fused
     (:func:`_rounds_fused` says when): y = weight * xhat.to(dtype), rounded, in the rows
     kernel's one pass, where the composition, ``weight * rms_norm(input, D)``, writes xhat, reads
-    it back and keeps it for backward (``normbook.kernels._config.rounding``). ``apply(input,
+    it back and keeps it for backward (``normbook.kernels._config._rounding``). ``apply(input,
     weight, eps) -> y``, input (..., D), weight (D,) of input's dtype, eps a float.
 
     Backward: dweight = sum over rows of dy * xhat.to(dtype), the rounded xhat the weight

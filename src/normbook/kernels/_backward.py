@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.runtime import driver as _drivers
 
-from normbook.kernels._config import MAX_FUSED_D_BWD, backward_plan, narrow_loads, rounding
+from normbook.kernels._config import MAX_FUSED_D_BWD, backward_plan, narrow_loads
 from normbook.kernels._launch import launch, measure, other_device
 from normbook.kernels._take import refusal, shared_rows
 from normbook.kernels._exchange import (_agreed_start, _claim_words, _exchange, _pack, _publish,
@@ -623,22 +623,21 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool, round_xhat
         dhp = dh if dh.stride()[1] == 1 or D == 1 else dh.contiguous()
         stride_dh = dhp.stride()[0]
     e = x.element_size()
-    plans = backward_plan(M, D, device, e, is_rms, dh is not None, dweight is not None,
-                          dbias is not None, (stride_x | stride_dy | stride_dh) & 15,
-                          D > MAX_FUSED_D_BWD and shared_rows(D))   # (no call for narrow rows)
+    call = (M, D, device, e, is_rms, dh is not None, dweight is not None, dbias is not None)
+    shared = D > MAX_FUSED_D_BWD and shared_rows(D)      # (no call for narrow rows)
+    odd = (stride_x | stride_dy | stride_dh) & 15
+    plans = backward_plan(*call, odd, shared, round_xhat)
     if plans is None:
-        if narrow_loads(D, e, stride_x | stride_dy | stride_dh) and not narrow_loads(D, e):
+        if narrow_loads(D, e, odd) and not narrow_loads(D, e):
             # a wide row whose odd strides halve the slices: dense copies load 16 bytes at a
             # time and take the plan that kernels_take promised (it plans for dense rows)
             x, dy = x.contiguous(), dy.contiguous()
             dhp = dy if dh is None else dh.contiguous()
             stride_x = stride_dy = stride_dh = D
-            plans = backward_plan(M, D, device, e, is_rms, dh is not None, dweight is not None,
-                                  dbias is not None, D & 15, shared_rows(D))
+            odd = D & 15
+            plans = backward_plan(*call, odd, shared, round_xhat)
         if plans is None:
             raise refusal(D, e, dh is not None, device, narrow_loads(D, e))
-    if round_xhat:
-        plans = tuple(rounding(p) for p in plans)
     plan = plans[0]
     # placeholders where a tensor is absent: never read or written then
     w = x if weight is None else weight
@@ -664,10 +663,10 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool, round_xhat
     if plan.slices > 1:   # groups of S programs, one per slice of a row, exchanging sums
         args = (*args[:6], *_slots(plan, M, x, device, kept_slots), *args[6:])
     if not plan.measured:   # a GPU, the kernel's first launch: size the grid by what it needs
-        if measure(kernel, plan, args, device) and backward_plan(
-                M, D, device, e, is_rms, dh is not None, dweight is not None,
-                dbias is not None, (stride_x | stride_dy | stride_dh) & 15,
-                shared_rows(D)) is not None:
+        if measure(kernel, plan, args, device) and (
+                backward_plan(*call, odd, shared, round_xhat) or (plan,))[0].measured:
+            # the plan again, with the grid the compiled kernel's programs per SM give (no plan
+            # left, or none measured: this one, launched as it is)
             return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms,
                                  round_xhat, kept_slots)  # measured
     if plan.slices > 1:

@@ -192,15 +192,16 @@ class Plan(NamedTuple):
 @functools.lru_cache(maxsize=4096)
 def forward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool,
                  has_residual: bool, has_weight: bool, has_bias: bool,
-                 strides: int = 0) -> tuple[Plan]:
+                 strides: int = 0, round_xhat: bool = False) -> tuple[Plan]:
     """The forward's launch, one :class:`Plan`, on a device (Tensor.get_device(): -1 for the
     interpreter; or a :class:`Device`), cached: a launch computes and builds nothing. Rows of
     any length have one. ``strides``: the low four bits of the row strides ORed (see
-    :func:`vec`)."""
+    :func:`vec`). ``round_xhat``: see :func:`_rounding`."""
     dev = device(device_index)
     cfg = forward_config(M, D, itemsize)
     flags = dict(IS_RMS=is_rms, HAS_RESIDUAL=has_residual, HAS_WEIGHT=has_weight,
-                 HAS_BIAS=has_bias, VEC=vec(D, itemsize, strides))
+                 HAS_BIAS=has_bias, VEC=vec(D, itemsize, strides),
+                 **_rounding(round_xhat, D, MAX_FUSED_D_FWD))
     inputs = 2 if has_residual else 1                  # x (and the residual) in, y (and h) out
     counts = dict(reads=inputs, writes=inputs, stats=1 if is_rms else 2,
                   params=int(has_weight) + int(has_bias), partials=0, ahead=inputs,
@@ -223,15 +224,15 @@ def forward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool,
 @functools.lru_cache(maxsize=4096)
 def backward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool, has_dh: bool,
                   has_weight: bool, has_bias: bool, strides: int = 0,
-                  shared: bool = True) -> Optional[tuple[Plan, ...]]:
+                  shared: bool = True, round_xhat: bool = False) -> Optional[tuple[Plan, ...]]:
     """The backward's launches on a device, cached as :func:`forward_plan`: the kernel, then,
     when several groups kept partials of dweight or dbias, the finish that sums them. None
     when no plan takes the rows: wider than MAX_FUSED_D_BWD with ``shared`` False, or with
-    more slices than the device runs at once."""
+    more slices than the device runs at once. ``round_xhat``: see :func:`_rounding`."""
     dev = device(device_index)
     cfg = backward_config(M, D, narrow_loads(D, itemsize, strides), itemsize, dev.arch)
     flags = dict(IS_RMS=is_rms, HAS_DH=has_dh, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias,
-                 VEC=vec(D, itemsize, strides))
+                 VEC=vec(D, itemsize, strides), **_rounding(round_xhat, D, MAX_FUSED_D_BWD))
     n_par = int(has_weight) + int(has_bias)
     counts = dict(reads=2 + has_dh, writes=1, stats=1 if is_rms else 2, params=int(has_weight),
                   partials=0, elem_bytes=itemsize)
@@ -421,7 +422,6 @@ def _plan(kernel: str, grid: int, constexprs: dict, cfg: Config, options: Option
 
 
 _launch_ids: dict = {}
-_rounded: dict = {}
 
 
 def _launch_id(kernel: str, flags: dict) -> int:
@@ -430,23 +430,20 @@ def _launch_id(kernel: str, flags: dict) -> int:
     return _launch_ids.setdefault((kernel, *flags.items()), len(_launch_ids))
 
 
-def rounding(plan: Plan) -> Plan:
-    """``plan`` with ROUND_XHAT: xhat rounded to the input's dtype before the weight multiplies
-    (``rms_norm``'s ``round_xhat``, Llama's order of operations in half precision); in the
-    backward, dweight sums dy times that rounded xhat. Only the rows kernels have the flag: the
-    caller takes the mode fused for rows of at most MAX_FUSED_D_BWD values, which the rows
-    kernels always take (the finish, which only sums partials, is returned as it is)."""
-    if plan.kernel == "norm_bwd_finish_kernel":
-        return plan
-    if plan.kernel not in ("norm_fwd_rows_kernel", "norm_bwd_rows_kernel"):
-        raise ValueError(f"round_xhat: the rows kernels have it, not {plan.kernel}")
-    made = _rounded.get(plan.key)
-    if made is None:
-        constexprs = dict(plan.constexprs, ROUND_XHAT=True)
-        flags = dict(constexprs, **plan.options)
-        made = _rounded[plan.key] = plan._replace(constexprs=constexprs, flags=flags,
-                                                  key=_launch_id(plan.kernel, flags))
-    return made
+def _rounding(round_xhat: bool, D: int, widest: int) -> dict:
+    """The flag of ``round_xhat``, ROUND_XHAT=True, or none: xhat rounded to the input's dtype
+    before the weight multiplies (``rms_norm``'s ``round_xhat``, Llama's order of operations
+    in half precision); in the backward, dweight sums dy times that rounded xhat. A flag of the
+    plan, so that the rounding kernels are planned, measured and kept as launches of their
+    own. Only the rows kernels have it, which take rows of at most ``widest`` values
+    (MAX_FUSED_D_FWD forward, MAX_FUSED_D_BWD backward): the front door fuses the mode for rows
+    of at most MAX_FUSED_D_BWD values."""
+    if not round_xhat:
+        return {}
+    if D > widest:
+        raise ValueError(f"round_xhat: the rows kernels have it, rows of at most {widest} "
+                         f"values, got D = {D}")
+    return dict(ROUND_XHAT=True)
 
 
 @functools.lru_cache(maxsize=2)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normbook.kernels._config import forward_plan, rounding
+from normbook.kernels._config import forward_plan
 from normbook.kernels._launch import launch, measure, other_device
 
 FP32_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)   # torch.finfo(torch.float32).tiny
@@ -79,7 +79,7 @@ def norm_fwd_rows_kernel(
     VEC: tl.constexpr,       # D and the strides are multiples of VEC
                              # (see _config.vec)
     ROUND_XHAT: tl.constexpr = False,  # xhat rounded to Y's dtype before
-                                       # the weight (see _config.rounding)
+                                       # the weight (see _config._rounding)
 ):
     """(ln-mean), (ln-var), (ln-rstd), (ln-xhat), (ln-y); with IS_RMS,
     (rms-ms) and (rms-y). Persistent: program pid takes the tiles of ROWS
@@ -343,7 +343,7 @@ def launch_key(plan, x, r, w, b, stride_x: int, stride_r: int, M: int, D: int) -
 def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool, round_xhat: bool = False):
     """(ln-y) and (rms-y), with the residual add: launch the forward on (M, D) rows, last dim contiguous.
     ``round_xhat``: xhat rounded to x's dtype before the weight (rows of at most
-    ``MAX_FUSED_D_BWD`` values; see :func:`normbook.kernels._config.rounding`).
+    ``MAX_FUSED_D_BWD`` values; see :func:`normbook.kernels._config._rounding`).
 
     Returns:
         y: (M, D) contiguous, x's dtype; h: (M, D) x + residual, or None without a residual;
@@ -368,10 +368,9 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool, round_xhat
         r, stride_r = residual, residual.stride()[0]
     if not M:
         return y, h, stats
-    plan = forward_plan(M, D, device, x.element_size(), is_rms, h is not None,
-                        weight is not None, bias is not None, (stride_x | stride_r) & 15)[0]
-    if round_xhat:
-        plan = rounding(plan)
+    call = (M, D, device, x.element_size(), is_rms, h is not None, weight is not None,
+            bias is not None, (stride_x | stride_r) & 15, round_xhat)
+    plan = forward_plan(*call)[0]
     w = x if weight is None else weight  # placeholders: never read when absent
     b = x if bias is None else bias
     args = (x, r, hy, y, w, b, stats, stride_x, stride_r, M, D, eps)
@@ -380,8 +379,9 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool, round_xhat
                    | b.data_ptr() | stats.data_ptr()) & 15
     key = launch_key(plan, x, r, w, b, stride_x, stride_r, M, D) if aligned else None
     kernel = _KERNELS[plan.kernel]
-    if not plan.measured:   # a GPU, the rows kernel's first launch: size its grid by what it needs
-        if measure(kernel, plan, args, device):
-            return norm_forward(x, residual, weight, bias, eps, is_rms, round_xhat)   # measured
+    if not plan.measured and measure(kernel, plan, args, device):
+        # a GPU, the rows kernel's first launch, whose programs per SM were not the assumed:
+        # the plan again, its grid sized by what the compiled kernel needs (same flags and key)
+        plan = forward_plan(*call)[0]
     launch(kernel, plan.grid, args, plan.flags, key, device)
     return y, h, stats
