@@ -26,6 +26,12 @@ does nothing: on a machine without a GPU, kernels compile for sm_90 for real and
 host code up to the launcher (normbook's; Triton's binding and lookup, or :func:`launch`'s)
 runs, on CPU tensors. ``normbook-bench host`` measures with it, and the tests compare the
 direct launch with Triton's, argument for argument.
+
+Two things every launcher needs besides: :func:`other_device` (Triton launches on the current
+device, so a launcher for tensors on another makes theirs current), and, at a plan's first
+launch on a GPU, :func:`measure`, which compiles the kernel without running it and records
+how many of its programs an SM holds, so that the plans size their grids by the compiled
+kernel rather than by an assumption.
 """
 
 from __future__ import annotations
