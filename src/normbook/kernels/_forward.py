@@ -79,7 +79,7 @@ def norm_fwd_rows_kernel(
     VEC: tl.constexpr,       # D and the strides are multiples of VEC
                              # (see _config.vec)
     ROUND_XHAT: tl.constexpr = False,  # xhat rounded to Y's dtype before
-                                       # the weight (see _config._rounding)
+                                       # the weight (_config._rounding)
 ):
     """(ln-mean), (ln-var), (ln-rstd), (ln-xhat), (ln-y); with IS_RMS,
     (rms-ms) and (rms-y). Persistent: program pid takes the tiles of ROWS
