@@ -65,6 +65,29 @@ def test_bf16_round_xhat_fused_is_the_composition_bit_for_bit(D):
     assert torch.equal(y, w * normbook.rms_norm(x, D, None, 1e-6))
 
 
+@pytest.mark.gpu
+def test_bf16_round_xhat_batches_of_every_size_in_turn():
+    """round_xhat's launches on a GPU, batch after batch of one width (the first launch of
+    each plan measures its kernel and sizes its grid; a batch of at most 8 rows is one
+    program): every gradient within the composition's rounding (it rounds dy * w first)."""
+    import normbook
+
+    D = 1024
+    g = torch.Generator().manual_seed(3)
+    w = (1 + torch.randn(D, generator=g) / 4).to("cuda", torch.bfloat16).requires_grad_()
+    for M in (4096, 4, 8, 4096, 100):
+        x = torch.randn(M, D, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+        dy = torch.randn(M, D, generator=g).to("cuda", torch.bfloat16)
+        y = normbook.rms_norm(x, D, w, 1e-6, round_xhat=True)
+        composed = w * normbook.rms_norm(x, D, None, 1e-6)
+        assert torch.equal(y, composed), M
+        got = torch.autograd.grad(y, (x, w), dy)
+        want = torch.autograd.grad(composed, (x, w), dy)
+        for a, b in zip(got, want):
+            bound = 8 * torch.finfo(torch.bfloat16).eps * b.float().abs().max()
+            assert (a.float() - b.float()).abs().max() <= bound, M
+
+
 # ----------------------------------------------------------------------------- launches and graphs
 
 def _train_step(norms, x, dy):
