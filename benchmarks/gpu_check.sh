@@ -13,7 +13,8 @@
 #   host       normbook-bench host --goal: host time per call, real launches (the    45 / 45
 #              dry run: the driver stubbed)
 #   plans      normbook-bench plans: the backward of few rows as one program against    45 / 30
-#              the grid and its finish, device time (the dry run: in the interpreter)
+#              the grid and its finish; the forward of short rows on tiles against a row
+#              a program; device time (the dry run: in the interpreter)
 #   chapter    chapter 9 executed here, its tensors on this GPU (book/_ext/notebooks.py --run;
 #              the dry run: in the interpreter)                                     60 / 90
 #   bench_*    bf16: 4 ops x fwd/bwd, normbook, torch, liger; fp32 layer_norm with compile;
@@ -313,10 +314,11 @@ JUDGED='"$@" --goal; rc=$?; [ "$rc" = 1 ] && exit 0; exit "$rc"'
 
 step report "$CAP_REPORT" "$PY" -m normbook.kernels.report "${REPORT[@]}" --json "$WORK/report.json"
 step host 45 bash -c "$JUDGED" judged "$PY" -m normbook.bench host --json "$WORK/host.json"
-# the device time of _config.ONE_PROGRAM_ROWS's choice, and the finish's share at large M
+# the device time of _config.ONE_PROGRAM_ROWS's choice, the finish's share at large M, and the
+# forward of rows of 1024 and 2048 on tiles against a row a program (_config.ROW_FROM)
 if [ "$DRY" = 1 ]; then
   step plans 30 env TRITON_INTERPRET=1 "$PY" -m normbook.bench plans --dims 2048 --rows 1,4 \
-    --share-rows 64 --json "$WORK/plans.json"
+    --share-rows 64 --forward-dims 1024 --json "$WORK/plans.json"
 else
   step plans 45 "$PY" -m normbook.bench plans --json "$WORK/plans.json"
 fi

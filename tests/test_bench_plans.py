@@ -30,8 +30,9 @@ def test_each_side_runs_its_plan(tmp_path, capsys):
 
     out = tmp_path / "plans.json"
     assert main(["plans", "--dims", "2048", "--rows", "4", "--share-rows", "64",
-                 "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+                 "--forward-dims", "1024", "--json", str(out)]) == 0
+    found = json.loads(out.read_text())
+    rows = found["rows"]
     assert [(r["D"], r["M"]) for r in rows] == [(2048, 4), (2048, 64)]
     few, many = rows
     assert few["one_us"] > 0 and few["grid_programs"] > 1 and few["finish_us"] > 0
@@ -39,7 +40,28 @@ def test_each_side_runs_its_plan(tmp_path, capsys):
     assert 0 < many["finish_share"] < 1
     assert "finish_block_us" not in few and sorted(many["finish_block_us"]) == ["16", "32", "64"]
     assert all(us > 0 for us in many["finish_block_us"].values())
-    assert "D   2048 M      4" in capsys.readouterr().out
+    (fwd,) = found["forward"]
+    assert (fwd["D"], fwd["M"]) == (1024, 64) and fwd["tiles_us"] > 0 and fwd["row_us"] > 0
+    assert found["row_from"] == _config.ROW_FROM
+    printed = capsys.readouterr().out
+    assert "D   2048 M      4" in printed and "forward D   1024 M     64" in printed
+
+
+def test_row_from_switches_the_forward_plans_and_restores_them():
+    """On a GPU (an H200's shape), rows of 1024 share tiles of a persistent grid; with
+    ROW_FROM at 1024 they are a program each, 4 warps (8 values a thread), grid M; after it,
+    tiles again. Rows of 4096 and wider are a program each either way."""
+    h200 = _config.Device(90, 132)
+
+    def plan(D):
+        return _config.forward_plan(32768, D, h200, 2, False, False, True, True)[0]
+    before = plan(1024)
+    with plans.row_from(1024):
+        row = plan(1024)
+        assert plan(512).constexprs["ROWS"] > 1               # narrower: tiles still
+    assert before.constexprs["ROWS"] > 1 and before.grid[0] < 32768
+    assert (row.grid, row.constexprs["ROWS"], row.options["num_warps"]) == ((32768,), 1, 4)
+    assert plan(1024) == before and plan(4096).grid == (32768,)
 
 
 def test_it_refuses_rows_the_rows_backward_does_not_take(capsys):
@@ -47,6 +69,8 @@ def test_it_refuses_rows_the_rows_backward_does_not_take(capsys):
 
     assert main(["plans", "--dims", str(2 * _config.MAX_FUSED_D_BWD)]) == 2
     assert "--dims: the rows backward takes D up to" in capsys.readouterr().err
+    assert main(["plans", "--forward-dims", str(2 * _config.MAX_FUSED_D_FWD)]) == 2
+    assert "--forward-dims: the rows forward takes D up to" in capsys.readouterr().err
 
 
 def test_the_one_program_backward_matches_the_grid_s():

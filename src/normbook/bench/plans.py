@@ -1,7 +1,8 @@
-"""The backward's two plans for few rows, timed on the device: one program, or a grid and a finish.
+"""Plans timed on the device both ways: the backward of few rows; the forward of short rows.
 
     normbook-bench plans [--json FILE] [--dims 1024,4096,8192] [--rows 1,2,4,8,16,32]
                          [--share-rows 32768] [--finish-blocks 64,32,16]
+                         [--forward-dims 1024,2048]
 
 The rows backward with a weight keeps sums over rows (dweight, dbias). On a grid of several
 programs each keeps partial sums, and a second kernel, the finish, adds them in a fixed order;
@@ -21,6 +22,14 @@ measures: LayerNorm with weight and bias, bf16, for each D and M:
   The finish runs on D / 64 programs today, 64 of an H200's 132 SMs at D = 4096 and 16 at
   D = 1024: whether more, narrower programs make it cheaper is for this to measure.
 
+The forward of rows shorter than ``_config.ROW_FROM`` shares tiles of several rows among the
+programs of a persistent grid; from it on, on a GPU, a row is a program, grid M (Liger's shape,
+measured faster than the tiles from D = 4096 to 16384 on the H200). Whether rows of 1024 and
+2048 values are faster as a program each, as Liger runs them, was not measured: for each D of
+``--forward-dims`` at each M of ``--share-rows``, LayerNorm with weight and bias, bf16,
+``tiles_us`` and ``row_us`` time the forward both ways (``tiles_programs``, ``row_programs``:
+their grids), in the JSON's ``forward``.
+
 Device time: :func:`normbook.bench.timing.bench` (replays of a CUDA graph on a GPU; on a CPU,
 in Triton's interpreter, wall clock, which says only that the code runs). JSON: ``rows``, a
 list of those keys with ``D`` and ``M``, the device, the versions.
@@ -35,7 +44,7 @@ import sys
 
 import torch
 
-__all__ = ["main", "measure", "one_program_rows"]
+__all__ = ["main", "measure", "measure_forward", "one_program_rows", "row_from"]
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 
@@ -54,6 +63,55 @@ def one_program_rows(n: int):
     finally:
         _config.ONE_PROGRAM_ROWS = was
         _config.backward_plan.cache_clear()
+
+
+@contextlib.contextmanager
+def row_from(block_d: int):
+    """Forward plans made with ``_config.ROW_FROM = block_d`` for the duration (on a GPU, rows
+    of that BLOCK_D and wider a program each), the plans cached before and after forgotten."""
+    from normbook.kernels import _config
+
+    was = _config.ROW_FROM
+    caches = (_config.forward_plan, _config.forward_config)
+    _config.ROW_FROM = block_d
+    for cached in caches:
+        cached.cache_clear()
+    try:
+        yield
+    finally:
+        _config.ROW_FROM = was
+        for cached in caches:
+            cached.cache_clear()
+
+
+def measure_forward(dims, share_rows, device: str) -> list[dict]:
+    """One dict per (D, M): the forward on the plan in force and as a row a program."""
+    from normbook.bench.timing import bench
+    from normbook.kernels import _config, _forward
+
+    out = []
+    for D in dims:
+        for M in share_rows:
+            g = torch.Generator().manual_seed(M * 5 + D)
+            x = torch.randn(M, D, generator=g).to(device, torch.bfloat16)
+            w, b = (torch.randn(D, generator=g).to(device, torch.bfloat16) for _ in range(2))
+            index = x.get_device()
+            row = {"D": D, "M": M}
+            for name, block in (("tiles", _config.ROW_FROM), ("row", 1)):
+                with row_from(block):
+                    def forward():
+                        return _forward.norm_forward(x, None, w, b, 1e-5, False)
+
+                    forward()       # compiled and measured: the plan's final grid
+                    plan = _config.forward_plan(M, D, index, 2, False, False, True, True,
+                                                D & 15)[0]
+                    row[f"{name}_us"] = 1e3 * bench(forward, device)[0]
+                    row[f"{name}_programs"] = plan.grid[0]
+            out.append(row)
+            print(f"forward D {D:6d} M {M:6d}  tiles {row['tiles_us']:8.2f} us "
+                  f"({row['tiles_programs']} programs)  a row a program {row['row_us']:8.2f} us "
+                  f"({row['row_programs']} programs)", flush=True)
+    return out
 
 
 def _case(M: int, D: int, device: str, finish_block: int = 0):
@@ -141,10 +199,14 @@ def main(argv=None) -> int:
     p.add_argument("--share-rows", default="32768", help="M timed on the grid alone")
     p.add_argument("--finish-blocks", default="64,32,16",
                    help="column widths of the finish timed at --share-rows (powers of two)")
+    p.add_argument("--forward-dims", default="1024,2048",
+                   help="D of the forward timed on tiles and as a row a program, at "
+                        "--share-rows")
     args = p.parse_args(argv)
     dims, rows = _sizes(p, "--dims", args.dims), _sizes(p, "--rows", args.rows)
     share = _sizes(p, "--share-rows", args.share_rows)
     blocks = _sizes(p, "--finish-blocks", args.finish_blocks)
+    forward_dims = _sizes(p, "--forward-dims", args.forward_dims)
     if any(b & (b - 1) or b < 4 for b in blocks):
         p.error(f"--finish-blocks: powers of two of at least 4, got {args.finish_blocks}")
     writable_file("--json", args.json)
@@ -156,17 +218,22 @@ def main(argv=None) -> int:
     if max(dims) > _config.MAX_FUSED_D_BWD:
         raise BenchError(f"--dims: the rows backward takes D up to {_config.MAX_FUSED_D_BWD}, "
                          f"got {max(dims)}")
+    if max(forward_dims) > _config.MAX_FUSED_D_FWD:
+        raise BenchError(f"--forward-dims: the rows forward takes D up to "
+                         f"{_config.MAX_FUSED_D_FWD}, got {max(forward_dims)}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise BenchError("no CUDA device: set TRITON_INTERPRET=1 to run it in Triton's "
                          "interpreter (which says only that it runs)")
     found = measure(dims, rows, share, device, blocks)
+    forward = measure_forward(forward_dims, share, device)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": found, "device": torch.cuda.get_device_name()
+            json.dump({"rows": found, "forward": forward, "device": torch.cuda.get_device_name()
                        if device == "cuda" else "cpu (Triton's interpreter)",
                        "torch": torch.__version__, "triton": triton.__version__,
-                       "one_program_rows": _config.ONE_PROGRAM_ROWS}, f, indent=1)
+                       "one_program_rows": _config.ONE_PROGRAM_ROWS,
+                       "row_from": _config.ROW_FROM}, f, indent=1)
     return 0
 
 

@@ -12,7 +12,7 @@ direction  D                kernel                  grid, shape
 forward    BLOCK_D < 4096   norm_fwd_rows_kernel    persistent: tiles of ROWS short rows,
                                                     ELEMS_FWD values a thread, pipelined
 forward    4096 .. 16384    norm_fwd_rows_kernel    M programs, a row each, ROW_ELEMS
-                                                    values a thread, not pipelined
+           (ROW_FROM ..)                            values a thread, not pipelined
 forward    > 16384          norm_fwd_loop_kernel    M programs (LOOP_PER_SM per SM past
                                                     32768), two sweeps of chunks
 backward   <= 8192          norm_bwd_rows_kernel    persistent, ROWS rows a tile, pipelined,
@@ -68,6 +68,10 @@ SMEM_PER_PROGRAM = 64 * 1024   # shared memory for pipelined tiles: two programs
 # normbook's kernel yet: the next GPU run's bench step is its measurement.
 ROW_ELEMS = 16
 ROW_MAX_WARPS = 16
+ROW_MIN_WARPS = 4         # Liger's fewest (8 values a thread at D = 1024)
+ROW_FROM = TILE_ELEMS     # on a GPU, a row a program from this BLOCK_D on; narrower rows
+                          # share tiles. Rows of 1024 and 2048 were not measured as a program
+                          # each (Liger's shape there): `normbook-bench plans` times both
 # The wide forward (norm_fwd_loop_kernel): one program a row, two sweeps of chunks. Its shape is
 # the best of a probe on the H200 (benchmarks/results/2026-12-04-h200/README.md, the last table:
 # a plain two-pass forward, bf16, BLOCK 2048-8192, 8-16 warps, grid M or 1-8 programs per SM):
@@ -214,7 +218,7 @@ def forward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool,
         grid = max(1, min(M, programs if dev.sms else CPU_PROGRAMS))
         return (_plan("norm_fwd_loop_kernel", grid, dict(flags, BLOCK_D=cfg.BLOCK_D), cfg,
                       **counts),)
-    if cfg.BLOCK_D >= TILE_ELEMS and dev.sms:
+    if cfg.BLOCK_D >= ROW_FROM and dev.sms:
         # a row a program on a GPU, its loads not pipelined (see ROW_ELEMS)
         constexprs = dict(flags, ROWS=1, BLOCK_D=cfg.BLOCK_D, NUM_STAGES=1)
         return (_plan("norm_fwd_rows_kernel", M, constexprs, cfg, **counts),)
@@ -275,15 +279,16 @@ def finish_plan(D: int, has_weight: bool, has_bias: bool, groups: int,
 def forward_config(M: int, D: int, itemsize: int = 2) -> Config:
     """Block shape of the forward for M rows of length D (cached).
     Rows up to MAX_FUSED_D_FWD are held in registers: several short rows a tile of about
-    TILE_ELEMS values, ELEMS_FWD a thread; a longer row a program, ROW_ELEMS a thread. Wider
+    TILE_ELEMS values, ELEMS_FWD a thread; from ROW_FROM on a row a program, ROW_ELEMS a
+    thread (at least ROW_MIN_WARPS warps, at most ROW_MAX_WARPS). Wider
     rows are swept in chunks of LOOP_CHUNK_BYTES (LOOP_WIDE_CHUNK_BYTES past LOOP_WIDE_FROM),
     LOOP_WARPS warps."""
     if D > MAX_FUSED_D_FWD:
         chunk = LOOP_CHUNK_BYTES if D <= LOOP_WIDE_FROM else LOOP_WIDE_CHUNK_BYTES
         return Config(chunk // itemsize, 1, LOOP_WARPS, LOOP_MAXNREG)
     block_d = max(MIN_BLOCK_D, next_power_of_2(D))
-    if block_d >= TILE_ELEMS:       # a row a program (see ROW_ELEMS)
-        warps = min(ROW_MAX_WARPS, block_d // (32 * ROW_ELEMS))
+    if block_d >= ROW_FROM:         # a row a program (see ROW_ELEMS)
+        warps = min(ROW_MAX_WARPS, max(ROW_MIN_WARPS, block_d // (32 * ROW_ELEMS)))
         return Config(block_d, 1, warps, maxnreg_for(warps))
     return _tiles(M, block_d, ELEMS_FWD)
 
