@@ -5,7 +5,7 @@
 Both norms, forward and forward + backward, fp32 and bf16, at M x D = 4096 x 1024,
 2048 x 4096, 512 x 16384 and 64 x 131072 (:data:`SHAPES`): ``normbook.layer_norm`` / ``normbook.rms_norm`` on the torch-ops backend
 (``normbook.backend("torch")``: the book's backward, equations (ln-dx) and (rms-dx)) beside
-``torch.nn.functional`` on the same tensors (weight and bias ``Parameter``\ s, as in a module),
+``torch.nn.functional`` on the same tensors (weight and bias as ``Parameter`` objects, as in a module),
 in one run, the two interleaved repeat by repeat.
 Time per call: the best of ``repeat`` calls (``time.perf_counter``), after two warm-up calls.
 
