@@ -16,7 +16,7 @@ PORT ?= 8000
 TRITON36 := build/triton36
 KERNEL_TESTS := tests/test_kernels_launchers.py tests/test_kernels_ops.py tests/test_kernels_ops_residual.py \
   tests/test_kernels_gpu.py tests/test_functional_parity.py tests/test_kernels_minimal.py \
-  tests/test_kernels_interpret.py tests/test_kernels_launch.py
+  tests/test_kernels_interpret.py tests/test_kernels_launch.py tests/test_call_sequences.py
 
 .PHONY: book test quick pytest triton36 torch-floor gpu-dry-run gpu-wheels nbval notebooks pdf browser-check test-book test-kernels serve clean
 

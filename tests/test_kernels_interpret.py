@@ -1,4 +1,5 @@
-"""normbook.kernels._interpret: Triton's interpreter without its rescans gives the same bits."""
+"""normbook.kernels._interpret: Triton's interpreter without its rescans gives the same bits,
+and it rounds float32 to bfloat16 as torch and a GPU do."""
 
 from __future__ import annotations
 
@@ -123,3 +124,68 @@ def test_an_untested_triton_is_left_as_it_is(monkeypatch):
         monkeypatch.undo()
         assert _interpret.install()
     assert triton.__version__.startswith(_interpret.TESTED)
+
+
+# ---- the rounding: float32 to bfloat16 to nearest, ties to even ------------------------------
+
+def _awkward_floats() -> torch.Tensor:
+    """Float32 values of every magnitude, subnormals and the edges included: halfway cases
+    (ties), carries into the next exponent (odd and even), overflow to infinity, NaN."""
+    g = torch.Generator().manual_seed(0)
+    scale = 10.0 ** torch.randint(-44, 39, (20000,), generator=g).float()
+    edges = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 3.4e38, -3.39e38, 1e-40,
+             -1e-41, 0.99999938, 1.00390625, 1.001953125, 1.005859375, 3.9921875 + 2 ** -8]
+    return torch.cat([torch.randn(20000, generator=g) * scale, torch.tensor(edges)]).float()
+
+
+def test_bf16_bits_round_as_torch():
+    x = _awkward_floats()
+    want = x.to(torch.bfloat16).view(torch.int16).numpy().view("uint16")
+    got = _interpret.bf16_bits(x.numpy())
+    number = ~torch.isnan(x).numpy()
+    assert (got[number] == want[number]).all()
+    assert torch.isnan(torch.from_numpy(got.view("int16")).view(torch.bfloat16)[~number]).all()
+    assert _interpret.bf16_bits(torch.tensor(0.99999938).numpy()).shape == ()
+
+
+@triton.jit
+def _to_bf16(x_ptr, cast_ptr, stored_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(cast_ptr + offs, v.to(tl.bfloat16).to(tl.float32), mask=offs < n)
+    tl.store(stored_ptr + offs, v, mask=offs < n)         # cast by the store
+
+
+def _rounded_by_a_kernel(x):
+    cast, stored = torch.empty_like(x), torch.empty(x.shape, dtype=torch.bfloat16)
+    _to_bf16[(triton.cdiv(x.numel(), 1024),)](x, cast, stored, x.numel(), BLOCK=1024)
+    return cast, stored
+
+
+def test_a_kernel_rounds_to_bf16_as_torch_and_as_shipped_it_truncates():
+    """With the rounding installed, a kernel's ``.to(tl.bfloat16)`` and its store of float32
+    values through a bfloat16 pointer give torch's bits (a GPU's); as Triton ships (3.6, 3.9)
+    the interpreter truncates, which is what the patch is for."""
+    x = _awkward_floats()
+    x = x[~torch.isnan(x)]
+    want = x.to(torch.bfloat16)
+    cast, stored = _rounded_by_a_kernel(x)
+    assert torch.equal(cast, want.float()) and torch.equal(stored, want)
+    _interpret.uninstall_rounding()
+    try:
+        cast, stored = _rounded_by_a_kernel(torch.tensor([0.99999938]))
+    finally:
+        assert _interpret.install_rounding()
+    assert cast.item() == stored.float().item() == 0.99609375     # truncated: 1 - 2^-8
+
+
+def test_the_rounding_install_is_idempotent_and_uninstall_restores():
+    from triton.runtime import interpreter as interp
+
+    ours = interp.InterpreterBuilder.cast_impl
+    assert _interpret.install_rounding() and interp.InterpreterBuilder.cast_impl is ours
+    _interpret.uninstall_rounding()
+    try:
+        assert interp.InterpreterBuilder.cast_impl is not ours
+    finally:
+        assert _interpret.install_rounding()

@@ -32,10 +32,11 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # decided once, when triton decorated the kernels
 _INTERPRETED = isinstance(_forward.norm_fwd_rows_kernel, InterpretedFunction)
-if _INTERPRETED:   # the interpreter without its rescans of triton.language: same bits, ~2x faster
-    from normbook.kernels import _interpret
+if _INTERPRETED:   # the interpreter without its rescans of triton.language (same bits, ~2x
+    from normbook.kernels import _interpret   # faster), rounding to bfloat16 as a GPU does
 
     _interpret.install()
+    _interpret.install_rounding()
 
 
 def interpreted() -> bool:
