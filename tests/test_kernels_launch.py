@@ -231,10 +231,14 @@ with _launch.stub_driver(record), normbook.backend("kernels"):
         "layer_norm no weight": lambda: backward(normbook.layer_norm(x, 64)),
         "add_layer_norm fp32 weight": lambda: backward(normbook.add_layer_norm(x, r, w32)),
         "add_rms_norm": lambda: backward(normbook.add_rms_norm(x, r, w32.bfloat16())),
+        "layer_norm no weight, 8 rows": lambda: backward(normbook.layer_norm(x8, 64)),
     }
+    x8 = x.detach()[:8].requires_grad_()
     for name, fn in cases.items():
         calls = [run(fn) for _ in range(3)]
         out[name] = dict(calls=calls, ready=len(_launch.READY))
+    # every signature again, in the other order: each call's own launches, whatever ran before
+    out["interleaved"] = {name: run(fn) for name, fn in reversed(list(cases.items()))}
 
     # calls the fast path must leave to the launchers, after their signature is ready
     base = t(2 * 64 + 8, grad=False)
@@ -282,7 +286,8 @@ def ready_calls():
 
 
 _LAUNCHES = {"LayerNorm (2, 3, 256)": 2, "RMSNorm fp32 (300, 64)": 3, "layer_norm no weight": 2,
-             "add_layer_norm fp32 weight": 3, "add_rms_norm": 3}
+             "add_layer_norm fp32 weight": 3, "add_rms_norm": 3,
+             "layer_norm no weight, 8 rows": 2}
 _CASES = tuple(_LAUNCHES)
 
 
@@ -302,7 +307,16 @@ def test_a_ready_call_hands_the_launcher_what_the_launchers_would(ready_calls, c
 
 
 def test_every_ready_signature_is_kept_once(ready_calls):
-    assert [ready_calls[c]["ready"] for c in _CASES] == [1, 2, 3, 4, 5]
+    assert [ready_calls[c]["ready"] for c in _CASES] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("case", _CASES)
+def test_ready_signatures_called_in_turn_each_launch_their_own(ready_calls, case):
+    """Every ready signature called again after the others (in reverse order): each hands the
+    launcher exactly its own first call's launches, none of another's (the same D with 8 rows
+    and with 300, whose backward plans differ), and no launcher runs."""
+    calls, by_launchers = ready_calls["interleaved"][case]
+    assert by_launchers == [] and calls == ready_calls[case]["calls"][0][0], case
 
 
 @pytest.mark.parametrize("case", ["misaligned input", "weight not dense", "a launch hook",
