@@ -111,6 +111,7 @@ GPU_WHEEL_FLAGS := --only-binary=:all: --python-version 3.12 --implementation cp
 gpu-wheels:
 	$(PYTHON) -m pip download --no-deps $(GPU_WHEEL_FLAGS) liger-kernel==0.8.5
 	$(PYTHON) -m pip download $(GPU_WHEEL_FLAGS) $$(grep '^transformers==' requirements.txt)
+	$(PYTHON) -m pip download $(GPU_WHEEL_FLAGS) $$(grep '^hypothesis==' requirements.txt)
 	rm -f .whl/numpy-*.whl
 
 ## Each chapter as a notebook that reads outside the book (no MyST markup, glued values written

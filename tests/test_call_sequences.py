@@ -10,7 +10,9 @@ number and shape of the rows, D, which parameters there are, the layout and alig
 the input, gradients or none, which outputs the backward starts from) and checks each call,
 forward and gradients, against the same call in float64 on the torch backend, within the
 three-way bound of the kernels' tests (:func:`helpers.assert_within_torch`: the torch backend
-in the call's own dtype gives the base error).
+in the call's own dtype gives the base error). Each call runs twice on the kernels, and the two
+must agree bit for bit: on a GPU the second call of a signature takes the front door's fast
+path (its kept kernels, :mod:`normbook.kernels._ready`), the first the launchers.
 
 The sequences are derandomized (the same on every run); a failure prints the shortest
 sequence hypothesis finds.
@@ -22,11 +24,13 @@ from typing import NamedTuple, Optional
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from helpers import assert_within_torch
+from helpers import DEVICE, assert_within_torch
 
-import normbook
+hypothesis = pytest.importorskip("hypothesis")   # (the GPU machine has it from make gpu-wheels)
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import normbook  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("kernels")
 
@@ -107,7 +111,7 @@ def _run(c: Call, backend: str, dtype: torch.dtype, param_dtype):
     """(outputs, gradients) of the call on ``backend`` with its tensors in ``dtype`` (the
     parameters in ``param_dtype``); the gradients of x, the residual, weight and bias (None
     where absent), or an empty list without gradients."""
-    x, r, w, b, dy, dh = _inputs(c)
+    x, r, w, b, dy, dh = (None if t is None else t.to(DEVICE) for t in _inputs(c))
     eps = c.eps if c.eps is not None or dtype is not torch.float64 else \
         torch.finfo(torch.float32).eps      # the default of the call's own dtype
     x = _laid_out(x.to(dtype), c.layout).requires_grad_(c.grad)
@@ -127,7 +131,7 @@ def _run(c: Call, backend: str, dtype: torch.dtype, param_dtype):
         else:
             cls = normbook.LayerNorm if c.op == "LayerNorm" else normbook.RMSNorm
             kwargs = dict(bias=c.bias) if c.op == "LayerNorm" else {}
-            module = cls(c.D, eps=eps, dtype=param_dtype, **kwargs)
+            module = cls(c.D, eps=eps, dtype=param_dtype, device=DEVICE, **kwargs)
             with torch.no_grad():
                 module.weight.copy_(w)
                 if c.bias:
@@ -147,6 +151,12 @@ def _run(c: Call, backend: str, dtype: torch.dtype, param_dtype):
 def _check(c: Call) -> None:
     param_dtype = c.param_dtype
     got_y, got_g = _run(c, "kernels", c.dtype, param_dtype)
+    again_y, again_g = _run(c, "kernels", c.dtype, param_dtype)
+    for name, first, second in zip(("y", "h", "dx", "dresidual", "dweight", "dbias"),
+                                   (*got_y, *[None] * (2 - len(got_y)), *got_g),
+                                   (*again_y, *[None] * (2 - len(again_y)), *again_g)):
+        assert (first is None and second is None) or torch.equal(first, second), \
+            f"{name} of {c}: a second call gave other bits"
     base_y, base_g = _run(c, "torch", c.dtype, param_dtype)
     ref_y, ref_g = _run(c, "torch", torch.float64, torch.float64)
     M = ref_y[0].numel() // c.D
@@ -160,9 +170,21 @@ def _check(c: Call) -> None:
         assert_within_torch(got, base, ref, name=f"{name} of {c}", sum_rows=rows)
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_SETTINGS = dict(deadline=None, derandomize=True, database=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@settings(max_examples=40, **_SETTINGS)
 @given(sequence=st.lists(calls(), min_size=3, max_size=6))
 def test_calls_in_turn_each_match_the_float64_reference(sequence):
+    for c in sequence:
+        _check(c)
+
+
+@pytest.mark.gpu
+@settings(max_examples=30, **_SETTINGS)
+@given(sequence=st.lists(calls(), min_size=3, max_size=8))
+def test_calls_in_turn_on_a_gpu(sequence):
+    """The same on a GPU, longer: compiled kernels, their kept launches, and the fast path."""
     for c in sequence:
         _check(c)
