@@ -8,7 +8,7 @@
 # Steps, in this order (a step's cap in seconds, GPU run / dry run):
 #   env        versions, commit, nvidia-smi                                  30 / 30
 #   wheels     .whl/*.whl -> a temporary site folder first on PYTHONPATH     30 / 30
-#   gpu_tests  pytest -m gpu over the kernel and benchmark tests           120 / 60
+#   gpu_tests  pytest -m "gpu or gpu_too" over the kernel and benchmark tests  120 / 60
 #   report     the static compile report, compiled here (Triton of this machine)   120 / 60
 #   host       normbook-bench host --goal: host time per call, real launches (the    45 / 45
 #              dry run: the driver stubbed)
@@ -304,7 +304,7 @@ fi
 # only the kernel test files and the benchmark's (its graph timer): the others import test-only
 # packages the GPU machine may lack.
 # Without pytest this fails (No module named pytest): a GPU check without its tests is no pass.
-step gpu_tests "$CAP_TESTS" "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+step gpu_tests "$CAP_TESTS" "$PY" -m pytest -m "gpu or gpu_too" -q -p no:cacheprovider \
   tests/test_kernels_launchers.py tests/test_kernels_ops.py tests/test_kernels_ops_residual.py tests/test_kernels_gpu.py \
   tests/test_bench.py
 

@@ -374,9 +374,9 @@ def _reaches_the_launchers(monkeypatch, device):
         assert calls == [("fwd", device, torch.bfloat16, is_rms),
                          ("bwd", device, torch.bfloat16, is_rms)], name
         # float64 from the same bf16 values: y within assert_close's bf16 tolerance (1.6e-2
-        # relative; a bf16 ulp is at most 2^-7), the gradients within their bf16 rounding (an
-        # ulp: the interpreter truncates) and fp32 sums over D = 256 (about 1e-6 of the row's
-        # scale, hence an absolute part for gradients near 0)
+        # relative; a bf16 ulp is at most 2^-7), the gradients within their bf16 rounding (a
+        # unit where a rounding boundary falls between the two) and fp32 sums over D = 256
+        # (about 1e-6 of the row's scale, hence an absolute part for gradients near 0)
         leaves = [t.detach().double().requires_grad_() for t in (x, *params)]
         y64 = ref(*leaves)
         y64.backward(dy.double())

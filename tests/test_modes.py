@@ -2,9 +2,8 @@
 Hugging Face norms they reproduce (Gemma's ``(xhat * (1.0 + weight.float())).type_as(x)``,
 Llama's ``weight * xhat.to(input_dtype)``), written out here in torch ops, bit for bit on the
 torch backend in float32, bfloat16 and float16, forward and backward (the gradient of the
-written-out form by autograd); within a unit of rounding on the kernels (Triton's interpreter
-truncates bf16 stores where a GPU rounds them). The Hugging Face classes themselves are
-compared in tests/test_swap.py."""
+written-out form by autograd); within a unit of rounding on the kernels (whose sums run in
+another order). The Hugging Face classes themselves are compared in tests/test_swap.py."""
 
 from __future__ import annotations
 
