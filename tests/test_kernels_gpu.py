@@ -64,28 +64,33 @@ def test_bf16_round_xhat_fused_is_the_composition_bit_for_bit(D):
     M = 512 if DEVICE == "cuda" else 16        # (the interpreter runs every program)
     x = torch.randn(M, D, generator=g).to(DEVICE, torch.bfloat16)
     w = (1 + torch.randn(D, generator=g) / 4).to(DEVICE, torch.bfloat16)
-    y = normbook.rms_norm(x, D, w, 1e-6, round_xhat=True)
-    assert torch.equal(y, w * normbook.rms_norm(x, D, None, 1e-6))
+    with normbook.backend("kernels"):           # (CPU tensors: the interpreter's kernels)
+        y = normbook.rms_norm(x, D, w, 1e-6, round_xhat=True)
+        assert torch.equal(y, w * normbook.rms_norm(x, D, None, 1e-6))
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_too
 def test_bf16_round_xhat_batches_of_every_size_in_turn():
-    """round_xhat's launches on a GPU, batch after batch of one width (the first launch of
+    """round_xhat's launches, batch after batch of one width (on a GPU the first launch of
     each plan measures its kernel and sizes its grid; a batch of at most 8 rows is one
-    program): every gradient within the composition's rounding (it rounds dy * w first)."""
+    program): y the composition's bits, every gradient within the composition's rounding (it
+    rounds dy * w first)."""
     import normbook
 
     D = 1024
+    big = 4096 if DEVICE == "cuda" else 64       # (the interpreter runs every program)
     g = torch.Generator().manual_seed(3)
-    w = (1 + torch.randn(D, generator=g) / 4).to("cuda", torch.bfloat16).requires_grad_()
-    for M in (4096, 4, 8, 4096, 100):
-        x = torch.randn(M, D, generator=g).to("cuda", torch.bfloat16).requires_grad_()
-        dy = torch.randn(M, D, generator=g).to("cuda", torch.bfloat16)
-        y = normbook.rms_norm(x, D, w, 1e-6, round_xhat=True)
-        composed = w * normbook.rms_norm(x, D, None, 1e-6)
-        assert torch.equal(y, composed), M
-        got = torch.autograd.grad(y, (x, w), dy)
-        want = torch.autograd.grad(composed, (x, w), dy)
+    w = (1 + torch.randn(D, generator=g) / 4).to(DEVICE, torch.bfloat16).requires_grad_()
+    for M in (big, 4, 8, big, 100):
+        x = torch.randn(M, D, generator=g).to(DEVICE, torch.bfloat16).requires_grad_()
+        dy = torch.randn(M, D, generator=g).to(DEVICE, torch.bfloat16)
+        with normbook.backend("kernels"):
+            y = normbook.rms_norm(x, D, w, 1e-6, round_xhat=True)
+            composed = w * normbook.rms_norm(x, D, None, 1e-6)
+            assert type(y.grad_fn).__name__ == "_RoundXhatBackward", y.grad_fn   # fused
+            assert torch.equal(y, composed), M
+            got = torch.autograd.grad(y, (x, w), dy)
+            want = torch.autograd.grad(composed, (x, w), dy)
         for a, b in zip(got, want):
             bound = 8 * torch.finfo(torch.bfloat16).eps * b.float().abs().max()
             assert (a.float() - b.float()).abs().max() <= bound, M
