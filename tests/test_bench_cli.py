@@ -566,6 +566,13 @@ def test_host_refuses_a_count_below_one(argv, monkeypatch, capsys):
     assert f"argument {argv[0]}: expected a positive integer" in capsys.readouterr().err
 
 
+def test_benchmarks_readme_quotes_the_host_goal():
+    """benchmarks/README.md states the goal ``normbook-bench host --goal`` judges by."""
+    text = " ".join((Path(__file__).parents[1] / "benchmarks" / "README.md").read_text().split())
+    assert (f"goal: forward <= {host.GOAL['fwd']}x, forward + backward <= "
+            f"{host.GOAL['fwd_bwd']}x torch's") in text
+
+
 def test_host_stub_launcher_enters_no_python_frame():
     """The stand-in for a compiled kernel's launcher costs nothing of its own: under the stub
     driver that ``normbook-bench host`` measures with, calling it with a launch's arguments
