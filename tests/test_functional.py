@@ -3,6 +3,7 @@
 import importlib.util
 
 import pytest
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -258,6 +259,37 @@ def test_one_tokens_gradients_are_tensors_of_their_own(dtype, with_weight):
 def test_bad_input_names_the_argument(call, exc, pattern):
     with pytest.raises(exc, match=pattern):
         call()
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+@pytest.mark.parametrize("normalized_shape", [(8.9,), (8.0,), 8.0, ["8"], (True,), True,
+                                              torch.tensor([8.0]), (2, 4.0), None])
+def test_normalized_shape_of_other_than_ints_is_refused(backend, normalized_shape):
+    """A float, a bool, a string or a float tensor in normalized_shape is a TypeError, as in
+    torch (which refuses each of these): int(8.9) would normalize over 8 values without a word,
+    and (8.0,) or (True,) compare equal to a signature the fast path knows. The same D as an int
+    runs first, so that the kernels' fast path has the signature ready."""
+    if backend == "kernels":
+        pytest.importorskip("triton")
+    x = torch.randn(3, 8) if normalized_shape not in ((True,), True) else torch.randn(3, 1)
+    D = x.shape[-1]
+    with normbook.backend(backend):
+        for fn in (normbook.layer_norm, normbook.rms_norm):
+            for _ in range(2):
+                fn(x, (D,))
+            with pytest.raises(TypeError, match=r"normalized_shape: expected an int or a "
+                                                r"sequence of ints, got "):
+                fn(x, normalized_shape)
+            with pytest.raises(TypeError):      # torch refuses it too
+                getattr(torch.nn.functional, fn.__name__)(x, normalized_shape)
+
+
+@pytest.mark.parametrize("normalized_shape", [(np.int64(8),), (torch.tensor(8),), [8],
+                                              torch.Size([8]), 8])
+def test_normalized_shape_of_integers_is_taken(normalized_shape):
+    """What torch takes as a dim, normbook takes: a numpy integer, an integer 0-d tensor."""
+    x = torch.randn(3, 8)
+    assert torch.equal(normbook.layer_norm(x, normalized_shape), normbook.layer_norm(x, 8))
 
 
 def test_import_imports_neither_triton_nor_dtensor():
@@ -637,13 +669,12 @@ def test_zero_width_rows_train_like_torch():
 
 
 def test_normalized_shape_of_a_float_does_not_depend_on_the_layout():
-    """The door's short path (contiguous rows) and its checks (anything else) agree on an
-    unusual normalized_shape: a float equal to D."""
+    """The door's short path (contiguous rows) and its checks (anything else) agree on a float
+    normalized_shape equal to D: both refuse it, as torch does (they once both took it)."""
     x = torch.randn(2, 3, 8)
-    dense = normbook.layer_norm(x, (8.0,))
-    strided = normbook.layer_norm(x.transpose(0, 1).contiguous().transpose(0, 1), (8.0,))
-    torch.testing.assert_close(dense, strided)
-    torch.testing.assert_close(dense, F.layer_norm(x, (8,)))
+    for rows in (x, x.transpose(0, 1).contiguous().transpose(0, 1)):
+        with pytest.raises(TypeError, match=r"whose element 0 is float 8.0"):
+            normbook.layer_norm(rows, (8.0,))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

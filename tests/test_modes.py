@@ -80,6 +80,16 @@ def test_the_modes_are_named_in_repr_and_checked():
         normbook.rms_norm(torch.randn(2, 8), 8, round_xhat=1)
     with pytest.raises(TypeError, match="offset or round_xhat"):
         torch.jit.script(normbook.RMSNorm(8, round_xhat=True))
+    # an offset is added to the weight: without one it would be dropped without a word
+    with pytest.raises(ValueError, match=r"offset: expected a weight to add it to \(gamma = "
+                                         r"offset \+ weight\), got offset=2.0 with weight None"):
+        normbook.rms_norm(torch.randn(2, 8), 8, None, offset=2.0)
+    with pytest.raises(ValueError, match=r"got offset=1 with elementwise_affine=False"):
+        normbook.RMSNorm(8, elementwise_affine=False, offset=1)
+    x = torch.randn(2, 8)
+    assert torch.equal(normbook.rms_norm(x, 8, None, offset=0.0), normbook.rms_norm(x, 8))
+    assert torch.equal(normbook.RMSNorm(8, elementwise_affine=False, round_xhat=True)(x),
+                       normbook.rms_norm(x, 8))
     plain = torch.nn.RMSNorm(8)
     plain.__class__ = normbook.RMSNorm          # as swap_norms changes a torch norm's class
     x = torch.randn(2, 8)

@@ -447,9 +447,13 @@ def test_half_olmo_and_cohere_are_swapped_exactly(dtype):
     """OLMo's LayerNorm is torch's float32 LayerNorm of a float32 copy: normbook's with
     ``upcast=True``, swapped under strict in half precision, the logits bitwise the unswapped
     model's (hidden 256: a width where torch's kernel for half rows would round some values
-    differently), the gradients within a unit of rounding. Cohere's writes its equations in
+    differently), the gradients within a few units of rounding of each parameter's largest
+    (norms' backwards that round differently by a unit, carried back through attention: over
+    12 random models, the worst was 2.8 units in fp16, 1.0 in bf16; the bound is 4, and the
+    models are seeded). Cohere's writes its equations in
     torch ops: normbook's with ``upcast="ops"``, swapped under strict, logits and gradients
     bitwise (the same ops, so autograd's same chain), with and without autograd recording."""
+    torch.manual_seed(0)
     ref = transformers.OlmoForCausalLM(transformers.OlmoConfig(
         hidden_size=256, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=100, eos_token_id=0, pad_token_id=0,
@@ -460,7 +464,7 @@ def test_half_olmo_and_cohere_are_swapped_exactly(dtype):
         assert normbook.swap_norms(model) == 5
     assert all(m._upcast for m in norm_modules(model, normbook.LayerNorm))
     ids = torch.randint(0, 100, (4, 33), generator=torch.Generator().manual_seed(0))
-    want = _same_logits_close_grads(model, ref, ids, 2 * torch.finfo(dtype).eps)
+    want = _same_logits_close_grads(model, ref, ids, 4 * torch.finfo(dtype).eps)
     with normbook.patch_hf("olmo"):           # built by Hugging Face's code: the same bits
         patched = transformers.OlmoForCausalLM(ref.config).to(dtype)
     patched.load_state_dict(ref.state_dict())

@@ -8,6 +8,7 @@ torch's norms raise).
 from __future__ import annotations
 
 import numbers
+import operator
 
 import torch
 
@@ -19,21 +20,32 @@ class ShapeError(ValueError, RuntimeError):
 
 
 def as_shape(normalized_shape) -> tuple[int, ...]:
-    """``normalized_shape`` as a tuple of ints, accepting an int, a list, a tuple or a torch.Size."""
+    """``normalized_shape`` as a tuple of ints, accepting an int, or a list, tuple or torch.Size
+    of ints. An integer is what ``operator.index`` takes and not a bool, as torch takes it: a
+    Python int, a numpy integer, an integer 0-d tensor, a SymInt; a float, a bool or a string
+    is a TypeError (``int(8.9)`` would quietly normalize over 8 values)."""
     if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         return (int(normalized_shape),)
-    if isinstance(normalized_shape, (str, bytes)):
-        raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {type(normalized_shape).__name__}")
+    expected = "normalized_shape: expected an int or a sequence of ints"
+    if isinstance(normalized_shape, (str, bytes, bool)):
+        raise TypeError(f"{expected}, got {type(normalized_shape).__name__}")
     try:
-        shape = tuple(int(s) for s in normalized_shape)
+        dims = list(normalized_shape)
     except TypeError:
-        raise TypeError(
-            "normalized_shape: expected an int or a sequence of ints, "
-            f"got {type(normalized_shape).__name__}"
-        ) from None
+        raise TypeError(f"{expected}, got {type(normalized_shape).__name__}") from None
+    shape = []
+    for i, s in enumerate(dims):
+        try:
+            if isinstance(s, bool):
+                raise TypeError
+            # (a SymInt as it is: its __index__ would make a dynamic size a constant)
+            shape.append(s if isinstance(s, torch.SymInt) else operator.index(s))
+        except TypeError:
+            raise TypeError(f"{expected}, got {normalized_shape!r}, whose element {i} is "
+                            f"{type(s).__name__} {s!r}") from None
     if not shape:
         raise ValueError("normalized_shape: expected at least one dimension, got ()")
-    return shape
+    return tuple(shape)
 
 
 def check_input(input: torch.Tensor, name: str = "input") -> None:
@@ -116,13 +128,20 @@ def check_upcast(upcast) -> None:
         raise TypeError(f"upcast: expected True, False or 'ops', got {upcast!r}")
 
 
-def check_modes(offset, round_xhat) -> float:
+def check_modes(offset, round_xhat, has_weight: bool = True, without: str = "weight None"
+                ) -> float:
     """RMSNorm's ``offset`` (a real number, not a bool) and ``round_xhat`` (a bool), each a
-    TypeError naming it otherwise; returns the offset as a float."""
+    TypeError naming it otherwise; returns the offset as a float. A nonzero offset needs a
+    weight to add to (gamma = offset + weight): without one (``has_weight`` False, the call
+    described by ``without``) it is a ValueError, not an argument quietly dropped."""
     if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
         raise TypeError(f"offset: expected a real number, got {offset!r}")
     if type(round_xhat) is not bool:
         raise TypeError(f"round_xhat: expected a bool, got {round_xhat!r}")
+    if offset and not has_weight:
+        raise ValueError(f"offset: expected a weight to add it to (gamma = offset + weight), "
+                         f"got offset={offset!r} with {without}; without a weight gamma is 1, "
+                         f"so pass a weight or leave offset 0")
     return float(offset)
 
 

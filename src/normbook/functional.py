@@ -417,6 +417,14 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
 
 _NO_BIAS = object()   # RMSNorm has no bias argument at all (so none is named in its errors)
 _SEQUENCES = (tuple, list, torch.Size)   # what normalized_shape may be besides an int
+_DIMS = (int, torch.SymInt)              # a dim the shorter paths take as it is
+
+
+def _index_tensor(D) -> bool:
+    """Whether D is an integer 0-d tensor, a dim as torch takes it (torch.jit.trace gives
+    ``x.size(-1)`` as one)."""
+    return (isinstance(D, Tensor) and D.dim() == 0 and D.dtype != torch.bool
+            and not (D.is_floating_point() or D.is_complex()))
 _warned_wide: set[int] = set()
 
 
@@ -578,6 +586,8 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
     t = type(normalized_shape)
     D = normalized_shape if t is int else (
         normalized_shape[0] if t in _SEQUENCES and len(normalized_shape) == 1 else None)
+    if type(D) not in _DIMS and not _index_tensor(D):   # (8.0,) or (True,): the full checks
+        D = None                                         # refuse it, as torch's
     b = None if bias is _NO_BIAS else bias
     key = ready = None
     if type(input) is Tensor and D is not None and type(eps) is float and eps == eps and not (
@@ -868,7 +878,8 @@ def rms_norm(input: Tensor, normalized_shape: int | Sequence[int],
             means the machine epsilon of the type torch computes in: fp32's for float16,
             bfloat16 and float32 inputs (measured: not the input dtype's), fp64's for float64.
         offset: gamma = offset + weight, the sum taken in float32 (Gemma's ``1 + weight``:
-            offset 1.0). Keyword only, as is ``round_xhat``; neither is torch's.
+            offset 1.0); a nonzero offset needs a weight (ValueError without one). Keyword
+            only, as is ``round_xhat``; neither is torch's.
         round_xhat: round xhat to the input's dtype before the weight multiplies, and the
             product to it again, y = weight * xhat.to(input.dtype) (Llama's order of
             operations in bf16 and fp16); by default the product is taken in float32 and
@@ -906,8 +917,8 @@ def _rms_modes(input, normalized_shape, weight, eps, offset, round_xhat):
     weight.float())).type_as(x)``, Llama's ``weight * xhat.to(input_dtype)``). The kernels'
     eager case of ``round_xhat`` is fused instead (:class:`_RoundXhat`): the same operations
     in one pass."""
-    offset = _validate.check_modes(offset, round_xhat)
-    if offset and weight is not None:
+    offset = _validate.check_modes(offset, round_xhat, weight is not None)
+    if offset:
         weight = (weight.float() if isinstance(weight, Tensor) else weight) + offset
     if (round_xhat and weight is not None and isinstance(input, Tensor)
             and input.dtype in _HALF):

@@ -84,7 +84,8 @@ class RMSNorm(torch.nn.RMSNorm):
 
     Args (as ``torch.nn.RMSNorm``): normalized_shape, eps=None, elementwise_affine=True,
     device=None, dtype=None; and, keyword only, normbook's ``offset`` (gamma = offset +
-    weight in float32: Gemma's 1 + weight) and ``round_xhat`` (xhat rounded to the input's
+    weight in float32: Gemma's 1 + weight; a ValueError with ``elementwise_affine=False``)
+    and ``round_xhat`` (xhat rounded to the input's
     dtype before the weight multiplies: Llama's order in bf16 and fp16), as
     :func:`normbook.rms_norm` takes them. The weight is initialised to 1 as torch's (to 0 for
     a Gemma model, whose checkpoints hold the weight without the offset).
@@ -108,7 +109,8 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def set_modes(self, offset: float = 0.0, round_xhat: bool = False) -> None:
         """Set ``offset`` and ``round_xhat`` (see the class docstring)."""
-        offset = _validate.check_modes(offset, round_xhat)
+        offset = _validate.check_modes(offset, round_xhat, self.weight is not None,
+                                       "elementwise_affine=False")
         self._modes = (offset, round_xhat) if (offset or round_xhat) else None
 
     def extra_repr(self) -> str:
