@@ -190,6 +190,22 @@ def test_the_modules_pass_with_their_default_eps():
             x, kind, eps, module.weight)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_norm_at_its_default_passes_without_an_eps(dtype):
+    """check_norm_backward(fn, x, kind) as the README writes it: eps is the kind's default in
+    torch (1e-5 for LayerNorm, None for RMSNorm), so torch's and normbook's modules left at
+    theirs pass. (With 1e-5 for both, a float64 torch.nn.RMSNorm failed the scale identity.)"""
+    x = torch.randn(4, 16, dtype=dtype)
+    for module, kind in [(torch.nn.LayerNorm(16, dtype=dtype), "layer"),
+                         (torch.nn.RMSNorm(16, dtype=dtype), "rms"),
+                         (normbook.LayerNorm(16, dtype=dtype), "layer"),
+                         (normbook.RMSNorm(16, dtype=dtype), "rms")]:
+        assert checks.check_norm_backward(module, x, kind=kind)
+    with pytest.raises(AssertionError, match="scale identity"):   # a wrong eps still fails
+        checks.check_norm_backward(torch.nn.RMSNorm(16, dtype=torch.float64),
+                                   x.double(), kind="rms", eps=1e-5)
+
+
 def buggy_norm(kind, bug, eps):
     """A norm whose forward is right and whose backward has one planted bug."""
     class Buggy(torch.autograd.Function):

@@ -269,7 +269,7 @@ def assert_rms_norm_identities(
 
 def check_norm_backward(
     fn: Callable[..., torch.Tensor], x: torch.Tensor,
-    kind: str = "layer", eps: float | None = 1e-5,
+    kind: str = "layer", eps: float | None | str = "default",
     weight: torch.Tensor | None = None, *, dy: torch.Tensor | None = None,
     atol: float | None = None,
 ) -> bool:
@@ -300,7 +300,9 @@ def check_norm_backward(
         x: (..., D) the input (not modified).
         kind: ``"layer"`` (LayerNorm: mean subtracted) or ``"rms"`` (RMSNorm).
         eps: the eps ``fn`` uses; None, as torch.nn.RMSNorm's default, is
-            finfo(dtype).eps (at least float32's).
+            finfo(dtype).eps (at least float32's). ``"default"``: torch's default of the
+            kind, 1e-5 for ``"layer"`` (torch.nn.LayerNorm's), None for ``"rms"``
+            (torch.nn.RMSNorm's), so that a norm left at its default passes as it is.
         weight: (D,) gamma, or None.
         dy: (..., D) the gradient arriving at y; default a seeded standard normal.
         atol: relative tolerance per token; default 64 * finfo(x.dtype).eps, times
@@ -311,6 +313,8 @@ def check_norm_backward(
     """
     if kind not in ("layer", "rms"):
         raise ValueError(f'kind must be "layer" or "rms", got {kind!r}')
+    if isinstance(eps, str) and eps == "default":
+        eps = 1e-5 if kind == "layer" else None
     if eps is None:
         eps = torch.finfo(_validate.compute_dtype(x.dtype)).eps
     D = x.shape[-1]
