@@ -477,6 +477,41 @@ def test_a_run_with_force_replaces_the_results(tmp_path):
     assert [r["provider"] for r in res["rows"]] == ["torch"]
 
 
+@pytest.mark.parametrize("mode", ["host", "cpu", "plans", "step"])
+def test_a_mode_s_existing_json_is_refused_before_measuring(tmp_path, monkeypatch, mode):
+    """host, cpu, plans, step: a --json FILE that exists is one line naming it and --force,
+    exit 2, before anything is measured (on a GPU each is a measurement of its own), and the
+    file is left as it was; with --force the check lets it through."""
+    path = tmp_path / f"{mode}.json"
+    path.write_text(RECORDED)
+    rc, out, err = _main([mode, "--json", path])
+    assert rc == 2 and out == "", err
+    _one_line_error(err, f"--json: {path} exists", "pass --force")
+    assert path.read_text() == RECORDED
+    seen = []
+
+    def new_file(flag, p, force=False, instead=""):     # what --force hands the check
+        seen.append(force)
+        raise cli.BenchError("measuring would start here")
+
+    monkeypatch.setattr(cli, "new_file", new_file)
+    rc, _, err = _main([mode, "--json", path, "--force"])
+    assert rc == 2 and seen == [True] and "measuring would start here" in err, err
+    assert path.read_text() == RECORDED
+
+
+def test_out_naming_a_file_is_refused_in_one_line(tmp_path, no_measuring):
+    """A run's --out is a folder: a file there is one line saying so, not '[Errno 17] File
+    exists', with or without --force, and the file is left as it was."""
+    path = tmp_path / "somefile"
+    path.write_text(RECORDED)
+    for force in ([], ["--force"]):
+        rc, out, err = _main([*TINY, "--providers", "torch", "--out", path, *force])
+        assert rc == 2 and out == "", err
+        _one_line_error(err, f"--out: {path} is a file", "give a folder")
+        assert path.read_text() == RECORDED
+
+
 # ---- providers that cannot run are refused before anything is measured ---------------------
 TINY = ["--device", "cpu", "--ops", "rms_norm", "--modes", "fwd", "--M", "8", "--D", "16",
         "--warmup-ms", "1", "--rep-ms", "1", "--no-plots", "--no-progress"]

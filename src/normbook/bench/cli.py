@@ -17,9 +17,9 @@ Nothing recorded is replaced unasked. A run whose ``--out`` folder already holds
 ``results.json``, and ``--merge``, ``--overview`` or ``--model-check`` whose ``--out FILE``
 exists, are refused before anything is read or measured, unless ``--force`` is given: a GPU
 run's rows cannot be measured again, and a second run would rewrite the first one's
-``results.json`` after its first shape. (``--plot`` rewrites only its own figures in its
-folder, and ``host --json`` and ``cpu --json`` keep replacing their file: CPU timings, which any
-machine measures again in a minute.)
+``results.json`` after its first shape. So are the ``--json`` files of ``host``, ``cpu``,
+``plans`` and ``step`` (on a GPU each is a measurement of its own). (``--plot`` rewrites only
+its own figures in its folder.)
 
 Goals. The kernels' performance goal (:mod:`normbook.bench.goal`: bf16, M = 32768, a fraction
 of copy bandwidth and faster than the rivals), and the host and CPU goals of ``host`` and ``cpu``, are judged only when asked for, with ``--goal``; then the exit
@@ -306,6 +306,23 @@ def writable_file(flag: str, path: str | None) -> None:
         raise BenchError(f"{flag}: cannot write into {folder}")
 
 
+def add_json_out(p: argparse.ArgumentParser, what: str) -> None:
+    """A mode's ``--json FILE`` (writing ``what``) and ``--force``, checked by
+    :func:`json_out`."""
+    p.add_argument("--json", metavar="FILE", help=f"write {what} as JSON; a file that exists "
+                   "is refused unless --force")
+    p.add_argument("--force", action="store_true",
+                   help="replace the --json file if it exists (without it the run is refused "
+                   "before anything is measured: a GPU's results cannot be measured again)")
+
+
+def json_out(args) -> None:
+    """A mode's --json, refused before anything is measured where it could not be written, or
+    where it exists and --force is not given."""
+    writable_file("--json", args.json)
+    new_file("--json", args.json, args.force)
+
+
 def new_file(flag: str, path, force: bool = False, instead: str = "another file") -> None:
     """Refuse, before anything is read or measured, to replace the file ``path`` unless
     ``force`` (--force): recorded results cannot be measured again. One line naming the file,
@@ -359,9 +376,12 @@ def main(argv=None) -> int:
         return error(flag if flag and not isinstance(e, BenchError) else "", e)
     try:   # a bad --out fails here, not after the sweep
         out = Path(cfg.out) if cfg.out else runner.default_out_dir(cfg.device)
+        if out.exists() and not out.is_dir():
+            raise BenchError(f"{out} is a file; a run writes into a folder (its results.json "
+                             "and figures): give a folder's name")
         out.mkdir(parents=True, exist_ok=True)
         cfg.out = str(out.resolve())
-    except OSError as e:
+    except (OSError, BenchError) as e:
         return error("--out", e)
     try:
         result = runner.run(cfg)

@@ -1,6 +1,6 @@
 """The CPU backend against torch on the CPU: what a reader running the book on a laptop pays.
 
-    normbook-bench cpu [--json FILE] [--repeat R] [--goal]
+    normbook-bench cpu [--json FILE [--force]] [--repeat R] [--goal]
 
 Both norms, forward and forward + backward, fp32 and bf16, at M x D = 4096 x 1024,
 2048 x 4096, 512 x 16384 and 64 x 131072 (:data:`SHAPES`): ``normbook.layer_norm`` / ``normbook.rms_norm`` on the torch-ops backend
@@ -133,19 +133,19 @@ def main(argv=None) -> int:
     """``normbook-bench cpu``: 0; with --goal, 1 when a ratio is above :data:`GOAL`. A refusal
     (a --json that cannot be written) raises; :func:`normbook.bench.cli.main` prints it as one
     line, exit status 2."""
-    from normbook.bench.cli import PROG, writable_file
+    from normbook.bench.cli import PROG, add_json_out, json_out
     from normbook.bench.cli import _positive_int as positive_int
 
     p = argparse.ArgumentParser(prog=f"{PROG} cpu", description=DESCRIPTION, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", metavar="FILE", help="write the ratios and milliseconds as JSON")
+    add_json_out(p, "the ratios and milliseconds")
     p.add_argument("--repeat", type=positive_int, default=10,
                    help="timed calls of each; the best counts (default 10)")
     p.add_argument("--goal", action="store_true",
                    help=f"judge every ratio against the goal (<= {GOAL}): PASS/FAIL, exit status "
                    "1 if not met")
     args = p.parse_args(argv)
-    writable_file("--json", args.json)
+    json_out(args)
     data = measure(args.repeat)
     text, ok = report(data, args.goal)
     print(text)

@@ -1,6 +1,6 @@
 """Host time per call: what Python and the framework cost around the kernels.
 
-    normbook-bench host [--json FILE] [--number N] [--repeat R] [--goal]
+    normbook-bench host [--json FILE [--force]] [--number N] [--repeat R] [--goal]
 
 A norm on a small batch is over on the GPU in a few microseconds, so the time a user sees in
 eager mode is set by the host: argument checks, autograd bookkeeping, normbook's launcher and
@@ -276,12 +276,12 @@ def main(argv=None) -> int:
     as one line, exit status 2."""
     import argparse
 
-    from normbook.bench.cli import PROG, BenchError, writable_file
+    from normbook.bench.cli import PROG, BenchError, add_json_out, json_out
     from normbook.bench.cli import _positive_int as positive_int
 
     p = argparse.ArgumentParser(prog=f"{PROG} host", description=DESCRIPTION, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", metavar="FILE", help="write the microseconds (and ratios) as JSON")
+    add_json_out(p, "the microseconds (and ratios)")
     p.add_argument("--number", type=positive_int, default=100,
                    help="calls of each provider per round (default 100)")
     p.add_argument("--repeat", type=positive_int, default=140, help="rounds (default 140)")
@@ -292,7 +292,7 @@ def main(argv=None) -> int:
                    help=f"judge the ratios against the goal (fwd <= {GOAL['fwd']}x, "
                    f"fwd+bwd <= {GOAL['fwd_bwd']}x torch's): PASS/FAIL, exit status 1 if not met")
     args = p.parse_args(argv)
-    writable_file("--json", args.json)
+    json_out(args)
     if _interpreting():
         if "triton" in sys.modules:  # too late to switch: run again in a fresh process
             env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

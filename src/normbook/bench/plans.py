@@ -1,6 +1,6 @@
 """Plans timed on the device both ways: the backward of few rows; the forward of short rows.
 
-    normbook-bench plans [--json FILE] [--dims 1024,4096,8192] [--rows 1,2,4,8,16,32]
+    normbook-bench plans [--json FILE [--force]] [--dims 1024,4096,8192] [--rows 1,2,4,8,16,32]
                          [--share-rows 32768] [--finish-blocks 64,32,16]
                          [--forward-dims 1024,2048]
 
@@ -190,10 +190,10 @@ def main(argv=None) -> int:
     """``normbook-bench plans``; 0. A refusal raises (printed by :mod:`normbook.bench.cli`)."""
     import argparse
 
-    from normbook.bench.cli import PROG, BenchError, _sizes, writable_file
+    from normbook.bench.cli import PROG, BenchError, _sizes, add_json_out, json_out
 
     p = argparse.ArgumentParser(prog=f"{PROG} plans", description=DESCRIPTION)
-    p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    add_json_out(p, "the rows")
     p.add_argument("--dims", default="1024,4096,8192", help="D, comma-separated")
     p.add_argument("--rows", default="1,2,4,8,16,32", help="M timed both ways")
     p.add_argument("--share-rows", default="32768", help="M timed on the grid alone")
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     forward_dims = _sizes(p, "--forward-dims", args.forward_dims)
     if any(b & (b - 1) or b < 4 for b in blocks):
         p.error(f"--finish-blocks: powers of two of at least 4, got {args.finish_blocks}")
-    writable_file("--json", args.json)
+    json_out(args)
     try:
         import triton
         from normbook.kernels import _config

@@ -1,6 +1,6 @@
 """A training step of a Llama-shaped model: Hugging Face's norms, normbook's, Liger's.
 
-    normbook-bench step [--json FILE] [--quick] [--hidden 2048] [--layers 4] [--heads 16]
+    normbook-bench step [--json FILE [--force]] [--quick] [--hidden 2048] [--layers 4] [--heads 16]
                         [--vocab 32000] [--batch 4] [--tokens 2048] [--dtype bf16] [--goal]
 
 What a user who calls :func:`normbook.swap_norms` on a model gets: one training step (forward,
@@ -192,12 +192,12 @@ def main(argv=None) -> int:
     (printed by :mod:`normbook.bench.cli` as one line, exit status 2)."""
     import argparse
 
-    from normbook.bench.cli import PROG, BenchError, _names, writable_file
+    from normbook.bench.cli import PROG, BenchError, _names, add_json_out, json_out
     from normbook.bench.cli import _positive_int as positive_int
 
     p = argparse.ArgumentParser(prog=f"{PROG} step", description=DESCRIPTION, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", metavar="FILE", help="write the rows, the shape and the versions")
+    add_json_out(p, "the rows, the shape and the versions")
     p.add_argument("--quick", action="store_true",
                    help="a tiny model (hidden 64, 2 layers, 2 x 16 tokens): that it runs")
     for name, default in (("hidden", 2048), ("layers", 4), ("heads", 16), ("vocab", 32000),
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     if shape["hidden"] % shape["heads"]:
         p.error(f"--hidden: expected a multiple of --heads ({shape['heads']}), "
                 f"got {shape['hidden']}")
-    writable_file("--json", args.json)
+    json_out(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda: no CUDA device is at hand")
