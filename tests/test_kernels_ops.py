@@ -273,6 +273,32 @@ def test_an_exported_kernel_program_trains_and_loads_after_import_normbook(tmp_p
             "print('ran', tuple(x.grad.shape))\n")
     out = _python(code, **({} if DEVICE == "cuda" else {"TRITON_INTERPRET": "1"}))
     assert "ran (3, 16)" in out.stdout, out.stdout + out.stderr
+    # on CPU tensors without the interpreter (a program exported on a GPU machine, run on a
+    # CPU) the ops compute the torch backend's formulas, as the front door would: Triton's
+    # "0 active drivers" before; the values and gradients those of the same block on torch
+    if DEVICE != "cpu":
+        return
+    path_m = tmp_path / "block_module.pt"
+    torch.save(m.state_dict(), path_m)
+    code = ("import sys, torch, normbook\n"
+            f"ep = torch.export.load({str(path)!r})\n"
+            "torch.manual_seed(1)\n"
+            "x, r = (torch.randn(3, 16, requires_grad=True) for _ in range(2))\n"
+            "got = ep.module()(x, r)\n"
+            "grads = torch.autograd.grad(got.square().sum(), (x, r))\n"
+            "w = torch.load(" + repr(str(path_m)) + ")['norm.weight']\n"
+            "b = torch.load(" + repr(str(path_m)) + ")['norm.bias']\n"
+            "def block(x, r):\n"
+            "    y, h = normbook.add_rms_norm(x, r)\n"
+            "    return torch.nn.functional.layer_norm(y, (16,), w, b) * 2 + h\n"
+            "want = block(x, r)\n"
+            "wants = torch.autograd.grad(want.square().sum(), (x, r))\n"
+            "torch.testing.assert_close(got, want)\n"
+            "for g, v in zip(grads, wants):\n"
+            "    torch.testing.assert_close(g, v)\n"
+            "print('cpu ran', 'triton' in sys.modules)\n")
+    out = _python(code, TRITON_INTERPRET="0")
+    assert "cpu ran" in out.stdout, out.stdout + out.stderr
 
 
 # ----------------------------------------------------------------------------- bad input

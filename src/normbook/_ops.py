@@ -4,7 +4,9 @@ without Triton.
 ``import normbook`` defines them (it never imports triton): a program exported with
 ``torch.export`` on the kernel backend names them, and ``torch.export.load`` finds them after
 ``import normbook`` alone. Their implementations import the launchers
-(:mod:`normbook.kernels`, and so Triton) when first run. Each op has a fake (shape-only)
+(:mod:`normbook.kernels`, and so Triton) when first run on a CUDA tensor (or under Triton's
+interpreter); on other tensors they compute the torch backend's formulas, so that a program
+exported on a GPU also runs on a CPU. Each op has a fake (shape-only)
 implementation, so that ``torch.compile`` traces through it, and sharding rules for DTensor
 (:mod:`normbook.kernels._dtensor`). In eager mode and under ``torch.compile`` autograd is
 :class:`normbook.functional.NormFunction`'s, which calls these ops inside its forward and
@@ -45,6 +47,21 @@ def _rows(t: Tensor) -> Tensor:
     return t.contiguous() if t.stride(-1) != 1 and t.shape[-1] > 1 else t
 
 
+def _launches(x: Tensor) -> bool:
+    """Whether the ops launch the kernels for x: a CUDA tensor, or any under Triton's
+    interpreter. Elsewhere (a program exported on the kernel backend, run on a CPU without the
+    interpreter, or where Triton is not installed) they compute the torch backend's formulas,
+    as the front door does for such a tensor: the same equations and outputs, summed in
+    another order."""
+    if x.is_cuda:
+        return True
+    try:
+        from normbook.kernels import ops
+    except ImportError:       # no Triton
+        return False
+    return ops.interpreted()
+
+
 @torch.library.custom_op("normbook::norm_forward", mutates_args=())
 def norm_forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
                  bias: Optional[Tensor], eps: float, is_rms: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -52,11 +69,17 @@ def norm_forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor]
     residual) and the fp32 stats, (2, ...) mean and rstd, or (1, ...) rstd for RMSNorm.
     The public functions pass (M, D) rows; a DTensor keeps its leading dims (its sharding
     rules, ``_dtensor``, keep each token's row whole on one rank)."""
-    from normbook.kernels import _forward
-
     lead = x.shape[:-1]
-    y, h, stats = _forward.norm_forward(_rows(x), None if residual is None else _rows(residual),
-                                        weight, bias, eps, is_rms)
+    r = None if residual is None else _rows(residual)
+    if _launches(x):
+        from normbook.kernels import _forward
+
+        y, h, stats = _forward.norm_forward(_rows(x), r, weight, bias, eps, is_rms)
+    else:
+        from normbook.functional import _torch_forward
+
+        y, h, stats = _torch_forward(_rows(x), r, weight, bias, eps, is_rms)
+        stats = stats.contiguous()        # (as the fake's: the half rows' is a transposed view)
     if len(lead) != 1:
         y, h, stats = y.view(x.shape), None if h is None else h.view(x.shape), stats.view(-1, *lead)
     return y, x.new_empty((0,)) if h is None else h, stats   # an op returns tensors, never None
@@ -73,13 +96,19 @@ def norm_backward(dy: Tensor, dh: Optional[Tensor], x: Tensor, weight: Optional[
                   bias_dtype: Optional[torch.dtype], is_rms: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(ln-dx) or (rms-dx), (ln-dparams) and the (fork-rule): dx (x's shape, (..., D)),
     dweight, dbias (empty if absent)."""
-    from normbook.kernels import _backward
+    rows = (_rows(dy), None if dh is None else _rows(dh), _rows(x), weight,
+            stats.reshape(stats.shape[0], -1))
+    if _launches(x):
+        from normbook.kernels import _backward
 
-    # (new zeroed slots for rows shared among programs: a compiled graph's CUDA graph tree
-    # warms up in a memory pool it may reclaim, where no buffer kept across calls may live)
-    dx, dweight, dbias = _backward.norm_backward(
-        _rows(dy), None if dh is None else _rows(dh), _rows(x), weight,
-        stats.reshape(stats.shape[0], -1), bias_dtype, is_rms, kept_slots=False)
+        # (new zeroed slots for rows shared among programs: a compiled graph's CUDA graph tree
+        # warms up in a memory pool it may reclaim, where no buffer kept across calls may live)
+        dx, dweight, dbias = _backward.norm_backward(*rows, bias_dtype, is_rms,
+                                                     kept_slots=False)
+    else:      # (eps only recomputes the statistics, which are given here)
+        from normbook.functional import _torch_backward
+
+        dx, dweight, dbias = _torch_backward(*rows, 0.0, is_rms, bias_dtype, False)
     empty = x.new_empty((0,))
     return (dx if x.dim() == 2 else dx.view(x.shape), empty.clone() if dweight is None else dweight,
             empty if dbias is None else dbias)
