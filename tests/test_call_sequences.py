@@ -62,8 +62,9 @@ def calls(draw) -> Call:
     dtype = draw(st.sampled_from(HALF if op == "rms_round_xhat" else
                                  (torch.float32, *HALF)))
     modules = op in ("LayerNorm", "RMSNorm")
-    param_dtype = draw(st.sampled_from((dtype, torch.float32) if modules else
-                                       (dtype, torch.float32, None)))
+    # (a module, and the offset, which is added to a weight, always have one)
+    param_dtype = draw(st.sampled_from((dtype, torch.float32) if modules or op == "rms_offset"
+                                       else (dtype, torch.float32, None)))
     D = draw(st.sampled_from(WIDTHS))
     # the interpreter runs every program: keep a call to a few tens of thousands of values
     M = draw(st.integers(1, 3 if D > 1024 else 40))
