@@ -284,6 +284,26 @@ def test_normalized_shape_of_other_than_ints_is_refused(backend, normalized_shap
                 getattr(torch.nn.functional, fn.__name__)(x, normalized_shape)
 
 
+@pytest.mark.parametrize("name, call", [
+    ("empty normalized_shape", lambda F: F.layer_norm(torch.randn(2, 5), ())),
+    ("weight on meta", lambda F: F.layer_norm(torch.randn(2, 5), (5,), torch.ones(5, device="meta"))),
+    ("weight on meta, rms", lambda F: F.rms_norm(torch.randn(2, 5), (5,), torch.ones(5, device="meta"))),
+    ("int64 input", lambda F: F.layer_norm(torch.ones(2, 5, dtype=torch.int64), (5,))),
+    ("bool input, rms", lambda F: F.rms_norm(torch.ones(2, 5, dtype=torch.bool), (5,))),
+    ("weight of wrong shape", lambda F: F.layer_norm(torch.randn(2, 5), (5,), torch.ones(4))),
+])
+def test_an_error_is_of_torch_s_class_too(name, call):
+    """Where torch's norm raises a RuntimeError (or NotImplementedError) normbook's error is
+    one too, besides the ValueError or TypeError it is: code written against either catches
+    it (measured: each torch call below raises)."""
+    with pytest.raises(Exception) as theirs:
+        call(torch.nn.functional)
+    with pytest.raises(Exception) as ours:
+        call(normbook)
+    assert isinstance(ours.value, type(theirs.value)), (name, ours.value, theirs.value)
+    assert isinstance(ours.value, (ValueError, TypeError))
+
+
 @pytest.mark.parametrize("normalized_shape", [(np.int64(8),), (torch.tensor(8),), [8],
                                               torch.Size([8]), 8])
 def test_normalized_shape_of_integers_is_taken(normalized_shape):

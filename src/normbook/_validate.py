@@ -1,8 +1,10 @@
 """Argument checks shared by the public API and the kernels.
 
 Each check raises a ValueError or TypeError that names the argument and shows what was
-expected against what was given (a wrong shape: :class:`ShapeError`, also a RuntimeError, as
-torch's norms raise).
+expected against what was given. Where torch's norms raise a RuntimeError for the same mistake
+the error is one too (measured, torch 2.13): a wrong shape or an empty normalized_shape,
+:class:`ShapeError`; a parameter or residual on another device, :class:`DeviceError`; an
+integer, bool or float8 input, :class:`DTypeError` (a NotImplementedError, as torch's).
 """
 
 from __future__ import annotations
@@ -14,9 +16,20 @@ import torch
 
 
 class ShapeError(ValueError, RuntimeError):
-    """A tensor argument of the wrong shape. A ValueError, as the rest of normbook's checks
-    raise, and a RuntimeError, as torch's norms raise for the same mistake, so that code written
-    against either catches it."""
+    """A tensor argument of the wrong shape (or an empty normalized_shape). A ValueError, as the
+    rest of normbook's checks raise, and a RuntimeError, as torch's norms raise for the same
+    mistake, so that code written against either catches it."""
+
+
+class DeviceError(ValueError, RuntimeError):
+    """A tensor argument on another device than the input's: a ValueError, and a RuntimeError
+    as torch's norms raise (see :class:`ShapeError`)."""
+
+
+class DTypeError(TypeError, NotImplementedError):
+    """An input whose dtype the norms do not take (integers, bools, float8): a TypeError, and
+    a NotImplementedError (so a RuntimeError) as torch's norms raise (see
+    :class:`ShapeError`)."""
 
 
 def as_shape(normalized_shape) -> tuple[int, ...]:
@@ -44,7 +57,7 @@ def as_shape(normalized_shape) -> tuple[int, ...]:
             raise TypeError(f"{expected}, got {normalized_shape!r}, whose element {i} is "
                             f"{type(s).__name__} {s!r}") from None
     if not shape:
-        raise ValueError("normalized_shape: expected at least one dimension, got ()")
+        raise ShapeError("normalized_shape: expected at least one dimension, got ()")
     return tuple(shape)
 
 
@@ -54,11 +67,11 @@ def check_input(input: torch.Tensor, name: str = "input") -> None:
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(input).__name__}")
     if input.is_floating_point() and input.dtype.itemsize == 1:
-        raise NotImplementedError(
+        raise DTypeError(
             f"{name}: float8 inputs are not supported (expected float16, bfloat16, float32 or "
             f"float64, got {input.dtype}); cast to bfloat16 first")
     if not input.is_floating_point():
-        raise TypeError(
+        raise DTypeError(
             f"{name}: expected a floating-point dtype (float16, bfloat16, float32, float64), "
             f"got {input.dtype}"
         )
@@ -91,7 +104,7 @@ def check_param(param, name: str, input: torch.Tensor, shape: tuple[int, ...], d
             f"{name}: expected shape {shape} (normalized_shape), got {tuple(param.shape)}"
         )
     if param.device != input.device:
-        raise ValueError(
+        raise DeviceError(
             f"{name}: expected a tensor on input's device {input.device}, got {param.device}"
         )
 

@@ -488,7 +488,8 @@ def _check_residual(residual, input) -> None:
     if residual.dtype != input.dtype:
         raise TypeError(f"residual: expected x's dtype {input.dtype}, got {residual.dtype}")
     if residual.device != input.device:
-        raise ValueError(f"residual: expected x's device {input.device}, got {residual.device}")
+        raise _validate.DeviceError(f"residual: expected x's device {input.device}, "
+                                    f"got {residual.device}")
 
 
 def _wide_rows_fit(D: int, itemsize: int, has_residual: bool, device_index: int) -> bool:
