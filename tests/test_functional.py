@@ -284,6 +284,31 @@ def test_normalized_shape_of_other_than_ints_is_refused(backend, normalized_shap
                 getattr(torch.nn.functional, fn.__name__)(x, normalized_shape)
 
 
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+def test_an_inference_tensor_takes_the_weight_s_gradient(backend):
+    """A tensor made under torch.inference_mode, normalized by a module whose weight wants a
+    gradient: torch.nn.RMSNorm takes it (its composed ops save only what they compute from
+    x), and so do normbook's norms (the Function saves a copy of x for the weight's gradient;
+    autograd refused to save x itself). Three calls: the kernels' fast path too."""
+    if backend == "kernels":
+        pytest.importorskip("triton")
+    with torch.inference_mode():
+        xi = torch.randn(3, 8)
+    with normbook.backend(backend):
+        for _ in range(3):
+            ours, theirs = normbook.RMSNorm(8), torch.nn.RMSNorm(8)
+            y, want = ours(xi), theirs(xi)
+            y.square().sum().backward()
+            want.square().sum().backward()
+            torch.testing.assert_close(y, want)
+            torch.testing.assert_close(ours.weight.grad, theirs.weight.grad)
+            ln = normbook.LayerNorm(8)              # (torch's LayerNorm refuses it)
+            ln(xi).square().sum().backward()
+            assert ln.weight.grad is not None and ln.bias.grad is not None
+        with pytest.raises(RuntimeError):          # other errors are raised as they were
+            normbook.rms_norm(xi, 4)
+
+
 @pytest.mark.parametrize("name, call", [
     ("empty normalized_shape", lambda F: F.layer_norm(torch.randn(2, 5), ())),
     ("weight on meta", lambda F: F.layer_norm(torch.randn(2, 5), (5,), torch.ones(5, device="meta"))),

@@ -409,8 +409,22 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
     if _fwAD._current_level >= 0:
         out = _ad_apply(x, residual, weight, bias, cfg)
         return out[0], None if residual is None else out[1]
-    out = _eager_apply(x, residual, weight, bias, cfg)
+    try:
+        out = _eager_apply(x, residual, weight, bias, cfg)
+    except RuntimeError:        # (an inference tensor: see _copy_of_inference)
+        out = _eager_apply(_copy_of_inference(x, residual), residual, weight, bias, cfg)
     return (out, None) if residual is None else out
+
+
+def _copy_of_inference(x, residual):
+    """Called as the Function's apply raised: a copy of x where x is an inference tensor
+    (made under ``torch.inference_mode``), which autograd refuses to save for backward, and
+    the Function saves x for the weight's gradient (torch.nn.RMSNorm, whose composed ops save
+    only tensors computed from x, takes one: measured, torch 2.13); else the error raised
+    again. With a residual h is saved, a new tensor."""
+    if residual is not None or not x.is_inference():
+        raise         # (the error being handled)
+    return x.clone()
 
 
 # ----------------------------------------------------------------------------- the front door
@@ -623,7 +637,10 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
                             or (b is not None and b.requires_grad)
                             or (residual is not None and residual.requires_grad)):
         cfg = (eps, is_rms, _LAUNCH, None if b is None else b.dtype, residual is not None, ready)
-        out = _eager_apply(input, residual, weight, b, cfg)
+        try:
+            out = _eager_apply(input, residual, weight, b, cfg)
+        except RuntimeError:    # (an inference tensor: see _copy_of_inference)
+            out = _eager_apply(_copy_of_inference(input, residual), residual, weight, b, cfg)
         return (out, None) if residual is None else out
     y, h, _ = ready.forward(input, residual, weight, b, eps)   # no gradient: no Function
     return y, h
