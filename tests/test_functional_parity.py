@@ -442,6 +442,29 @@ def test_kernel_overflowing_rows_are_finite_and_right(norm, D):
     assert torch.isfinite(y).all() and torch.isfinite(y_add).all()
 
 
+@pytest.mark.parametrize("D", [4, 40000])
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+def test_a_row_holding_an_infinity_is_torch_s(backend, D):
+    """A row holding an infinity is not an overflowing row to rescue: RMSNorm gives torch's
+    NaN where the infinities are and 0 elsewhere (rstd = 0), LayerNorm NaN throughout, on
+    both backends (the kernels' rows kernel at D = 4, the loop over the row at 40000), and
+    the rows beside it are torch's. The rescue once divided the row by its largest |value|,
+    an infinity, and gave NaN throughout."""
+    if backend == "kernels":
+        K = pytest.importorskip("normbook.kernels")
+        if not (K.ops.interpreted() or torch.cuda.is_available()):
+            pytest.skip("the kernels need a GPU or TRITON_INTERPRET=1")
+    dev = "cuda" if torch.cuda.is_available() and backend == "kernels" else "cpu"
+    x = torch.randn(3, D, generator=torch.Generator().manual_seed(0)).to(dev)
+    x[0, 1], x[2, 0], x[2, D - 1] = float("inf"), float("-inf"), float("inf")
+    with normbook.backend(backend), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)     # the interpreter's numpy
+        for ours, theirs in ((normbook.rms_norm(x, D), F.rms_norm(x, (D,))),
+                             (normbook.layer_norm(x, D), F.layer_norm(x, (D,)))):
+            assert torch.equal(ours.isnan(), theirs.isnan())
+            torch.testing.assert_close(ours.nan_to_num(), theirs.nan_to_num())
+
+
 def test_kernel_path_edges_like_torch():
     """D = 0, eps as a 0-d tensor and a negative eps through normbook.kernels as well."""
     K = pytest.importorskip("normbook.kernels")

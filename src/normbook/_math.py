@@ -38,7 +38,8 @@ def _rsqrt_ms(xc: torch.Tensor, eps) -> torch.Tensor:
     a = xc.abs().amax(-1, keepdim=True).clamp_min(1.0)   # (..., 1)
     u = xc / a                                           # |u| <= 1
     safe = torch.rsqrt((u * u).mean(-1, keepdim=True) + eps / (a * a)) / a
-    return torch.where(torch.isinf(ms), safe, torch.rsqrt(ms + eps))
+    # (a row holding an infinity keeps rstd = 0, as torch's: NaN where it is, 0 elsewhere)
+    return torch.where(torch.isinf(ms) & torch.isfinite(a), safe, torch.rsqrt(ms + eps))
 
 
 def _has_values(t: torch.Tensor) -> bool:

@@ -144,14 +144,16 @@ def norm_fwd_rows_kernel(
         # and an output of zeros. Such rows take the sum again on
         # xc / amax, which cannot overflow, and amax comes back out of the
         # root. One more reduction over registers, only when a row
-        # overflowed.
+        # overflowed. (A row holding an infinity keeps rstd = 0, as
+        # torch's: NaN where the infinity is, 0 elsewhere.)
         big = var > FP32_MAX                            # (ROWS,)
         if tl.max(big.to(tl.int32), axis=0) > 0:
             # (ROWS,)
             amax = tl.where(big, tl.max(tl.abs(xc), axis=1), 1.0)
             u = xc / amax[:, None]
             rstd = tl.where(
-                big, tl.math.rsqrt(tl.sum(u * u, axis=1) / D) / amax, rstd
+                big & (amax <= FP32_MAX),
+                tl.math.rsqrt(tl.sum(u * u, axis=1) / D) / amax, rstd
             )
         xhat = xc * rstd[:, None]                       # (ln-xhat)
 
@@ -307,7 +309,8 @@ def norm_fwd_loop_kernel(
                 u = _centred(X, H, row, stride_x, D, start + cols, mean,
                              IS_RMS, HAS_RESIDUAL) / amax
                 q += tl.sum(u * u, axis=0)
-            rstd = tl.math.rsqrt(q / D) / amax
+            # (a row holding an infinity keeps rstd = 0, as torch's)
+            rstd = tl.where(amax <= FP32_MAX, tl.math.rsqrt(q / D) / amax, rstd)
         if IS_RMS:
             tl.store(Stats + row, rstd)
         else:
