@@ -248,6 +248,8 @@ def test_one_tokens_gradients_are_tensors_of_their_own(dtype, with_weight):
     (lambda: normbook.layer_norm(torch.randn(2, 5), (5,), eps="0.1"), TypeError, r"eps: expected a real number or a 0-d tensor, got '0.1'"),
     (lambda: normbook.LayerNorm(5, True)(torch.randn(2, 5)), TypeError, r"eps: expected a real number or a 0-d tensor, got True"),
     (lambda: normbook.rms_norm(torch.randn(2, 5), 5, eps=torch.ones(2)), TypeError, r"eps: expected a real number or a 0-d tensor, got tensor"),
+    # one element, not 0-d: torch refuses it too
+    (lambda: normbook.layer_norm(torch.randn(2, 5), 5, eps=torch.tensor([1e-3])), TypeError, r"eps: expected a real number or a 0-d tensor, got tensor\(\[0.0010\]\)"),
     (lambda: normbook.layer_norm(torch.randn(2, 5), "5"), TypeError, r"normalized_shape: expected an int or a sequence of ints, got str"),
     # NaN is refused however normalized_shape is written (an int, a 1-tuple: the fast path)
     (lambda: normbook.layer_norm(torch.randn(2, 5), (5,), eps=float("nan")), ValueError, r"eps: expected a real number other than NaN, got nan"),

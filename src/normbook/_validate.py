@@ -110,11 +110,12 @@ def check_param(param, name: str, input: torch.Tensor, shape: tuple[int, ...], d
 
 
 def as_eps(eps):
-    """eps as a Python float: a real number or a 0-d (or one-element) tensor, as torch accepts.
+    """eps as a Python float: a real number or a 0-d tensor, as torch accepts (not a 1-d tensor
+    of one element, which torch refuses too: measured, torch 2.13).
     A tensor that requires grad is refused, as torch refuses it (a float eps is a constant:
     no gradient could reach it). Anything else is returned unchanged for :func:`check_eps` to
     reject."""
-    if isinstance(eps, torch.Tensor) and eps.numel() == 1 and not eps.is_complex():
+    if isinstance(eps, torch.Tensor) and eps.dim() == 0 and not eps.is_complex():
         if eps.requires_grad:
             raise TypeError("eps: expected a real number or a 0-d tensor that does not require "
                             "grad (as torch's norms), got a tensor that requires grad")

@@ -829,7 +829,10 @@ def layer_norm(input: Tensor, normalized_shape: int | Sequence[int],
     Differs from torch on purpose: weight and bias may have another floating dtype than the
     input (torch's CPU kernel refuses that); rows whose variance overflows (fp32 values past
     about 1e19) give the finite, correct answer where torch gives zeros or NaN (measured on
-    the CPU, torch 2.13: zeros for [3e19, 1, 2, 0], NaN for [1e20, 2e20, 3e20, 4e20]); an eps
+    the CPU, torch 2.13: zeros for [3e19, 1, 2, 0], NaN for [1e20, 2e20, 3e20, 4e20]), as
+    long as the row's sum, and so its mean, stays within fp32 (a row whose sum overflows,
+    [3e38, 3e38, 1, 2], gives NaN, as torch's); a row holding an infinity gives NaN, as
+    torch's; an eps
     of NaN (ValueError) or a bool (TypeError) is refused, where torch returns NaN or takes
     True as 1.0. Any other eps that is not a number is a TypeError, as in torch.
     """
@@ -910,9 +913,10 @@ def rms_norm(input: Tensor, normalized_shape: int | Sequence[int],
         (half inputs cast to float32 first).
 
     Differs from torch on purpose: complex inputs are refused (torch accepts them); the weight
-    may have another floating dtype than the input; rows whose mean square overflows give the
-    finite, correct answer where torch gives zeros (measured on the CPU, torch 2.13, for
-    [1e20, 2e20, 3e20, 4e20]); an eps of NaN or a bool is refused, as by :func:`layer_norm`.
+    may have another floating dtype than the input; rows of finite values whose mean square
+    overflows give the finite, correct answer where torch gives zeros (measured on the CPU,
+    torch 2.13, for [1e20, 2e20, 3e20, 4e20]; a row holding an infinity gives torch's NaN
+    there and 0 elsewhere); an eps of NaN or a bool is refused, as by :func:`layer_norm`.
     """
     if type(input) is not Tensor and isinstance(input, _Proxy):     # torch.fx.symbolic_trace
         modes = dict(offset=offset, round_xhat=round_xhat) if offset or round_xhat else {}
