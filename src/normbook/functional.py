@@ -827,7 +827,8 @@ def layer_norm(input: Tensor, normalized_shape: int | Sequence[int],
         XPU or MPS, as torch's: half inputs cast to float32, a float32 result.
 
     Differs from torch on purpose: weight and bias may have another floating dtype than the
-    input (torch's CPU kernel refuses that); rows whose variance overflows (fp32 values past
+    input (torch's CPU kernel refuses that; on the kernel backend float16, bfloat16 or
+    float32, a TypeError otherwise); rows whose variance overflows (fp32 values past
     about 1e19) give the finite, correct answer where torch gives zeros or NaN (measured on
     the CPU, torch 2.13: zeros for [3e19, 1, 2, 0], NaN for [1e20, 2e20, 3e20, 4e20]), as
     long as the row's sum, and so its mean, stays within fp32 (a row whose sum overflows,
@@ -913,7 +914,9 @@ def rms_norm(input: Tensor, normalized_shape: int | Sequence[int],
         (half inputs cast to float32 first).
 
     Differs from torch on purpose: complex inputs are refused (torch accepts them); the weight
-    may have another floating dtype than the input; rows of finite values whose mean square
+    may have another floating dtype than the input (on the kernel backend float16, bfloat16
+    or float32, a TypeError otherwise), and an integer or bool weight is refused (torch's
+    composed rms_norm multiplies by it); rows of finite values whose mean square
     overflows give the finite, correct answer where torch gives zeros (measured on the CPU,
     torch 2.13, for [1e20, 2e20, 3e20, 4e20]; a row holding an infinity gives torch's NaN
     there and 0 elsewhere); an eps of NaN or a bool is refused, as by :func:`layer_norm`.
