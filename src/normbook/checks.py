@@ -313,7 +313,9 @@ def check_norm_backward(
     """
     if kind not in ("layer", "rms"):
         raise ValueError(f'kind must be "layer" or "rms", got {kind!r}')
-    if isinstance(eps, str) and eps == "default":
+    if isinstance(eps, str):
+        if eps != "default":
+            raise ValueError(f'eps must be a number, None or "default", got {eps!r}')
         eps = 1e-5 if kind == "layer" else None
     if eps is None:
         eps = torch.finfo(_validate.compute_dtype(x.dtype)).eps
