@@ -30,6 +30,14 @@ def test_every_labelled_equation_is_in_the_readme_table():
     assert not missing, f"README table lacks these equations (label: chapter): {missing}"
 
 
+def test_every_labelled_equation_is_in_the_notation_table():
+    """book/notation.md's table of equation labels, which says it matches them all."""
+    notation = (ROOT / "book" / "notation.md").read_text()
+    rows = notation[notation.index("## Equation labels"):]
+    named = set(re.findall(r"^\| `([a-z0-9-]+)` \|", rows, re.M))
+    assert named == set(book_labels()), (set(book_labels()) - named, named - set(book_labels()))
+
+
 def test_the_readme_names_only_real_labels():
     named = {m for cells in table_rows() for m in re.findall(r"`([a-z0-9-]+)`", cells[0])}
     assert named <= set(book_labels()), f"README names labels no chapter defines: {named - set(book_labels())}"
