@@ -310,7 +310,8 @@ def norm_fwd_loop_kernel(
                              IS_RMS, HAS_RESIDUAL) / amax
                 q += tl.sum(u * u, axis=0)
             # (a row holding an infinity keeps rstd = 0, as torch's)
-            rstd = tl.where(amax <= FP32_MAX, tl.math.rsqrt(q / D) / amax, rstd)
+            rstd = tl.where(amax <= FP32_MAX,
+                            tl.math.rsqrt(q / D) / amax, rstd)
         if IS_RMS:
             tl.store(Stats + row, rstd)
         else:
