@@ -226,6 +226,17 @@ def _site_of(dists: set[str], farm: Path) -> None:
 
 
 @pytest.mark.slow
+def test_the_packages_listed_are_the_source_tree_s():
+    """pyproject lists its packages (to map benchmarks/results into the wheel as
+    normbook.bench.recorded): a package added under src/ must be listed too."""
+    listed = set(PYPROJECT["tool"]["setuptools"]["packages"]) - {"normbook.bench.recorded"}
+    found = {".".join(p.parent.relative_to(ROOT / "src").parts)
+             for p in (ROOT / "src").rglob("__init__.py")}
+    assert listed == found, (listed, found)
+    assert PYPROJECT["tool"]["setuptools"]["package-dir"]["normbook.bench.recorded"] == \
+        "benchmarks/results"
+
+
 def test_wheel_builds_clean_and_imports_without_triton(tmp_path):
     setuptools = pytest.importorskip("setuptools")
     if int(setuptools.__version__.split(".")[0]) < 77:
@@ -237,6 +248,7 @@ def test_wheel_builds_clean_and_imports_without_triton(tmp_path):
         shutil.copy(ROOT / f, source / f)
     shutil.copytree(ROOT / "src", source / "src",
                     ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copytree(ROOT / "benchmarks" / "results", source / "benchmarks" / "results")
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation",
          "--no-index", "-w", tmp_path / "dist", source],
@@ -280,6 +292,13 @@ assert "triton" not in sys.modules and "transformers" not in sys.modules
 print("imported", normbook.__version__)
 # an RMSNorm's backward, checked by the identities alone
 assert checks.check_norm_backward(normbook.RMSNorm(8), torch.randn(4, 8), kind="rms", eps=None)
+# the recorded GPU runs travel with the wheel: what chapter 9 and the appendix read
+from normbook.bench import plot
+assert plot.results_folder() == importlib.resources.files("normbook").joinpath("bench", "recorded")
+run = plot.newest_gpu_result()
+assert run is not None and run["provenance"]["device_type"] == "cuda", run
+assert (plot.results_folder() / "2026-12-04-h200" / "report.json").is_file()
+assert (plot.results_folder() / "2026-12-04-h200" / "README.md").is_file()
 if {hf!r}:
     # a tiny random Llama: its RMSNorm modules swapped, the logits unchanged
     import transformers

@@ -27,9 +27,13 @@ _STYLE = {"normbook": ("C3", "o"), "torch": ("C0", "s"), "compile": ("C2", "^"),
 
 
 def results_folder() -> Path:
-    """The checkout's ``benchmarks/results``, where GPU runs are recorded (an installed wheel
-    has none: then a folder that does not exist)."""
-    return Path(__file__).resolve().parents[3] / "benchmarks" / "results"
+    """Where GPU runs are recorded: the checkout's ``benchmarks/results``; in an installed
+    wheel, the copy of it that travels with the package (``normbook.bench.recorded``: each
+    run's results.json, report.json and README.md); a folder that does not exist when there
+    is neither."""
+    here = Path(__file__).resolve().parent
+    checkout = here.parents[2] / "benchmarks" / "results"
+    return checkout if checkout.is_dir() else here / "recorded"
 
 
 def recorded_gpu_results(folder=None) -> list[dict]:
