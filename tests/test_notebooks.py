@@ -35,6 +35,9 @@ def test_the_index_numbers_as_the_book_does(index):
     assert index.citations["ba2016layer"] == ("Ba et al.", "2016")
     assert index.citations["zhang2019root"] == ("Zhang and Sennrich", "2019")
     assert index.citations["nvidia2018apex"] == ("NVIDIA", "2018")
+    # a group author, in braces, is cited whole ("authors" before)
+    assert index.citations["triton2024layernorm"] == ("The Triton authors", "2024")
+    assert index.citations["pytorch2024fsdp2"][0] == "The PyTorch authors"
     assert index.macros["xhat"] == r"\hat{x}"
 
 
@@ -124,6 +127,8 @@ def test_a_chapter_converts_whole(index, tmp_path):
     hidden = [c for c in nb.cells if c.cell_type == "code"
               and "remove-cell" in c.metadata.get("tags", [])]
     assert hidden and all(c.metadata["jupyter"]["source_hidden"] for c in hidden)
+    assert all(c.metadata["jupyter"]["outputs_hidden"] and c.metadata["cellView"] == "form"
+               for c in hidden)
 
 
 def test_the_install_cell_does_nothing_where_normbook_is_installed(monkeypatch):

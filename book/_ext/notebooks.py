@@ -184,6 +184,15 @@ def _plain_title(title: str) -> str:
     return re.sub(r"\{[\w:-]+\}`([^`]*)`", r"\1", title)
 
 
+def _surname(name: str) -> str:
+    """How one author is cited: "Ba" for "Ba, Jimmy Lei" or "Jimmy Lei Ba"; a name in braces,
+    BibTeX's group author ("{The Triton authors}"), whole."""
+    if name.startswith("{") and name.endswith("}"):
+        return name[1:-1]
+    name = name.strip("{}")
+    return name.split(",")[0].strip() if "," in name else name.split()[-1]
+
+
 def _bibliography(bib: str) -> dict[str, tuple[str, str]]:
     """key -> (authors as cited, year): "Ba et al.", "Zhang and Sennrich", "NVIDIA"."""
     out = {}
@@ -192,8 +201,7 @@ def _bibliography(bib: str) -> dict[str, tuple[str, str]]:
         author = re.search(r"author\s*=\s*\{(.*?)\}\s*,?\s*$", body, re.M)
         year = re.search(r"year\s*=\s*\{?(\d{4})", body)
         names = [a.strip() for a in (author.group(1) if author else key).split(" and ")]
-        last = [n.strip("{}").split(",")[0].strip() if "," in n else n.strip("{}").split()[-1]
-                for n in names if n != "others"]
+        last = [_surname(n) for n in names if n != "others"]
         if len(last) == 1 and "others" not in names:
             cited = last[0]
         elif len(last) == 2 and "others" not in names:
@@ -415,7 +423,12 @@ def convert_notebook(nb, stem: str, glue: dict[str, str], index: Index | None = 
         if "book-only" in tags:   # the build's own check of an exercise's blank placeholder:
             continue              # in the reader's notebook it would fail once they fill it in
         if tags & {"remove-cell", "remove-input", "hide-input", "hide-cell"}:
-            meta.setdefault("jupyter", {})["source_hidden"] = True   # folded in Jupyter, Colab
+            meta.setdefault("jupyter", {})["source_hidden"] = True   # folded in Jupyter
+            meta["cellView"] = "form"                                 # and in Colab
+        if tags & {"remove-cell", "remove-output"}:
+            # what the page leaves out entirely: its output folded too (a last line such as
+            # claim(...) returns the value it glued, which Jupyter would print)
+            meta.setdefault("jupyter", {})["outputs_hidden"] = True
         figure = (meta.get("mystnb") or {}).get("figure") or {}
         cells.append(cell)
         if figure.get("caption"):
