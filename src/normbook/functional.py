@@ -432,14 +432,15 @@ def _copy_of_inference(x, residual):
 _NO_BIAS = object()   # RMSNorm has no bias argument at all (so none is named in its errors)
 _SEQUENCES = (tuple, list, torch.Size)   # what normalized_shape may be besides an int
 _DIMS = (int, torch.SymInt)              # a dim the shorter paths take as it is
-
-
-def _index_tensor(D) -> bool:
-    """Whether D is an integer 0-d tensor, a dim as torch takes it (torch.jit.trace gives
-    ``x.size(-1)`` as one)."""
-    return (isinstance(D, Tensor) and D.dim() == 0 and D.dtype != torch.bool
-            and not (D.is_floating_point() or D.is_complex()))
 _warned_wide: set[int] = set()
+
+
+def _traced_size(D) -> bool:
+    """Whether D is a size torch.jit.trace gives (``x.size(-1)``: an integer 0-d tensor, while
+    tracing), which :func:`_slow` takes as a dim. (Outside a trace such a tensor goes through
+    the full checks, which take it as torch does: a key holding a tensor would never match.)"""
+    return (_tracing() and isinstance(D, Tensor) and D.dim() == 0 and D.dtype != torch.bool
+            and not (D.is_floating_point() or D.is_complex()))
 
 
 _rows = _ops._rows   # (..., D) -> (M, D) rows; a DTensor keeps its leading dims
@@ -601,8 +602,8 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
     t = type(normalized_shape)
     D = normalized_shape if t is int else (
         normalized_shape[0] if t in _SEQUENCES and len(normalized_shape) == 1 else None)
-    if type(D) not in _DIMS and not _index_tensor(D):   # (8.0,) or (True,): the full checks
-        D = None                                         # refuse it, as torch's
+    if type(D) not in _DIMS and not _traced_size(D):   # (8.0,) or (True,): the full checks
+        D = None                                        # refuse it, as torch's
     b = None if bias is _NO_BIAS else bias
     key = ready = None
     if type(input) is Tensor and D is not None and type(eps) is float and eps == eps and not (
