@@ -280,14 +280,14 @@ def test_an_exported_kernel_program_trains_and_loads_after_import_normbook(tmp_p
         return
     path_m = tmp_path / "block_module.pt"
     torch.save(m.state_dict(), path_m)
-    code = ("import sys, torch, normbook\n"
+    code = ("import torch, normbook\n"
             f"ep = torch.export.load({str(path)!r})\n"
             "torch.manual_seed(1)\n"
             "x, r = (torch.randn(3, 16, requires_grad=True) for _ in range(2))\n"
             "got = ep.module()(x, r)\n"
             "grads = torch.autograd.grad(got.square().sum(), (x, r))\n"
-            "w = torch.load(" + repr(str(path_m)) + ")['norm.weight']\n"
-            "b = torch.load(" + repr(str(path_m)) + ")['norm.bias']\n"
+            "state = torch.load(" + repr(str(path_m)) + ")\n"
+            "w, b = state['norm.weight'], state['norm.bias']\n"
             "def block(x, r):\n"
             "    y, h = normbook.add_rms_norm(x, r)\n"
             "    return torch.nn.functional.layer_norm(y, (16,), w, b) * 2 + h\n"
@@ -296,7 +296,7 @@ def test_an_exported_kernel_program_trains_and_loads_after_import_normbook(tmp_p
             "torch.testing.assert_close(got, want)\n"
             "for g, v in zip(grads, wants):\n"
             "    torch.testing.assert_close(g, v)\n"
-            "print('cpu ran', 'triton' in sys.modules)\n")
+            "print('cpu ran')\n")
     out = _python(code, TRITON_INTERPRET="0")
     assert "cpu ran" in out.stdout, out.stdout + out.stderr
 
