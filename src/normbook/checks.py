@@ -100,7 +100,7 @@ def assert_layer_norm_identities(
     Raise AssertionError if either fails. Checks (ln-shift-id),
     sum_d dx_d = 0, and (ln-eps-residual), sum_d xhat_d dx_d equal to its
     closed form, each per token within ``atol`` scaled by the size of the
-    terms being summed (default: 64 units of roundoff of dx's dtype).
+    terms being summed (default: 64 machine epsilons of dx's dtype).
 
     Args:
         x, dy: (..., D) the forward input and the gradient arriving at y.
@@ -195,8 +195,9 @@ def _fail(identity: str, rel: torch.Tensor, atol: float) -> None:
 
 
 def _default_atol(dtype: torch.dtype, D: int) -> float:
-    """64 units of roundoff of ``dtype``, times sqrt(D) / 8 from D = 64 up: the c1 and c2 sums
-    of a D-wide row carry more roundoff (measured in tests/test_checks.py)."""
+    """64 machine epsilons of ``dtype`` (``torch.finfo(dtype).eps``, twice the unit roundoff),
+    times sqrt(D) / 8 from D = 64 up: the c1 and c2 sums of a D-wide row carry more roundoff
+    (measured in tests/test_checks.py)."""
     return 64 * torch.finfo(dtype).eps * max(1.0, D**0.5 / 8)
 
 

@@ -258,7 +258,7 @@ def layer_norm_forward(
     """LayerNorm forward, (ln-mean) to (ln-y) of "One token's vector",
     for N tokens at once: (batch-stats) of "Batching with einsum".
 
-    mean = (1/D) sum_e x_e,   var = (1/D) sum_e (x_e - mean)^2,
+    mean = (1/D) sum_d x_d,   var = (1/D) sum_d (x_d - mean)^2,
     rstd = 1 / sqrt(var + eps),   xhat = (x - mean) * rstd,
     y = weight * xhat + bias.
     The variance is biased (divides by D), computed in a second pass
@@ -355,7 +355,7 @@ def rms_norm_forward(
     """RMSNorm forward, (rms-ms) and (rms-y) of "One token's vector"
     and (rms-xhat) of "RMSNorm", for N tokens at once.
 
-    ms = (1/D) sum_e x_e^2,   rstd = 1 / sqrt(ms + eps),
+    ms = (1/D) sum_d x_d^2,   rstd = 1 / sqrt(ms + eps),
     xhat = x * rstd,   y = weight * xhat.
     No mean is subtracted and there is no bias.
 

@@ -96,8 +96,8 @@ def pre_norm_tanh_forward(
     Returns:
         y: (..., D); t: (..., D) the branch output; mean, rstd: (...,) the norm's statistics.
     """
-    u, mean, rstd = reference.layer_norm_forward(x, weight, bias, eps)  # (..., D) N(x)
-    t = torch.tanh(u @ A.T)                             # (..., D) F(N(x))
+    u, mean, rstd = reference.layer_norm_forward(x, weight, bias, eps)  # (..., D) Norm(x)
+    t = torch.tanh(u @ A.T)                             # (..., D) F(Norm(x))
     return x + t, t, mean, rstd
 
 
