@@ -265,7 +265,8 @@ def test_bad_input_names_the_argument(call, exc, pattern):
 
 @pytest.mark.parametrize("backend", ["torch", "kernels"])
 @pytest.mark.parametrize("normalized_shape", [(8.9,), (8.0,), 8.0, ["8"], (True,), True,
-                                              torch.tensor([8.0]), (2, 4.0), None])
+                                              torch.tensor([8.0]), torch.tensor([8]), (2, 4.0),
+                                              None])
 def test_normalized_shape_of_other_than_ints_is_refused(backend, normalized_shape):
     """A float, a bool, a string or a float tensor in normalized_shape is a TypeError, as in
     torch (which refuses each of these): int(8.9) would normalize over 8 values without a word,
@@ -318,6 +319,10 @@ def test_an_inference_tensor_takes_the_weight_s_gradient(backend):
     ("int64 input", lambda F: F.layer_norm(torch.ones(2, 5, dtype=torch.int64), (5,))),
     ("bool input, rms", lambda F: F.rms_norm(torch.ones(2, 5, dtype=torch.bool), (5,))),
     ("weight of wrong shape", lambda F: F.layer_norm(torch.randn(2, 5), (5,), torch.ones(4))),
+    # the fused add of 0-d tensors, against torch's composition: the norm of x + residual over
+    # its last dim, of which it has none
+    ("0-d x, fused add", lambda F: normbook.add_layer_norm(torch.tensor(1.0), torch.tensor(1.0))
+     if F is normbook else F.layer_norm(torch.tensor(2.0), torch.tensor(2.0).shape[-1:])),
 ])
 def test_an_error_is_of_torch_s_class_too(name, call):
     """Where torch's norm raises a RuntimeError (or NotImplementedError) normbook's error is
@@ -485,6 +490,51 @@ def test_add_norm_gradients_accumulate_into_leaves_like_torch(request, norm, mod
     assert x.grad.data_ptr() != r.grad.data_ptr()
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(r.grad, r2.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_forward_ad_over_rows_of_three_dims_like_torch(request, backend, fused):
+    """Forward-mode AD on (B, T, D) activations: the tangent of y (and of h) as torch's
+    composition gives it, on both backends. (The kernels' launchers were handed the (..., D)
+    input as it was, and failed to unpack its shape.) h is torch's own x + residual there: it
+    carries x's tangent, and requires grad only as x + residual would (one output of the
+    Function that required grad whenever the weight did made gradgradcheck's forward-over-
+    reverse fail)."""
+    import torch.autograd.forward_ad as fwAD
+
+    if backend == "kernels":
+        request.getfixturevalue("kernels")
+    torch.manual_seed(0)
+    x, tx, r = (torch.randn(2, 3, 8) for _ in range(3))
+    w, tw = torch.randn(8, requires_grad=True), torch.randn(8)
+    h0 = x + r if fused else x
+    _, want = torch.func.jvp(lambda h, w: F.layer_norm(h, (8,), w), (h0, w.detach()), (tx, tw))
+    with normbook.backend(backend), fwAD.dual_level():
+        xd, wd = fwAD.make_dual(x, tx), fwAD.make_dual(w.detach(), tw).requires_grad_()
+        if fused:
+            y, h = normbook.add_layer_norm(xd, r, wd)
+            assert torch.equal(fwAD.unpack_dual(h).tangent, tx)
+            assert not h.requires_grad and not (x + r).requires_grad
+            _, h_only_w = normbook.add_layer_norm(x, r, wd)
+            assert fwAD.unpack_dual(h_only_w).tangent is None    # as torch's: no tangent
+        else:
+            y = normbook.layer_norm(xd, (8,), wd)
+        got = fwAD.unpack_dual(y).tangent
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_add_passes_gradgradcheck_forward_over_reverse():
+    """torch's own checker, forward over reverse included, on add_layer_norm and add_rms_norm
+    with x and the residual constants and the parameters wanting gradients (it failed: "got 2
+    tensors and 1 gradients", h requiring grad where x + residual does not)."""
+    torch.manual_seed(0)
+    x, r = torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
+    w, b = (torch.randn(4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradgradcheck(normbook.add_layer_norm, [x, r, w, b],
+                                        check_fwd_over_rev=True)
+    assert torch.autograd.gradgradcheck(normbook.add_rms_norm, [x, r, w],
+                                        check_fwd_over_rev=True)
 
 
 @pytest.mark.parametrize("backend", ["torch", "kernels"])

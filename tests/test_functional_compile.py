@@ -189,3 +189,47 @@ def test_fused_add_of_a_tensor_to_itself_compiles_whole(backend, request):
             torch.testing.assert_close(y, y2, msg=name)
             for g, g2 in zip(got, want):
                 torch.testing.assert_close(g, g2, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+def test_one_tensor_in_two_places_compiles_whole(backend, request):
+    """The weight passed as the bias too, or x as the weight: the door hands the Function a
+    view the second time, so that Dynamo is not given one tensor for two inputs (fullgraph
+    refused: "duplicate tensor input"); eager's numbers and gradients."""
+    if backend == "kernels":
+        request.getfixturevalue("kernels")
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    calls = {"weight as bias": lambda x, w: normbook.layer_norm(x, (8,), w, w),
+             "w as x and weight": lambda x, w: normbook.rms_norm(w, 8, w),
+             "x as residual, w as weight and bias": lambda x, w: normbook.add_layer_norm(
+                 x, x, w, w)[0],
+             "w everywhere": lambda x, w: normbook.add_rms_norm(w, w, w)[0]}
+    with normbook.backend(backend):
+        for name, f in calls.items():
+            w = torch.randn(8, requires_grad=True)
+            torch._dynamo.reset()
+            y = torch.compile(f, backend="aot_eager", fullgraph=True)(x, w)
+            (got,) = torch.autograd.grad(y.pow(2).sum(), w)
+            y2 = f(x, w)
+            (want,) = torch.autograd.grad(y2.pow(2).sum(), w)
+            torch.testing.assert_close(y, y2, msg=name)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+@pytest.mark.parametrize("cls", [normbook.LayerNorm, normbook.RMSNorm])
+def test_norm_over_several_dims_compiles_whole(cls, backend, request):
+    """normalized_shape of two dims under fullgraph: the door's test for a traced size read
+    torch._C._is_tracing, which Dynamo cannot trace (an error under fullgraph, a graph break
+    without it); torch's modules compile whole, and so do these, with eager's numbers."""
+    if backend == "kernels":
+        request.getfixturevalue("kernels")
+    torch.manual_seed(0)
+    m = cls((3, 16))
+    x = torch.randn(4, 3, 16)
+    with normbook.backend(backend):
+        torch._dynamo.reset()
+        assert torch._dynamo.explain(m)(x).graph_break_count == 0
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(m, backend="aot_eager", fullgraph=True)(x), m(x))

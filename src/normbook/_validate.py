@@ -35,12 +35,13 @@ class DTypeError(TypeError, NotImplementedError):
 def as_shape(normalized_shape) -> tuple[int, ...]:
     """``normalized_shape`` as a tuple of ints, accepting an int, or a list, tuple or torch.Size
     of ints. An integer is what ``operator.index`` takes and not a bool, as torch takes it: a
-    Python int, a numpy integer, an integer 0-d tensor, a SymInt; a float, a bool or a string
-    is a TypeError (``int(8.9)`` would quietly normalize over 8 values)."""
+    Python int, a numpy integer, an integer 0-d tensor, a SymInt; a float, a bool, a string
+    or a tensor of dims is a TypeError (``int(8.9)`` would quietly normalize over 8 values)."""
     if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         return (int(normalized_shape),)
     expected = "normalized_shape: expected an int or a sequence of ints"
-    if isinstance(normalized_shape, (str, bytes, bool)):
+    if isinstance(normalized_shape, (str, bytes, bool, torch.Tensor)):   # (torch refuses a
+        # tensor of dims too: "must be tuple of ints, not Tensor")
         raise TypeError(f"{expected}, got {type(normalized_shape).__name__}")
     try:
         dims = list(normalized_shape)

@@ -202,11 +202,21 @@ def _forward_rows(x, residual, weight, bias, eps, is_rms, kernels):
     """(y, h, stats) of (M, D) rows by the backend ``kernels`` names (see :class:`NormFunction`);
     h None without a residual."""
     if kernels == _LAUNCH:       # eager, plain tensors: the launcher itself
-        return _K[0](x, residual, weight, bias, eps, is_rms)
+        return _launched(x, residual, weight, bias, eps, is_rms)
     if kernels:                  # _OPS: the custom op, which tracers and DTensor see
         y, h, stats = _K[2].norm_forward(x, residual, weight, bias, eps, is_rms)
         return y, None if residual is None else h, stats
     return _torch_forward(x, residual, weight, bias, eps, is_rms)
+
+
+def _launched(x, residual, weight, bias, eps, is_rms):
+    """(y, h, stats) from the launchers, which take (M, D) rows: x and the residual (..., D)
+    flattened (see :func:`_whole`), y and h given x's shape back, stats (k, M)."""
+    if x.dim() == 2:
+        return _K[0](x, residual, weight, bias, eps, is_rms)
+    y, h, stats = _K[0](_rows(x), None if residual is None else _rows(residual), weight, bias,
+                        eps, is_rms)
+    return _shaped(y, x.shape), None if h is None else _shaped(h, x.shape), stats
 
 
 class NormFunction(torch.autograd.Function):
@@ -238,14 +248,8 @@ class NormFunction(torch.autograd.Function):
         eps, is_rms, kernels, _, _, ready = cfg
         if ready is not None:    # the fast path's (see _norm)
             y, h, stats = ready.forward(x, residual, weight, bias, eps)
-        elif kernels == _LAUNCH:   # the commonest case without a call more (see _forward_rows)
-            if x.dim() == 2:
-                y, h, stats = _K[0](x, residual, weight, bias, eps, is_rms)
-            else:                # (..., D) (see _whole): the launchers take (M, D) rows
-                y, h, stats = _K[0](_rows(x), None if residual is None else _rows(residual),
-                                    weight, bias, eps, is_rms)
-                y = _shaped(y, x.shape)
-                h = None if h is None else _shaped(h, x.shape)
+        elif kernels == _LAUNCH:   # (see _forward_rows)
+            y, h, stats = _launched(x, residual, weight, bias, eps, is_rms)
         else:
             y, h, stats = _forward_rows(x, residual, weight, bias, eps, is_rms, kernels)
         ctx.cfg = cfg
@@ -336,8 +340,10 @@ class _NormFunctionAD(NormFunction):
         if has_residual and tresidual is not None:
             th = tresidual if th is None else th + tresidual
         ct = _validate.compute_dtype(x.dtype)
-        rstd = stats[-1].unsqueeze(-1).to(ct)
-        mean = None if is_rms else stats[0].unsqueeze(-1).to(ct)
+        # (k, ...) from the torch backend, (k, M) from the launchers: in x's leading shape
+        lead = (*x.shape[:-1], 1)
+        rstd = stats[-1].reshape(lead).to(ct)
+        mean = None if is_rms else stats[0].reshape(lead).to(ct)
         ty = _math.jvp(None if th is None else th.to(ct), None if tweight is None else tweight.to(ct),
                        None if tbias is None else tbias.to(ct), x.to(ct),
                        None if weight is None else weight.to(ct), mean, rstd)
@@ -390,8 +396,8 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
             if kernels:
                 return _forward_rows(x, residual, weight, bias, eps, is_rms, _OPS)[:2]
             return _torch_forward(x, residual, weight, bias, eps, is_rms, False)[:2]
-        out = NormFunction.apply(x, residual, weight, bias,
-                                 _cfg(eps, is_rms, _OPS if kernels else _TORCH, bias, residual))
+        cfg = _cfg(eps, is_rms, _OPS if kernels else _TORCH, bias, residual)
+        out = NormFunction.apply(*_distinct(x, residual, weight, bias), cfg)
         return (out, None) if residual is None else out
     if torch._C._are_functorch_transforms_active():
         out = _NormFunctionAD.apply(x, residual, weight, bias,
@@ -404,16 +410,32 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
         # and the statistics it would save), the same y and h
         y, h, _ = _torch_forward(x, residual, weight, bias, eps, is_rms, False)
         return y, h
-    cfg = _cfg(eps, is_rms, (_OPS if _is_subclass(x) else _LAUNCH) if kernels else _TORCH, bias,
-               residual)
+    route = (_OPS if _is_subclass(x) else _LAUNCH) if kernels else _TORCH
     if _fwAD._current_level >= 0:
-        out = _ad_apply(x, residual, weight, bias, cfg)
-        return out[0], None if residual is None else out[1]
+        # forward-mode AD: h = x + residual as torch's own add, then the norm of h, so that h's
+        # tangent, its requires_grad and y's dependence on h are exactly those of x + residual
+        # followed by the norm (one output h of the Function required grad and carried a
+        # tangent whenever the weight did, and autograd.grad(y, h) found h unused)
+        h = None if residual is None else x + residual
+        y = _ad_apply(x if h is None else h, None, weight, bias,
+                      _cfg(eps, is_rms, route, bias, None))[0]
+        return y, h
+    cfg = _cfg(eps, is_rms, route, bias, residual)
     try:
         out = _eager_apply(x, residual, weight, bias, cfg)
     except RuntimeError:        # (an inference tensor: see _copy_of_inference)
         out = _eager_apply(_copy_of_inference(x, residual), residual, weight, bias, cfg)
     return (out, None) if residual is None else out
+
+
+def _distinct(*tensors) -> list:
+    """The tensors, each one given again (the weight as the bias, x as the weight) replaced by
+    a view of itself: Dynamo refuses an autograd.Function that receives one tensor twice
+    ("duplicate tensor input"), and the view's gradient reaches the same tensor."""
+    out: list = []
+    for t in tensors:
+        out.append(t.view_as(t) if t is not None and any(t is s for s in out) else t)
+    return out
 
 
 def _copy_of_inference(x, residual):
@@ -439,8 +461,10 @@ def _traced_size(D) -> bool:
     """Whether D is a size torch.jit.trace gives (``x.size(-1)``: an integer 0-d tensor, while
     tracing), which :func:`_slow` takes as a dim. (Outside a trace such a tensor goes through
     the full checks, which take it as torch does: a key holding a tensor would never match.)"""
-    return (_tracing() and isinstance(D, Tensor) and D.dim() == 0 and D.dtype != torch.bool
-            and not (D.is_floating_point() or D.is_complex()))
+    # (isinstance first: D is None for several dims, and torch.compile's Dynamo cannot trace
+    # torch._C._is_tracing, a graph break there, an error under fullgraph)
+    return (isinstance(D, Tensor) and torch.jit.is_tracing() and D.dim() == 0
+            and D.dtype != torch.bool and not (D.is_floating_point() or D.is_complex()))
 
 
 _rows = _ops._rows   # (..., D) -> (M, D) rows; a DTensor keeps its leading dims
@@ -1015,8 +1039,8 @@ def _add_norm(x, residual, weight, bias, eps, is_rms, kernels=None):
     if residual is x and isinstance(x, Tensor):   # x + x: a view, so that no autograd.Function
         residual = x.view_as(x)   # gets one tensor twice (torch.compile refuses: "duplicate tensor input")
     if isinstance(x, Tensor) and x.dim() == 0:
-        raise ValueError("x: expected a tensor of shape (..., D) with at least one dim, "
-                         "got a 0-d tensor")
+        raise _validate.ShapeError("x: expected a tensor of shape (..., D) with at least one "
+                                   "dim, got a 0-d tensor")
     D = x.shape[-1] if isinstance(x, Tensor) else 0
     if type(D) is not int:   # torch.jit.trace gives sizes as tensors: only the checks read D
         with warnings.catch_warnings():
@@ -1038,7 +1062,11 @@ def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None,
     the one backward: a hook on h, or ``h.grad``
     after ``h.retain_grad()``, sees only the gradient arriving at h from downstream (None
     where h is unused), not the part through y, where torch's ``h = x + residual`` followed
-    by the norm would show the sum. Hook x or the residual for the total.
+    by the norm would show the sum. Hook x or the residual for the total. For the same
+    reason y is not computed from h in autograd's graph: ``torch.autograd.grad(y, h)``
+    raises that h was not used (and gives None with ``allow_unused=True``, which is not a
+    zero derivative); differentiate with respect to x or the residual, which receive that
+    derivative. Under forward-mode AD, h is torch's own ``x + residual`` and y its norm.
 
     Args:
         x, residual: ``(..., D)``, of one dtype and device.
