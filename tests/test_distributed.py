@@ -169,6 +169,33 @@ def _feature_checks(rank, failures):
             _close(f"{tag}: dbias", leaves[2].grad, g_ref[2][cols], failures, 1e-12)
 
 
+def _empty_shard_checks(mesh, failures):
+    """The torch backend on DTensors split over the features where a rank holds none of them
+    (D = 1 over 2 ranks: 1 and 0; rows of 1 and of 1e20, whose mean square overflows fp32):
+    y and the gradients against the same calls on plain tensors. (RMSNorm raised on the empty
+    rank: amax over an empty dim, in the overflow rescue's scale.)"""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import normbook
+
+    torch.manual_seed(4)
+    for scale in (1.0, 1e20):
+        x, dy = scale * torch.randn(3, 1), torch.randn(3, 1)
+        w = 1 + 0.1 * torch.randn(1)
+        for name in ("rms_norm", "layer_norm"):
+            fn = getattr(normbook, name)
+            leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+            fn(leaves[0], (1,), leaves[1]).backward(dy)
+            dleaves = [distribute_tensor(x, mesh, [Shard(-1)]).requires_grad_(),
+                       distribute_tensor(w, mesh, [Replicate()]).requires_grad_()]
+            y = fn(dleaves[0], (1,), dleaves[1])
+            y.backward(distribute_tensor(dy, mesh, y.placements))
+            tag = f"{name} of D = 1 on 2 ranks, scale {scale:g}"
+            _close(f"{tag}: y", y.full_tensor(), fn(x, (1,), w), failures)
+            for i, (leaf, ref) in enumerate(zip(dleaves, leaves)):
+                _close(f"{tag}: grad {i}", leaf.grad.full_tensor(), ref.grad, failures)
+
+
 def _checks(rank, world):
     """Every check on one rank (run by normbook.distributed.launch): the failures, as text."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -178,7 +205,8 @@ def _checks(rank, world):
     for name, check in (("kernels", lambda: _kernel_checks(mesh, failures)),
                         ("modules", lambda: _module_checks(mesh, rank, failures)),
                         ("compile", lambda: _compile_checks(mesh, failures)),
-                        ("features", lambda: _feature_checks(rank, failures))):
+                        ("features", lambda: _feature_checks(rank, failures)),
+                        ("empty shard", lambda: _empty_shard_checks(mesh, failures))):
         try:
             check()
         except Exception:

@@ -74,6 +74,8 @@ def _check_case(case, rank, group, failures):
     D, lead = sum(sizes), case["lead"]
     f64 = dict(generator=g, dtype=torch.float64)
     x = (case["scale"] * (3 + torch.randn(*lead, D, **f64))).to(dtype)
+    if case["const"] is not None:       # rows of one value: x - mean is 0, y the bias
+        x = torch.full((*lead, D), case["const"], dtype=torch.float64).to(dtype)
     w = (1 + 0.1 * torch.randn(D, **f64)).to(dtype)
     b = None if is_rms else (0.1 * torch.randn(D, **f64)).to(dtype)
     dy = torch.randn(*lead, D, **f64)
@@ -198,11 +200,12 @@ def _listeners_beyond_loopback():
 F64, F32 = (torch.float64, 1e-12), (torch.float32, 1e-5)
 
 
-def _case(kind, sizes, is_rms, seed, dtype=F64, scale=1.0, lead=(4,), double=False):
+def _case(kind, sizes, is_rms, seed, dtype=F64, scale=1.0, lead=(4,), double=False,
+          const=None):
     norm = "rms" if is_rms else "ln"
-    return dict(kind=kind, name=f"{kind} {norm} split {sizes} lead {lead}", sizes=tuple(sizes),
-                is_rms=is_rms, seed=seed, dtype=dtype[0], tol=dtype[1], scale=scale,
-                lead=tuple(lead), double=double)
+    return dict(kind=kind, name=f"{kind} {norm} split {sizes} lead {lead} const {const}",
+                sizes=tuple(sizes), is_rms=is_rms, seed=seed, dtype=dtype[0], tol=dtype[1],
+                scale=scale, lead=tuple(lead), double=double, const=const)
 
 
 def _random_splits(n, seed=0):
@@ -232,6 +235,12 @@ CASES = [
     *(_case("double", s, r, 4, double=True) for s in ((8, 8), (5, 3), (3, 0, 4))
       for r in (True, False)),
     *_random_splits(24),
+    # fp32 rows of one value: each rank's rounded sum / d_k missed the value by a unit, and
+    # x - mean, a small constant, normalized to +-1 (0.93 for 54321.7 over 512 + 512), or,
+    # squared past fp32 on a rank, took the rescue to 0 * inf (NaN for 1e36 over 3 + 5)
+    *(_case("constant", s, False, 6, F32, lead=(2,), const=c)
+      for s, c in (((512, 512), 54321.7), ((512, 512), 1000.1), ((3, 2), 123456.7),
+                   ((3, 5), 1e36), ((3, 5), 1e30), ((2, 0, 3), 7.3))),
 ]
 
 
@@ -247,10 +256,11 @@ def sharded():
 
 
 @pytest.mark.parametrize("kind", ["uneven", "empty", "overflow", "double", "random",
-                                  "default_eps"])
+                                  "constant", "default_eps"])
 def test_sharded_norms_match_one_process(sharded, kind):
     """uneven: D = 5 as 3 + 2; empty: a rank without features; overflow: fp32 near 1e20;
-    double: a gradient penalty; random: random splits, some with double backward;
+    double: a gradient penalty; random: random splits, some with double backward; constant:
+    fp32 rows of one value, up to 1e36;
     default_eps: rms_norm_sharded's default eps is normbook.rms_norm's (fp32 and fp64)."""
     assert not sharded[kind], "\n".join(sharded[kind])
 
@@ -260,6 +270,19 @@ def test_default_eps_of_an_integer_x_is_refused_before_any_collective():
     None (no process group is needed to get it: the check comes first)."""
     with pytest.raises(TypeError, match=r"eps: None \(the default\) .* x is torch.int64"):
         nd.rms_norm_sharded(torch.arange(4))
+
+
+@pytest.mark.parametrize("x", [torch.arange(4), torch.ones(4, dtype=torch.bool),
+                               torch.ones(4, dtype=torch.complex64)], ids=str)
+def test_a_sharded_norm_of_a_non_float_x_is_refused(x):
+    """An integer, bool or complex x is a DTypeError naming x, before any collective, as
+    normbook.layer_norm and torch refuse it (it was computed: integers came back truncated,
+    complex without its imaginary part)."""
+    from normbook._validate import DTypeError
+
+    for call in (lambda: nd.layer_norm_sharded(x), lambda: nd.rms_norm_sharded(x, eps=1e-6)):
+        with pytest.raises(DTypeError, match=r"^x: "):
+            call()
 
 
 def test_ranks_listen_on_loopback_only(sharded):
@@ -437,3 +460,39 @@ def test_parent_stopped_from_outside_leaves_nothing(tmp_path, sig):
         parent.kill()
         parent.wait()
     _assert_nothing_left(folder, pids)
+
+
+def _grads_where_ranks_differ(rank, world):
+    """Rank 0's tokens go through modules a and b, rank 1's through b alone, and module c is
+    used by neither: every rank's gradients after all_reduce_param_grads."""
+    import torch.nn as nn
+
+    torch.manual_seed(0)                                  # the same modules on every rank
+    net = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4), "c": nn.Linear(4, 4)})
+    x = torch.full((2, 4), float(rank + 1))
+    h = net["a"](x) if rank == 0 else x
+    net["b"](h).pow(2).sum().backward()
+    done = nd.all_reduce_param_grads(net)
+    return done, {k: None if p.grad is None else p.grad.tolist()
+                  for k, p in net.named_parameters()}
+
+
+def test_all_reduce_param_grads_where_ranks_used_different_parameters():
+    """A parameter with a gradient on some ranks only counts as zeros on the others (DDP's
+    rule), one with none anywhere stays None: each rank's gradients are the sum of what every
+    rank computed, the same on every rank. (Skipping its own Nones, rank 1 summed its b.bias
+    gradient with rank 0's a.weight, and rank 0's extra all-reduces then waited.)"""
+    import torch.nn as nn
+
+    (done0, got0), (done1, got1) = nd.launch(_grads_where_ranks_differ, world=2, timeout_s=120)
+    assert done0 == done1 == 4 and got0 == got1
+    torch.manual_seed(0)
+    net = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4), "c": nn.Linear(4, 4)})
+    for rank in (0, 1):                                   # both ranks' losses on one process
+        x = torch.full((2, 4), float(rank + 1))
+        net["b"](net["a"](x) if rank == 0 else x).pow(2).sum().backward()
+    for k, p in net.named_parameters():
+        if p.grad is None:
+            assert got0[k] is None, k
+        else:
+            torch.testing.assert_close(torch.tensor(got0[k]), p.grad, msg=k)

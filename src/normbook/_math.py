@@ -35,8 +35,14 @@ def _rsqrt_ms(xc: torch.Tensor, eps) -> torch.Tensor:
     ms = (xc * xc).mean(-1, keepdim=True)
     if _has_values(xc) and not torch.isinf(ms).any():
         return torch.rsqrt(ms + eps)
-    a = xc.abs().amax(-1, keepdim=True).clamp_min(1.0)   # (..., 1)
-    u = xc / a                                           # |u| <= 1
+    if hasattr(xc, "placements"):
+        # a DTensor split over the features, whose ranks may hold none of them (9 over 4
+        # ranks: 3, 3, 3, 0), and amax refuses an empty dim: a = mean |xc| instead, which
+        # any split sums, with |u| <= D (D^3 far from overflowing), a rounding more
+        a = (xc.abs() / xc.shape[-1]).sum(-1, keepdim=True).clamp_min(1.0)
+    else:
+        a = xc.abs().amax(-1, keepdim=True).clamp_min(1.0)   # (..., 1)
+    u = xc / a                                           # |u| <= 1 (a DTensor's <= D)
     safe = torch.rsqrt((u * u).mean(-1, keepdim=True) + eps / (a * a)) / a
     # (a row holding an infinity keeps rstd = 0, as torch's: NaN where it is, 0 elsewhere)
     return torch.where(torch.isinf(ms) & torch.isfinite(a), safe, torch.rsqrt(ms + eps))

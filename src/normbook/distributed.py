@@ -139,8 +139,15 @@ def _sharded_stats(xf: torch.Tensor, eps: float, is_rms: bool, group):
         mean = None
         ms = _all_reduce((xf * xf).sum(-1), group) / D     # (rms-ms): one scalar per token
     else:
-        mean_k = xf.sum(-1) / max(d_k, 1)                  # (...,) local two-pass statistics;
-        m2_k = ((xf - mean_k[..., None]) ** 2).sum(-1)     # an empty slice gives 0 and 0
+        n_k = max(d_k, 1)                                  # (an empty slice gives 0 and 0)
+        mean_k = xf.sum(-1) / n_k                          # (...,) local two-pass statistics,
+        # the mean corrected by the mean of what it leaves: the rounded sum / d_k can miss a
+        # constant row's value by a unit, and x - mean would then be a constant that is not
+        # zero, which (x - mean) * rstd turns into +-1 (measured: 0.93 for 54321.7 split
+        # 512 + 512); corrected, it is exact for such a row, and Chan's merge of equal means
+        # (a difference of 0) keeps it so
+        mean_k = mean_k + (xf - mean_k[..., None]).sum(-1) / n_k
+        m2_k = ((xf - mean_k[..., None]) ** 2).sum(-1)
         # two scalars per token per rank on the wire; merged in rank order on every rank
         every = _gather(torch.stack([mean_k, m2_k]), group)   # (world, 2, ...)
         _, mean, m2 = merge_stats(counts, every[:, 0], every[:, 1])
@@ -149,23 +156,28 @@ def _sharded_stats(xf: torch.Tensor, eps: float, is_rms: bool, group):
     overflow = torch.isinf(ms)      # the same bits on every rank, so all ranks take the branch
     if overflow.any():
         xc = xf if mean is None else xf - mean[..., None]
-        rstd = torch.where(overflow, _rescued_rstd(xc, D, group), rstd)
+        rstd = torch.where(overflow, _rescued_rstd(xc, D, eps, group), rstd)
     return D, mean, rstd
 
 
-def _rescued_rstd(xc: torch.Tensor, D: torch.Tensor, group) -> torch.Tensor:
-    """1 / sqrt(mean(xc^2)) of rows whose mean square overflows, (...,): as on one process
-    (``normbook._math._rsqrt_ms``), the row is scaled down before squaring and the scale taken
-    back out of the root; here the scale is 2^e (exact), the same on every rank. e is the exponent of the largest |xc| of the whole row, an
-    all-reduce (MAX) over the ranks, so every rank scales by the same power of two. eps * 2^-2e
-    is far below the rescaled mean square's last digit for such rows and is dropped, as on one
-    process.
+def _rescued_rstd(xc: torch.Tensor, D: torch.Tensor, eps: float, group) -> torch.Tensor:
+    """1 / sqrt(mean(xc^2) + eps) of rows whose mean square overflows, (...,): as on one
+    process (``normbook._math._rsqrt_ms``), the row is scaled down before squaring and the
+    scale taken back out of the root, eps with it: 1 / sqrt(mean(u^2) + eps / a^2) / a. Here
+    a = 2^e (exact), the same on every rank: e is the exponent of the largest |xc| of the
+    whole row, an all-reduce (MAX) over the ranks, and at least 1 as on one process, so that
+    a row left all zeros by its mean (a constant row: its mean square overflowed on a rank
+    before the merge) gets 1 / sqrt(eps), not 0 * inf. A row holding an infinity keeps the
+    caller's rstd = 0, as torch's.
     """
     local = (xc.detach().abs().amax(-1) if xc.shape[-1]
              else xc.new_zeros(xc.shape[:-1]))             # (...,) an empty slice: 0
-    _, e = torch.frexp(_all_reduce(local, group, dist.ReduceOp.MAX))
+    big = _all_reduce(local, group, dist.ReduceOp.MAX)
+    _, e = torch.frexp(big.clamp_min(1.0))
     u = torch.ldexp(xc, -e[..., None])                     # |u| < 1 on every rank
-    return torch.ldexp(torch.rsqrt(_all_reduce((u * u).sum(-1), group) / D), -e)
+    scale = torch.ldexp(torch.ones_like(local), -e)        # 1 / a
+    rescued = torch.rsqrt(_all_reduce((u * u).sum(-1), group) / D + eps * scale * scale) * scale
+    return torch.where(torch.isfinite(big), rescued, torch.zeros_like(rescued))
 
 
 class _ShardedNorm(torch.autograd.Function):
@@ -230,6 +242,9 @@ def _check(x, weight, bias, eps):
                         f"is {x.dtype}; expected a floating x, or eps given as a number")
     if not eps >= 0:
         raise ValueError(f"eps: expected a number >= 0, got {eps}")
+    # an integer, bool or complex x, as normbook.layer_norm and torch refuse it (computed, it
+    # came back truncated to integers, or without its imaginary part)
+    _validate.check_input(x, "x")
 
 
 def layer_norm_sharded(x: torch.Tensor, weight: torch.Tensor | None = None,
@@ -281,13 +296,30 @@ def all_reduce_param_grads(module: torch.nn.Module,
 
     With tokens split over ranks, each rank's dweight and dbias sum only its own tokens
     (ln-dparams); the true gradient is the sum over ranks. Forgetting this step trains each
-    rank's copy of the weights on its own tokens only. Returns the number of tensors reduced.
+    rank's copy of the weights on its own tokens only.
+
+    A parameter whose gradient is None on some ranks (a branch those ranks' tokens did not
+    take) but not on all of them counts as zeros there, and receives the sum like the rest;
+    one None on every rank stays None. (Ranks skipping their own Nones would pair one rank's
+    gradient with another parameter's on another rank: the ranks first agree, in one
+    all-reduce of a flag per parameter, which gradients exist anywhere.) Every rank of
+    ``group`` must call it with the same module structure. Returns the number of tensors
+    reduced.
     """
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        return 0
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+                       device=params[0].device)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
     done = 0
-    for p in module.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
-            done += 1
+    for p, anywhere in zip(params, has.tolist()):
+        if not anywhere:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=group)
+        done += 1
     return done
 
 
