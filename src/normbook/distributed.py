@@ -217,7 +217,8 @@ class _ShardedNorm(torch.autograd.Function):
             mean = None if is_rms else rest[0]
         xhat = (xf if mean is None else xf - mean[..., None]) * rstd[..., None]
         ghat = g if weight is None else g * weight.to(cdt)       # (ln-ghat)
-        # c1, c2 are means over the whole row: local sums, one all-reduce of two scalars a token
+        # c1, c2 are means over the whole row: local sums, one all-reduce of two scalars a
+        # token (RMSNorm's too, which uses c2 alone: chapter 10's exercise counts the waste)
         sums = _all_reduce(torch.stack([(ghat * xhat).sum(-1), ghat.sum(-1)]), group)
         c2, c1 = sums[0] / D, sums[1] / D                          # (ln-c)
         dx = ghat - c2[..., None] * xhat
@@ -278,8 +279,10 @@ def rms_norm_sharded(x: torch.Tensor, weight: torch.Tensor | None = None,
                      eps: float | None = None,
                      group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """RMSNorm of rows split over the features across the ranks of ``group``: (rms-ms) as one
-    all-reduce of the sum of squares per token, divided by the whole row's length, then
-    (rms-y) locally; backward (rms-dx) with c2 all-reduced. Arguments, result and what any
+    all-reduce of the sum of squares per token, divided by the whole row's length (which an
+    all-gather of the ranks' feature counts gives, on every call of either norm), then
+    (rms-y) locally; backward (rms-dx) with c2 all-reduced (beside c1, which it does not use:
+    two scalars a token where one would do, as chapter 10's exercise finds). Arguments, result and what any
     split allows as :func:`layer_norm_sharded`, without a bias, but for ``eps``: added to the
     mean square inside the root; None (the default) is the default of :func:`normbook.rms_norm`
     and torch's, the machine epsilon of x's compute type (fp32's for float16, bfloat16 and
@@ -405,6 +408,14 @@ def _on_sigterm(signum, frame):
     raise _Stopped(signum)
 
 
+def _mask(how, signals):
+    """``signal.pthread_sigmask(how, signals)`` where the platform has it (the previous mask),
+    else nothing (None)."""
+    if signals is None or not hasattr(signal, "pthread_sigmask"):   # pragma: no cover
+        return None
+    return signal.pthread_sigmask(how, signals)
+
+
 def _end(procs) -> None:
     """Kill every rank's process group (the rank and whatever it started), then reap them."""
     for p in procs:
@@ -494,18 +505,23 @@ def launch(fn: Callable[..., Any], *args: Any, world: int = 2,
         files in the temporary folder).
 
     Raises:
-        ValueError: ``fn`` cannot be found by a child process, or a bad ``world``/``timeout_s``.
+        ValueError: ``fn`` defined in ``__main__`` or inside a function (a child process cannot
+            find it), or a bad ``world`` (an int >= 1) or ``timeout_s`` (a finite number > 0).
         RuntimeError: ``fn`` raised on some rank (the message holds the traceback of the rank
-            that failed first), or a rank ended without a result; raised as soon as it happens.
+            that failed first; a child that could not import ``fn``'s module fails so), or a
+            rank ended without a result; raised as soon as it happens.
         TimeoutError: the ranks did not all finish within ``timeout_s``.
     """
-    if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in fn.__qualname__:
-        raise ValueError(f"launch: {fn.__qualname__} must be a module-level function of an "
+    # (a functools.partial of such a function, or another callable that pickles, is taken)
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in name:
+        raise ValueError(f"launch: {name} must be a module-level function of an "
                          f"importable module (a spawned process cannot see __main__)")
-    if not (isinstance(world, int) and world >= 1):
+    if not (isinstance(world, int) and not isinstance(world, bool) and world >= 1):
         raise ValueError(f"launch: world must be an int >= 1, got {world!r}")
-    if not timeout_s > 0:
-        raise ValueError(f"launch: timeout_s must be > 0, got {timeout_s!r}")
+    if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+            and 0 < timeout_s < float("inf")):
+        raise ValueError(f"launch: timeout_s must be a finite number > 0, got {timeout_s!r}")
     task = pickle.dumps((os.getpid(), world, float(timeout_s), fn, args))   # fails here, not there
     env = dict(os.environ, TRITON_INTERPRET="1")
     loopback = _loopback()
@@ -527,17 +543,34 @@ def launch(fn: Callable[..., Any], *args: Any, world: int = 2,
             procs.append(subprocess.Popen(
                 [sys.executable, "-c", _CHILD, sys_path, tmp, str(rank)],
                 env=env, stdin=subprocess.DEVNULL, start_new_session=True))
-        return _collect(procs, tmp, fn.__qualname__, timeout_s, start)
+        return _collect(procs, tmp, name, timeout_s, start)
     except _Stopped as e:
         stop = e.args[0]
         raise
     finally:
-        _end(procs)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-        if stop is not None:     # die of the signal, as without launch() in the way
-            os.kill(os.getpid(), stop)
+        # a second Ctrl-C or SIGTERM waits until the cleanup is done: raised out of it, it
+        # left the folder behind (the ranks, already killed, cannot remove it). One that came
+        # before the mask may still be raised in the cleanup: it is done again, then raised
+        masked = _mask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        again: BaseException | None = None
+        try:
+            for _ in range(2):
+                try:
+                    _end(procs)
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    break
+                except (KeyboardInterrupt, _Stopped) as e:
+                    again = e
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            if isinstance(again, _Stopped):
+                stop = again.args[0]
+            if stop is not None:     # die of the signal (once unmasked), as without launch()
+                os.kill(os.getpid(), stop)
+        finally:
+            _mask(signal.SIG_SETMASK, masked)
+        if again is not None:
+            raise again
 
 
 # --- the chapter's experiments: fn(rank, world, ...) for launch --------------------------------
