@@ -530,3 +530,30 @@ def test_launch_takes_a_partial_of_a_module_level_function():
     import functools
 
     assert nd.launch(functools.partial(_rank_plus, k=10), world=2, timeout_s=120) == [10, 11]
+
+
+def _unequal_leading_shapes(rank, world, case):
+    """layer_norm_sharded / rms_norm_sharded where the ranks' x disagree: the error's text."""
+    shapes = {"rows": [(3, 4), (4, 4)], "order": [(2, 3, 4), (3, 2, 4)],
+              "dtype": [(2, 4), (2, 4)]}[case]
+    dtype = torch.float64 if case == "dtype" and rank == 1 else torch.float32
+    x = torch.randn(shapes[rank], dtype=dtype)
+    out = []
+    for fn in (nd.layer_norm_sharded, lambda x: nd.rms_norm_sharded(x, eps=1e-6)):
+        try:
+            fn(x)
+            out.append("no error")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+@pytest.mark.parametrize("case", ["rows", "order", "dtype"])
+def test_ranks_disagreeing_on_x_get_one_error_each(case):
+    """Ranks whose x differ in rows, in the order of the leading dims (the same count: tokens
+    paired wrongly, without a word) or in dtype (fp32 against fp64: a gather of unequal sizes,
+    which gloo aborted with SIGABRT) each raise the same ValueError naming x, and no rank
+    waits for another."""
+    for out in nd.launch(_unequal_leading_shapes, case, world=2, timeout_s=120):
+        assert all(o.startswith("x: every rank of the group must hold the same leading shape")
+                   for o in out), out

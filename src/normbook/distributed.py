@@ -121,6 +121,9 @@ def _gather(t: torch.Tensor, group) -> torch.Tensor:
     return torch.stack(out)
 
 
+_DTYPE_CODES = {torch.float16: 16, torch.bfloat16: 17, torch.float32: 32, torch.float64: 64}
+
+
 def _sharded_stats(xf: torch.Tensor, eps: float, is_rms: bool, group):
     """(D, mean, rstd) of whole rows split over the ranks: D the row length (a tensor), mean and
     rstd (...,), the same bits on every rank; mean is None for RMSNorm.
@@ -133,7 +136,20 @@ def _sharded_stats(xf: torch.Tensor, eps: float, is_rms: bool, group):
     recompute these from x when a graph of it is being built.
     """
     d_k = xf.shape[-1]                                     # this rank's feature count
-    counts = _gather(torch.tensor([float(d_k)], dtype=xf.dtype, device=xf.device), group)[:, 0]
+    # with it, what every rank must agree on: the leading shape (its rank, its size, and a
+    # number that tells (2, 3) from (3, 2)) and the dtype, in float64 whatever x's (a gather
+    # of unequal sizes aborted gloo; unequal leading shapes of one size paired other tokens)
+    lead = xf.shape[:-1]
+    mixed = sum(s * 1000003 ** i for i, s in enumerate(lead)) % (1 << 50)
+    mine = [float(d_k), float(len(lead)), float(lead.numel()), float(mixed),
+            float(_DTYPE_CODES.get(xf.dtype, -1))]
+    every = _gather(torch.tensor(mine, dtype=torch.float64, device=xf.device), group)
+    if not bool((every[:, 1:] == every[:1, 1:]).all()):   # the same answer on every rank
+        raise ValueError(f"x: every rank of the group must hold the same leading shape and "
+                         f"dtype; this rank has {tuple(lead)} {xf.dtype}, and the ranks differ "
+                         f"(rank order: dims {every[:, 1].tolist()}, rows "
+                         f"{every[:, 2].tolist()})")
+    counts = every[:, 0].to(xf.dtype)
     D = counts.sum()                                       # (world,) -> the row length
     if is_rms:
         mean = None
