@@ -351,7 +351,9 @@ def test_every_registry_entry_is_a_real_class_that_the_swap_reproduces(entry):
             return
         assert normbook.swap_norms(norm) == 1
         kind = normbook.LayerNorm if entry.kind == "layer" else normbook.RMSNorm
-        assert type(norm[0]) is kind and norm[0].eps == 1e-5
+        # (T5's: the class patch_hf builds, a subclass that looks at each input's dtype)
+        assert (isinstance(norm[0], kind) if entry.xhat_to_weight else type(norm[0]) is kind)
+        assert norm[0].eps == 1e-5
         got = norm(x)
         assert got.dtype == want.dtype and torch.equal(got, want), (entry.name, dtype)
         params = [] if entry.weight is None else [norm[0].weight]
@@ -490,3 +492,162 @@ def test_half_olmo_and_cohere_are_swapped_exactly(dtype):
     for norm, ref_norm in zip(norm_modules(model, normbook.LayerNorm),
                               [m for m in ref.modules() if type(m).__name__ == "CohereLayerNorm"]):
         assert torch.equal(norm.weight.grad, ref_norm.weight.grad)
+
+
+# ------------------------------------------- dtype pairings, float64, copies, pickles, nesting
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _registry_norm(entry, cls, D=48):
+    """A norm of ``entry``'s class ``cls`` (Hugging Face's or the patched one), its weight
+    random (the classes initialise it to 1 or 0, which would hide a wrong offset)."""
+    hf_cls = getattr(cls, "_normbook_original", cls)
+    norm = cls(D, eps=1e-5) if "eps" in inspect.signature(hf_cls.__init__).parameters else cls(D)
+    if entry.weight is not None:
+        with torch.no_grad():
+            getattr(norm, entry.weight).normal_(generator=torch.Generator().manual_seed(0))
+    return norm
+
+
+@pytest.mark.parametrize("entry", [e for e in swap.HF_NORMS if e.exact], ids=lambda e: e.name)
+def test_every_registry_class_is_hugging_faces_in_every_dtype_pairing_and_in_float64(entry):
+    """Swapped and patched, each class gives Hugging Face's dtype and bits for every (weight,
+    input) pairing of float32, bfloat16 and float16 (T5's, whose output takes a half weight's
+    dtype, too), and, patched under strict, for float64, by the original forward (which for
+    Gemma's calls its helper ``_norm``)."""
+    module = importlib.import_module(entry.module)
+    original = getattr(module, entry.name)
+    with normbook.patch_hf(swap._family(entry)):
+        patched_cls = getattr(module, entry.name)
+    x = 3 * torch.randn(4, 5, 48, generator=torch.Generator().manual_seed(1)) + 1
+    for w_dtype, x_dtype in [(w, i) for w in _DTYPES for i in _DTYPES] + [(torch.float64,) * 2]:
+        ref = torch.nn.Sequential(_registry_norm(entry, original)).to(w_dtype)
+        swapped = copy.deepcopy(ref)
+        if w_dtype in _DTYPES:
+            assert normbook.swap_norms(swapped) == 1
+        patched = torch.nn.Sequential(_registry_norm(entry, patched_cls)).to(w_dtype)
+        assert isinstance(patched[0], (normbook.RMSNorm, normbook.LayerNorm))
+        want = ref(x.to(x_dtype))
+        for got in (swapped(x.to(x_dtype)), patched(x.to(x_dtype))):
+            assert got.dtype == want.dtype and torch.equal(got, want), (w_dtype, x_dtype)
+
+
+def test_t5_loaded_in_float16_runs_and_gives_hugging_faces_logits(tmp_path):
+    """T5 keeps ``wo`` in float32, so in a model loaded in float16 most norms get float32 rows
+    with a float16 weight: Hugging Face's returns float16, and so must the patched and the
+    swapped norms (a float32 output fails in the next float16 Linear)."""
+    torch.manual_seed(0)
+    transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+        decoder_start_token_id=0)).save_pretrained(tmp_path)
+    ids = torch.randint(2, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    load = transformers.T5ForConditionalGeneration.from_pretrained
+    ref = load(tmp_path, dtype=torch.float16)
+    want = ref(input_ids=ids, labels=ids).logits
+    with normbook.patch_hf("t5"):
+        patched = load(tmp_path, dtype=torch.float16)
+    swapped = copy.deepcopy(ref)
+    assert normbook.swap_norms(swapped) == 12           # 2 + 3 a layer, a final one each side
+    for model in (patched, swapped):
+        assert sum(isinstance(m, normbook.RMSNorm) for m in model.modules()) == 12
+        got = model(input_ids=ids, labels=ids).logits
+        assert got.dtype == torch.float16 and torch.equal(got, want)
+
+
+def _tiny_family(family):
+    """A tiny model of ``family`` built by Hugging Face's code (so under a patch, with the
+    patched classes)."""
+    torch.manual_seed(0)
+    kw = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=100, eos_token_id=0, pad_token_id=0,
+              bos_token_id=0)
+    config, model = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                     "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+                     "olmo": (transformers.OlmoConfig, transformers.OlmoForCausalLM),
+                     "cohere": (transformers.CohereConfig, transformers.CohereForCausalLM)}[family]
+    return model(config(**kw)).eval()
+
+
+def _norms(model):
+    return [m for m in model.modules() if isinstance(m, (normbook.RMSNorm, normbook.LayerNorm))]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "olmo", "cohere"])
+def test_models_built_under_patch_hf_copy_and_pickle_with_or_without_the_patch(family,
+                                                                                 monkeypatch):
+    """A model built under patch_hf deep-copies (and AveragedModel copies it) and pickles
+    while the patch is in force and after it is undone: each copy holds normbook's norms of
+    the very class, new Parameters, the same logits; a blob pickled under the patch loads
+    after undo as normbook's norms, not as Hugging Face's class, and loads in a process that
+    has not made the class yet (the cache emptied here) as the class made afresh."""
+    import pickle
+
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    with normbook.patch_hf(family):
+        model = _tiny_family(family)
+        want = model(ids).logits
+        classes = {type(m) for m in _norms(model)}
+        assert len(classes) == 1 and all(issubclass(c, normbook.RMSNorm if family in (
+            "llama", "gemma") else normbook.LayerNorm) for c in classes)
+        blob = pickle.dumps(model)
+        copies = [copy.deepcopy(model), pickle.loads(blob)]
+    copies += [copy.deepcopy(model), pickle.loads(blob), pickle.loads(pickle.dumps(model)),
+               torch.optim.swa_utils.AveragedModel(model).module]
+    for other in copies:
+        assert {type(m) for m in _norms(other)} == classes
+        assert all(p is not q for p, q in zip(other.parameters(), model.parameters()))
+        assert torch.equal(other(ids).logits, want)
+    monkeypatch.setattr(swap, "_PATCHED", {})
+    fresh = pickle.loads(blob)
+    (cls,) = {type(m) for m in _norms(fresh)}
+    assert cls not in classes and cls.__name__ == classes.pop().__name__
+    assert torch.equal(fresh(ids).logits, want)
+
+
+def test_nested_patches_each_undo_only_their_own():
+    """An inner patch_hf of a family already patched restores what it found, the outer's
+    class, on leaving; undone out of order, each takes only its own classes out, and the
+    original comes back when none is left."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
+
+    originals = modeling_llama.LlamaRMSNorm, modeling_qwen2.Qwen2RMSNorm
+    with normbook.patch_hf("llama"):
+        outer = modeling_llama.LlamaRMSNorm
+        with normbook.patch_hf(["llama", "qwen2"]):
+            assert issubclass(modeling_qwen2.Qwen2RMSNorm, normbook.RMSNorm)
+        assert modeling_llama.LlamaRMSNorm is outer is not originals[0]
+        assert modeling_qwen2.Qwen2RMSNorm is originals[1]
+    assert (modeling_llama.LlamaRMSNorm, modeling_qwen2.Qwen2RMSNorm) == originals
+
+    first = normbook.patch_hf("llama")
+    second = normbook.patch_hf(["llama", "qwen2"], strict=False)
+    lenient = modeling_llama.LlamaRMSNorm
+    assert lenient is not first and issubclass(lenient, normbook.RMSNorm)
+    first.undo()                                     # out of order: the second stays in force
+    assert modeling_llama.LlamaRMSNorm is lenient
+    assert issubclass(modeling_qwen2.Qwen2RMSNorm, normbook.RMSNorm)
+    second.undo()
+    first.undo()                                     # a second undo does nothing
+    assert (modeling_llama.LlamaRMSNorm, modeling_qwen2.Qwen2RMSNorm) == originals
+    assert not swap._LAYERS
+
+
+def test_reset_parameters_of_a_swapped_gemma_norm_is_torchs_and_hugging_faces_init_zeroes_it():
+    """What the docs say: ``reset_parameters()`` sets weight = 1 whatever the offset (gamma 2 for
+    Gemma's offset 1), for normbook.RMSNorm(D, offset=1.0) and for a swapped or patched Gemma
+    norm; Hugging Face's Gemma initialisation zeroes either (the identity)."""
+    swapped = tiny("gemma")
+    normbook.swap_norms(swapped)
+    with normbook.patch_hf("gemma"):
+        patched = tiny("gemma")
+    x = torch.randn(3, 32)
+    for norm in (normbook.RMSNorm(32, offset=1.0), swapped.model.norm, patched.model.norm):
+        norm.reset_parameters()
+        assert torch.equal(norm.weight, torch.ones(32))
+        torch.testing.assert_close(norm(x), 2 * normbook.rms_norm(x, (32,), None, norm.eps))
+        if norm is not swapped.model.norm and norm is not patched.model.norm:
+            continue
+        swapped._init_weights(norm)
+        assert torch.equal(norm.weight, torch.zeros(32))

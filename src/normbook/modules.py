@@ -87,8 +87,11 @@ class RMSNorm(torch.nn.RMSNorm):
     weight in float32: Gemma's 1 + weight; a ValueError with ``elementwise_affine=False``)
     and ``round_xhat`` (xhat rounded to the input's
     dtype before the weight multiplies: Llama's order in bf16 and fp16), as
-    :func:`normbook.rms_norm` takes them. The weight is initialised to 1 as torch's (to 0 for
-    a Gemma model, whose checkpoints hold the weight without the offset).
+    :func:`normbook.rms_norm` takes them. The weight is initialised to 1 as torch's, by the
+    constructor and by ``reset_parameters()``, whatever the offset: with ``offset=1.0`` that is
+    gamma = 2, every row doubled, not the identity. The identity with offset 1 is weight 0 (as
+    Gemma initialises its norms and stores them in checkpoints): set it with
+    ``torch.nn.init.zeros_(norm.weight)``.
 
     Shape: input ``(*, *normalized_shape)`` -> output of the same shape.
     """

@@ -25,14 +25,43 @@ How each maps (equations (ln-y) and (rms-y) of the chapter "One token's vector")
   bias=False, upcast=...)``. OLMo's runs torch's float32 kernel, as ``upcast=True`` does;
   Cohere's writes the equations out in torch ops, whose sums round differently from that
   kernel's, as ``upcast="ops"`` does. Both bit for bit in float32, bfloat16 and float16.
+- T5's ``T5LayerNorm`` (an RMSNorm, despite its name): ``weight * (x * rsqrt(mean(h^2) +
+  variance_epsilon))``, h = x.to(float32), xhat (float32 for half rows) rounded first to the
+  weight's dtype when that is bfloat16 or float16, so the output has a half weight's dtype
+  whatever the input's. Rows in the weight's dtype: Llama's order (``round_xhat``). Rows of
+  another dtype (T5 keeps ``wo`` in float32, so a float16 T5's norms get float32 rows):
+  normbook's xhat of the rows in float32, then T5's rounding and product (``xhat_to_weight``),
+  for any pairing of float32, bfloat16 and float16; a pairing with float64 in it runs T5's own
+  forward. Hugging Face's dtype and bits for each. Since it looks at each input's dtype, the
+  replacement is the class :func:`patch_hf` builds for T5 (a :class:`normbook.RMSNorm`
+  subclass named ``T5LayerNorm``), not a plain ``normbook.RMSNorm``.
 
 A norm that is left alone (not reproducible, or not exact in its dtype under ``strict``) gives
 one ``UserWarning`` per class that names it. Classes are matched by module path and name,
 so ``transformers`` is never imported here: without it, only torch's classes can be present.
+
+Copying and pickling: a swapped norm is a plain ``normbook.RMSNorm`` or ``LayerNorm`` and copies
+and pickles as one (T5's, the patched class, as below). The classes :func:`patch_hf` builds are
+made once per (modeling module, class name, ``strict``) and kept in this module, and their
+instances pickle as a call of ``normbook.swap._rebuild`` with those three names, not by the
+class's Hugging Face name: ``copy.deepcopy`` (and ``torch.optim.swa_utils.AveragedModel``)
+gives the same class, and a pickled model (``torch.save(model)``) loads with normbook's norms
+whether a patch is active or not, in this process or another (which imports the modeling
+module; transformers must be installed).
+
+``reset_parameters()`` of a replacement is torch's: weight = 1 whatever the ``offset``, so a
+swapped or patched Gemma norm (offset 1, identity at weight 0, as Gemma initialises and stores
+it) becomes gamma = 2 if it is called. Hugging Face's own initialisation (Gemma's
+``_init_weights``, which goes by a class name ending in ``RMSNorm``) still zeroes a swapped or
+patched Gemma norm. ``reset_parameters`` is left as torch's, rather than made the identity for
+offset 1, so that a swapped norm, a plain ``normbook.RMSNorm(D, offset=1.0)``, resets as every
+``normbook.RMSNorm`` does (see its docstring) and as torch's module it subclasses; to reset a
+Gemma norm to the identity, ``torch.nn.init.zeros_(norm.weight)``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import warnings
 from dataclasses import dataclass
@@ -40,6 +69,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
+from normbook.functional import rms_norm
 from normbook.modules import LayerNorm, RMSNorm
 
 __all__ = ["HFNorm", "HF_NORMS", "swap_norms", "patch_hf", "HFPatch"]
@@ -64,6 +94,9 @@ class HFNorm:
         upcast: a LayerNorm replacement's ``upcast``: True, half rows normalized as a float32
             copy by torch's float32 kernel (OLMo's); "ops", by the equations in torch ops
             (Cohere's).
+        xhat_to_weight: xhat of float32 rows rounded to a half *weight's* dtype rather than the
+            input's, the output in the weight's dtype for any input (T5's); the replacement
+            checks each input's dtype (see the module docstring).
     """
 
     module: str
@@ -76,6 +109,7 @@ class HFNorm:
     round_xhat: bool = False
     upcast: Union[bool, str] = False
     kind: str = "rms"        # "layer": a LayerNorm without bias, normbook.LayerNorm(bias=False)
+    xhat_to_weight: bool = False
 
 
 _HALVES = (torch.float32, torch.bfloat16, torch.float16)
@@ -96,8 +130,9 @@ def _hf(package: str, name: str, note: str = _LLAMA, **kw) -> HFNorm:
 #: ``normbook.swap.HFNorm`` each; these swapped exactly in float32, bfloat16 and float16: the
 #: Llama-style RMSNorms (Llama, Mistral, Mixtral, Ministral, Qwen2, Qwen2-MoE, Qwen3,
 #: Qwen3-MoE, Phi-3, Granite, GraniteMoe, DeepSeek-V3, GLM-4, SmolLM3; ``round_xhat``), T5's
-#: (the same order where input and weight share a dtype), OLMo-2's (one rounding, normbook's
-#: own), and Gemma, Gemma 2, Gemma 3 and Qwen3-Next (y = xhat * (1 + weight); ``offset`` 1);
+#: (that order where input and weight share a dtype; ``xhat_to_weight`` for the others),
+#: OLMo-2's (one rounding, normbook's own), and Gemma, Gemma 2, Gemma 3 and Qwen3-Next
+#: (y = xhat * (1 + weight); ``offset`` 1);
 #: and two LayerNorms without bias: OLMo's (``upcast=True``) and Cohere's (``upcast="ops"``)
 #: (a per-head QK-norm of Cohere's, whose weight has two dims, is left).
 #: Checked against transformers 5.24: tests/test_swap.py resolves every entry and compares each
@@ -115,10 +150,10 @@ HF_NORMS: tuple[HFNorm, ...] = (
     _hf("olmo2", "Olmo2RMSNorm", exact=(torch.float32, torch.bfloat16, torch.float16),
         note="(weight * h * rsqrt(mean(h^2) + variance_epsilon)).to(input_dtype), h = x.to(float32)"
              ": (rms-y) with gamma = weight"),
-    _hf("t5", "T5LayerNorm", exact=_HALVES, round_xhat=True,
+    _hf("t5", "T5LayerNorm", exact=_HALVES, round_xhat=True, xhat_to_weight=True,
         note="weight * (x * rsqrt(mean(x^2) + variance_epsilon)), xhat rounded to a bf16/fp16 "
              "weight's dtype first: (rms-y) with gamma = weight (T5's LayerNorm has no mean), "
-             "round_xhat for inputs in the weight's dtype"),
+             "round_xhat for inputs in the weight's dtype, xhat_to_weight for others"),
     # LayerNorms without bias: Cohere's, (h - mean) * rsqrt(var + eps) * weight in float32
     # torch ops, rounded once (upcast="ops": torch's fused float32 kernel sums in another order
     # and differs in about a third of the float32 values by a unit); OLMo's, F.layer_norm of h
@@ -143,13 +178,16 @@ def _entry(cls: type) -> HFNorm | None:
     return _BY_CLASS.get((cls.__module__, cls.__qualname__))
 
 
-def _replacement(old: torch.nn.Module, entry: HFNorm) -> torch.nn.Module:
-    """A normbook.RMSNorm (a normbook.LayerNorm for ``kind`` "layer") holding ``old``'s
+def _replacement(old: torch.nn.Module, entry: HFNorm, strict: bool) -> torch.nn.Module:
+    """A normbook.RMSNorm (a normbook.LayerNorm for ``kind`` "layer"; for T5's, whose output
+    dtype depends on each input's, the class :func:`patch_hf` builds) holding ``old``'s
     weight Parameter itself, its training flag, its hooks (the same dicts, so handles
     registered on ``old`` still remove them) and every other attribute of its own (Hugging
     Face's ``_is_hf_initialized``, without which ``init_weights`` would reset a trained weight;
     ``variance_epsilon``, read by code that knows the class)."""
-    cls = LayerNorm if entry.kind == "layer" else RMSNorm
+    cls: Any = LayerNorm if entry.kind == "layer" else RMSNorm
+    if entry.xhat_to_weight:
+        cls = _patched(entry.module, entry.name, strict)
     new = cls.__new__(cls)
     _adopt(new, old, entry)
     return new
@@ -211,8 +249,8 @@ def swap_norms(model: torch.nn.Module, *, strict: bool = True) -> int:
     stays, its class changes). A Hugging Face norm in :data:`normbook.swap.HF_NORMS` that
     computes (rms-y), ``weight * x * rsqrt(mean(x^2) + variance_epsilon)``, becomes a
     :class:`normbook.RMSNorm` with gamma = its ``weight`` (the same Parameter) and eps = its
-    ``variance_epsilon``, in every place the model holds it. Norms already normbook's are not
-    counted, so a second call returns 0.
+    ``variance_epsilon``, in every place the model holds it (T5's, a subclass of it: see the
+    module docstring). Norms already normbook's are not counted, so a second call returns 0.
 
     The replacement takes the entry's ``offset`` (Gemma's 1 + weight) and ``round_xhat`` (a
     Llama-style norm's rounding of xhat before the weight multiplies, in bf16 and fp16), so
@@ -232,11 +270,14 @@ def swap_norms(model: torch.nn.Module, *, strict: bool = True) -> int:
     (the one dtype known when swapping). ``strict`` judges the dtype at the swap: swap after
     casting the model (``model.bfloat16()`` after a swap in float32 is not refused). An input
     of another dtype than the weight (a bf16 input to a float32 Llama norm, as autocast on a
-    CPU gives Qwen3's q/k norms) returns normbook's y in the input's dtype where Hugging Face's
-    promotes to float32 (under autocast on CUDA both return float32). The forward of a swapped fp32 Llama-style norm gives
-    the same bits; the backward is normbook's (rms-dx), not autograd's
-    chain through the forward's ops, so gradients agree to rounding, as do torch's LayerNorm
-    and normbook's (a different order of the same sums).
+    CPU gives Qwen3's q/k norms) gives Hugging Face's dtype and bits too, for every pairing of
+    float32, bfloat16 and float16 and every registry class (tests/test_swap.py checks each on
+    the CPU): a Llama-style norm gives ``weight * xhat.to(input dtype)`` in the promoted dtype
+    (float32 for that bf16 input), as normbook's ``round_xhat`` does; a Gemma-style, OLMo or
+    Cohere norm the input's dtype; T5's the weight's (see the module docstring). The forward
+    of a swapped norm gives the same bits on the CPU; the backward is normbook's (rms-dx), not
+    autograd's chain through the forward's ops, so gradients agree to rounding, as do torch's
+    LayerNorm and normbook's (a different order of the same sums).
 
     Args:
         model: the model; changed in place. Its root must not itself be a Hugging Face norm
@@ -276,7 +317,7 @@ def swap_norms(model: torch.nn.Module, *, strict: bool = True) -> int:
                 raise TypeError(f"swap_norms: the model is itself a {cls.__qualname__}; "
                                 "pass a module that contains it")
             else:
-                done[id(module)] = _replacement(module, entry)
+                done[id(module)] = _replacement(module, entry, strict)
         elif _looks_like_a_norm(cls):
             left[where] = "not in normbook.swap.HF_NORMS"
     # every name of every parent: named_children() gives a module held under two names of
@@ -292,20 +333,43 @@ def swap_norms(model: torch.nn.Module, *, strict: bool = True) -> int:
     return len(done)
 
 
+# (modeling module, class name) -> [the class found before the first active patch, then each
+# active patch and the class it put there, oldest first]: the module holds the newest's class,
+# so patches nest and may be undone in any order
+_LAYERS: dict[tuple[str, str], list] = {}
+
+
 class HFPatch:
     """What :func:`normbook.patch_hf` changed: the Hugging Face modeling modules whose norm class it
     replaced, undone by :meth:`undo` (or on leaving a ``with`` block). ``classes`` names the
-    replaced classes; ``left`` the known ones it left, with the reason."""
+    replaced classes; ``left`` the known ones it left, with the reason.
+
+    Patches nest: each class name holds the class of the newest patch still in force, and
+    undoing a patch (in any order) leaves the others' in force; when none is left, the class
+    found before the first is put back."""
 
     def __init__(self, replaced: list, left: dict) -> None:
-        self._replaced = replaced              # (modeling module, class name, original class)
-        self.classes = tuple(f"{m.__name__}.{name}" for m, name, _ in replaced)
+        # replaced: (modeling module, class name, patched class) for each, put in place here
+        self._replaced = []                    # (modeling module, class name)
+        for module, name, cls in replaced:
+            layers = _LAYERS.setdefault((module.__name__, name), [getattr(module, name)])
+            layers.append((self, cls))
+            setattr(module, name, cls)
+            self._replaced.append((module, name))
+        self.classes = tuple(f"{m.__name__}.{name}" for m, name in self._replaced)
         self.left = left
 
     def undo(self) -> None:
-        """Put the original classes back (models built meanwhile keep normbook's norms)."""
-        for module, name, original in reversed(self._replaced):
-            setattr(module, name, original)
+        """Take this patch's classes out: each name gets the class of the newest patch still in
+        force, or the original when there is none (models built meanwhile keep normbook's
+        norms). A second call does nothing."""
+        for module, name in reversed(self._replaced):
+            key = (module.__name__, name)
+            layers = _LAYERS[key]
+            layers[1:] = [layer for layer in layers[1:] if layer[0] is not self]
+            setattr(module, name, layers[-1][1] if len(layers) > 1 else layers[0])
+            if len(layers) == 1:
+                del _LAYERS[key]
         self._replaced = []
 
     def __enter__(self) -> "HFPatch":
@@ -322,16 +386,63 @@ def _family(entry: HFNorm) -> str:
     return entry.module.split(".")[2]        # transformers.models.<family>.modeling_<family>
 
 
-def _patched_class(entry: HFNorm, original: type, strict: bool) -> type:
-    """A :class:`normbook.RMSNorm` that Hugging Face's model code builds in place of
-    ``original``: the same constructor, the same ``weight`` Parameter (its state_dict key) and
-    attributes (``variance_epsilon``), computed by normbook where it reproduces ``original``
-    (the weight's dtype in ``entry.exact``, or anywhere without ``strict``) and by
-    ``original``'s own forward elsewhere, so a model is exact in every dtype."""
+# (modeling module, class name, strict) -> the class patch_hf puts there: one class each, so
+# that a copy, or a model unpickled while it is in force, has the very class of the model
+_PATCHED: dict[tuple[str, str, bool], Any] = {}
+
+
+def _patched(module: str, name: str, strict: bool) -> Any:
+    """The class :func:`patch_hf` puts in place of ``module.name`` (Hugging Face's class, or
+    what another library put there before the first patch), made on first use."""
+    found = getattr(importlib.import_module(module), name)
+    original = getattr(found, "_normbook_original", found)
+    cls = _PATCHED.get((module, name, strict))
+    if cls is None or cls._normbook_original is not original:
+        cls = _PATCHED[(module, name, strict)] = _patched_class(
+            _BY_CLASS[(module, name)], original, strict)
+    return cls
+
+
+def _rebuild(module: str, name: str, strict: bool) -> torch.nn.Module:
+    """An empty instance of ``_patched(module, name, strict)``, which copy and pickle then
+    fill with the state: how a patched norm is copied and unpickled, with or without a patch
+    in force (a patched class's ``__reduce_ex__``)."""
+    cls = _patched(module, name, strict)
+    return cls.__new__(cls)
+
+
+def _t5_mixed(norm: RMSNorm, x: torch.Tensor, original: Any) -> torch.Tensor:
+    """T5's norm of rows of another dtype than its weight, y = weight * xhat.to(weight's dtype)
+    for a half weight (the product in that dtype), weight * xhat in float32 for a float32 one,
+    xhat = (rms-y) of the rows in float32: normbook's xhat without a weight, then T5's rounding
+    and product (bitwise T5's for every pairing of float32, bfloat16 and float16 on the CPU). A
+    float64 input or weight goes to T5's own forward, whose mixed float32/float64 order normbook
+    has no mode for."""
+    weight = norm.weight
+    if x.dtype not in _HALVES or weight.dtype not in _HALVES:
+        return original.forward(norm, x)
+    h = x.float()                                                         # (*, D)
+    if weight.dtype == torch.float32:
+        return rms_norm(h, norm.normalized_shape, weight, norm.eps)
+    return weight * rms_norm(h, norm.normalized_shape, None, norm.eps).to(weight.dtype)
+
+
+def _patched_class(entry: HFNorm, original: Any, strict: bool) -> type:
+    """A :class:`normbook.RMSNorm` (``normbook.LayerNorm``) that Hugging Face's model code
+    builds in place of ``original``: the same constructor, the same ``weight`` Parameter (its
+    state_dict key) and attributes (``variance_epsilon``), computed by normbook where it
+    reproduces ``original`` (the weight's dtype in ``entry.exact``, or anywhere without
+    ``strict``) and by ``original``'s own forward elsewhere, so a model is exact in every dtype.
+
+    The class carries ``original``'s helper methods that normbook's lacks (Gemma's ``_norm``),
+    which that forward calls; it is ``original``'s name and module, but pickles by
+    :func:`_rebuild` (see the module docstring)."""
 
     base = LayerNorm if entry.kind == "layer" else RMSNorm
 
     def __new__(cls, *args, **kwargs):
+        if not args and not kwargs:         # copy, pickle, nn.Module's replicas: state follows
+            return base.__new__(cls)
         proto = original(*args, **kwargs)   # its parameters, as its model code asks for them
         if _why_not(proto, entry) is not None:
             return proto                    # (a per-head QK-norm): the original, as it is
@@ -339,18 +450,29 @@ def _patched_class(entry: HFNorm, original: type, strict: bool) -> type:
         new.__dict__["_normbook_proto"] = proto
         return new
 
+    @functools.wraps(original.__init__)     # its signature, (hidden_size, eps=...), for inspect
     def __init__(self, *args, **kwargs):
-        _adopt(self, self.__dict__.pop("_normbook_proto"), entry)
+        proto = self.__dict__.pop("_normbook_proto", None)
+        _adopt(self, original(*args, **kwargs) if proto is None else proto, entry)
 
     def forward(self, hidden_states):
         dtype = hidden_states.dtype if entry.weight is None else self.weight.dtype
         if strict and dtype not in entry.exact:
             return original.forward(self, hidden_states)
+        if entry.xhat_to_weight and hidden_states.dtype != dtype:
+            return _t5_mixed(self, hidden_states, original)
         return base.forward(self, hidden_states)
 
+    def __reduce_ex__(self, protocol):
+        return _rebuild, (entry.module, entry.name, strict), self.__getstate__()
+
+    helpers = {key: value for klass in reversed(original.__mro__)
+               if issubclass(klass, torch.nn.Module) and klass is not torch.nn.Module
+               for key, value in vars(klass).items()
+               if not key.startswith("__") and not hasattr(base, key)}
     return type(original.__name__, (base,), {
-        "__new__": __new__, "__init__": __init__, "forward": forward,
-        "__module__": original.__module__,
+        **helpers, "__new__": __new__, "__init__": __init__, "forward": forward,
+        "__reduce_ex__": __reduce_ex__, "__module__": original.__module__,
         "__qualname__": original.__qualname__, "_normbook_original": original,
         "__doc__": f"normbook's {base.__name__} in place of {original.__module__}."
                    f"{original.__qualname__} "
@@ -372,12 +494,22 @@ def patch_hf(families: Optional[Union[str, Iterable[str]]] = None, *,
     (:func:`normbook.swap_norms`'s rule: the weight's dtype in the entry's ``exact``, float32,
     bfloat16 and float16 for every entry, or every dtype with ``strict=False``) and by the
     original class's forward elsewhere (float64, with ``strict``), so the model's outputs are
-    Hugging Face's either way.
+    Hugging Face's either way; T5's norm also takes rows of another dtype than its weight as
+    T5's does (the module docstring says how), so a T5 loaded in float16, whose ``wo`` stays
+    in float32, runs and gives Hugging Face's logits.
     An entry without an exact dtype would be left, and named in the result's ``left``.
+
+    The patched classes are made once per class and ``strict`` and kept in ``normbook.swap``:
+    a model built under a patch deep-copies (``copy.deepcopy``, ``AveragedModel``) and pickles
+    (``torch.save(model)``) with or without a patch in force, and unpickles as normbook's norms
+    of the same class, patch or no patch (Cohere's per-head QK-norms, which stay Hugging Face's,
+    pickle by their class's name: only while no patch of Cohere is in force). Patches nest:
+    an inner ``patch_hf`` undone leaves an outer one in force, whichever is undone first.
 
     Returns:
         An ``HFPatch`` (``normbook.swap.HFPatch``): its ``undo()`` (or a ``with`` block)
-        puts the original classes back; models built meanwhile keep normbook's norms.
+        takes its classes out, leaving those of any other patch in force and otherwise the
+        originals; models built meanwhile keep normbook's norms.
 
     Raises:
         ValueError: a family :data:`normbook.swap.HF_NORMS` does not know, named.
@@ -405,8 +537,5 @@ def patch_hf(families: Optional[Union[str, Iterable[str]]] = None, *,
             if explicit:
                 raise
             continue             # an older transformers without this family
-        original = getattr(module, entry.name)
-        original = getattr(original, "_normbook_original", original)   # patched twice: once
-        setattr(module, entry.name, _patched_class(entry, original, strict))
-        replaced.append((module, entry.name, original))
+        replaced.append((module, entry.name, _patched(entry.module, entry.name, strict)))
     return HFPatch(replaced, left)
