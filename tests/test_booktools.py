@@ -56,8 +56,12 @@ def test_check_says_exact_close_or_wrong_and_names_the_failing_identity(capsys):
     x, dy, w, dx = _ln_grad("rms")
     assert check("rms dx", dx, dx.clone(), x=x, dy=dy, weight=w, kind="rms")
     assert "identities hold" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="expected the reference's shape"):
-        check("dx", dx[:2], dx)
+    # a wrong shape, or not a tensor: a WRONG line, as check_fn's, not an error in the cell
+    assert not check("dx", dx[:2], dx)
+    assert capsys.readouterr().out == (f"dx: WRONG; expected a tensor of the shape "
+                                       f"{tuple(dx.shape)}, got the shape {tuple(dx[:2].shape)}\n")
+    assert not check("dx", dx.tolist(), dx)
+    assert capsys.readouterr().out.endswith("got a list\n")
 
 
 def _nodes(g, weight, x, eps, wrong=False):
@@ -124,3 +128,13 @@ def test_check_fn_says_not_yet_written_matches_or_wrong(capsys):
     assert capsys.readouterr().out == "shape: WRONG; expected the shape (7,), got (3,)\n"
     assert not check_fn("nan", lambda: x / 0 * 0, x)         # NaN is never close
     assert "nan: WRONG" in capsys.readouterr().out
+    # a reference in float16 wants float16 back: float32 is WRONG, whatever the values; a
+    # float64 reference takes a float32 or float16 answer, at that answer's tolerances
+    h = x.half()
+    assert not check_fn("half", lambda: h.float(), h)
+    assert capsys.readouterr().out == "half: WRONG; expected the dtype torch.float16, got torch.float32\n"
+    assert check_fn("half", lambda: h, x)
+    capsys.readouterr()
+    # one part of the wrong shape: no 'max difference' of the parts that fit
+    assert not check_fn("parts", lambda: (x, x[:2]), (x, x))
+    assert capsys.readouterr().out == "parts: WRONG; expected the shape (7,), got (2,)\n"

@@ -113,7 +113,8 @@ def check(name: str, yours, reference, *, x=None, dy=None, weight=None, eps: flo
     """Compare a gradient you derived with a reference, as a reader checks an exercise.
 
     Prints one line: ``name: exact`` (bitwise equal), ``close`` (``torch.allclose`` at the
-    dtype's default tolerances) or ``WRONG``, with the largest absolute difference. Given the
+    dtype's default tolerances) or ``WRONG``, with the largest absolute difference (or the
+    shape expected, where yours has another). Given the
     forward's ``x`` and ``dy`` (and ``weight``), ``yours`` is also put to the identities that
     need no reference (:func:`normbook.checks.assert_layer_norm_identities`, or
     :func:`~normbook.checks.assert_rms_norm_identities` for ``kind="rms"``), and the line ends
@@ -134,9 +135,12 @@ def check(name: str, yours, reference, *, x=None, dy=None, weight=None, eps: flo
 
     from normbook import checks
 
-    if tuple(yours.shape) != tuple(reference.shape):
-        raise ValueError(f"{name}: expected the reference's shape {tuple(reference.shape)}, "
-                         f"got {tuple(yours.shape)}")
+    if not torch.is_tensor(yours) or tuple(yours.shape) != tuple(reference.shape):
+        got = (f"the shape {tuple(yours.shape)}" if torch.is_tensor(yours)
+               else f"a {type(yours).__name__}")
+        print(f"{name}: WRONG; expected a tensor of the shape {tuple(reference.shape)}, got "
+              f"{got}")          # (a line, as check_fn's, rather than an error in the cell)
+        return False
     exact = bool(torch.equal(yours, reference))
     close = exact or bool(torch.allclose(yours, reference.to(yours.dtype)))
     diff = (yours.double() - reference.double()).abs().max().item() if yours.numel() else 0.0
@@ -233,6 +237,7 @@ def check_nodes(fn, D: int = 6, seed: int = 0) -> bool:
 # other number (float64, Python's, integers) is held to float64's.
 _TOLERANCES = {"torch.float16": (1e-3, 1e-5), "torch.bfloat16": (1.6e-2, 1e-5),
                "torch.float32": (1.3e-6, 1e-5)}
+_HALVES = {"torch.float16", "torch.bfloat16"}
 
 
 def _unwritten(value) -> bool:
@@ -278,6 +283,12 @@ def _compare(got, want, rtol, atol) -> tuple[bool, float | None, str | None]:
         return False, None, f"expected a number or a tensor, got {type(got).__name__}"
     if g.shape != w.shape:
         return False, None, f"expected the shape {tuple(w.shape)}, got {tuple(g.shape)}"
+    if str(w.dtype) in _HALVES and g.dtype != w.dtype:
+        # a reference in float16 or bfloat16 asks for that dtype back: a float32 answer
+        # would otherwise pass, at float32's tolerances, where the exercise wants the
+        # rounding to the half type (a wider reference takes any float: float32 against
+        # float64, or a half answer at its own tolerances)
+        return False, None, f"expected the dtype {w.dtype}, got {g.dtype}"
     if g.is_complex() or w.is_complex():
         g, w = g.to(torch.complex128), w.to(torch.complex128)
     else:
@@ -321,7 +332,7 @@ def check_fn(name: str, yours, reference, *inputs, rtol: float | None = None,
     want = reference(*inputs) if callable(reference) else reference
     ok, diff, why = _compare(got, want, rtol, atol)
     line = f"{name}: {'matches' if ok else 'WRONG'}"
-    if diff is not None:
+    if diff is not None and why is None:    # (a difference of the parts that fit misleads)
         line += f", max difference {prose(diff, '.1e')}"
     if why is not None:
         line += f"; {why}"
