@@ -59,7 +59,8 @@ def scale_identity(x: torch.Tensor, dx: torch.Tensor, eps: float) -> torch.Tenso
         eps: the eps of the forward.
 
     Returns:
-        (...,) one value per token. At eps > 0 it equals :func:`scale_identity_residual`.
+        Tensor: (...,), one value per token. At eps > 0 it equals
+        :func:`scale_identity_residual`.
     """
     return (_xhat(x, eps) * dx).sum(-1)
 
@@ -153,7 +154,8 @@ def rms_scale_identity(x: torch.Tensor, dx: torch.Tensor, eps: float) -> torch.T
         eps: the eps of the forward.
 
     Returns:
-        (...,) one value per token. At eps > 0 it equals :func:`rms_scale_identity_residual`.
+        Tensor: (...,), one value per token. At eps > 0 it equals
+        :func:`rms_scale_identity_residual`.
     """
     return (_rms_stats(x, eps)[0] * dx).sum(-1)
 

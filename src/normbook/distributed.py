@@ -517,7 +517,7 @@ def launch(fn: Callable[..., Any], *args: Any, world: int = 2,
             collective inside ``fn``).
 
     Returns:
-        list of length ``world``: ``fn``'s return value on rank 0, 1, ... (sent back through
+        list: of ``world`` values, ``fn``'s return value on rank 0, 1, ... (sent back through
         files in the temporary folder).
 
     Raises:

@@ -845,7 +845,7 @@ def layer_norm(input: Tensor, normalized_shape: int | Sequence[int],
             in float32 whichever way (under autocast too the result keeps the input's dtype).
 
     Returns:
-        Tensor of input's shape and dtype, computed by the backend :func:`backend` chooses
+        Tensor: of input's shape and dtype, computed by the backend :func:`backend` chooses
         (by default the Triton kernels for CUDA tensors when Triton is installed, torch ops
         with fp32 reductions for bf16/fp16 otherwise). Double backward, forward-mode AD,
         torch.func, torch.compile and torch.export work on both. Under autocast on CUDA,

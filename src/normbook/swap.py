@@ -507,7 +507,7 @@ def patch_hf(families: Optional[Union[str, Iterable[str]]] = None, *,
     an inner ``patch_hf`` undone leaves an outer one in force, whichever is undone first.
 
     Returns:
-        An ``HFPatch`` (``normbook.swap.HFPatch``): its ``undo()`` (or a ``with`` block)
+        HFPatch: a ``normbook.swap.HFPatch``, whose ``undo()`` (or a ``with`` block)
         takes its classes out, leaving those of any other patch in force and otherwise the
         originals; models built meanwhile keep normbook's norms.
 
