@@ -316,3 +316,24 @@ def test_a_norm_of_the_other_kind_fails():
         checks.check_norm_backward(CORRECT["layer", "torch"](1e-5), x, "rms", 1e-5)
     with pytest.raises(ValueError, match="kind"):
         checks.check_norm_backward(CORRECT["layer", "torch"](1e-5), x, "batch")
+
+
+@pytest.mark.parametrize("which", ["all NaN", "one NaN", "NaN atol"])
+def test_assert_layer_norm_identities_fails_on_nan(which):
+    """A gradient holding a NaN fails both identities' check, and an atol of NaN passes nothing
+    (the comparison residual > atol is False for NaN: the check passed a gradient of NaNs, and
+    atol=nan turned it off), as the RMSNorm check already did."""
+    torch.manual_seed(0)
+    x, dy, w = torch.randn(3, 8, **f64), torch.randn(3, 8, **f64), torch.randn(8, **f64)
+    dx = ln_grad(x, w, dy, 1e-5)
+    checks.assert_layer_norm_identities(x, dy, w, dx, 1e-5)            # the right one passes
+    atol = None
+    if which == "all NaN":
+        dx = torch.full_like(dx, float("nan"))
+    elif which == "one NaN":
+        dx = dx.clone()
+        dx[1, 3] = float("nan")
+    else:
+        dx, atol = 1.5 * dx, float("nan")
+    with pytest.raises(AssertionError, match="identity .* fails"):
+        checks.assert_layer_norm_identities(x, dy, w, dx, 1e-5, atol)

@@ -557,3 +557,20 @@ def test_ranks_disagreeing_on_x_get_one_error_each(case):
     for out in nd.launch(_unequal_leading_shapes, case, world=2, timeout_s=120):
         assert all(o.startswith("x: every rank of the group must hold the same leading shape")
                    for o in out), out
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: nd.layer_norm_sharded(torch.randn(2, 4), eps=None), TypeError, r"^eps: expected a real"),
+    (lambda: nd.layer_norm_sharded(torch.randn(2, 4), eps=True), TypeError, r"^eps: expected a real"),
+    (lambda: nd.layer_norm_sharded(torch.randn(2, 4), torch.ones(4, dtype=torch.int64)),
+     ValueError, r"^weight: expected this rank's slice, a floating tensor of shape \(4,\), got "
+                 r"\(4,\) torch.int64"),
+    (lambda: nd.rms_norm_sharded(torch.randn(2, 4), [1.0] * 4), ValueError, r"^weight: .* got list"),
+    (lambda: nd.layer_norm_sharded([1.0, 2.0]), TypeError, r"^x: expected a tensor"),
+])
+def test_sharded_norms_name_the_bad_argument(call, error, message):
+    """Before any collective (no process group here): LayerNorm's eps=None is refused as
+    LayerNorm's (the message spoke of RMSNorm's default and of a floating x), a bool eps and
+    an integer weight are refused as normbook.layer_norm refuses them (both were taken)."""
+    with pytest.raises(error, match=message):
+        call()

@@ -328,3 +328,38 @@ def test_round_xhat_fused_differentiates_twice_and_leaves_the_rest_composed(kern
         assert type(other.grad_fn).__name__ == "MulBackward0"
         two = normbook.rms_norm(x.view(3, 2, D), (2, D), w.expand(2, D), EPS, round_xhat=True)
         assert type(two.grad_fn).__name__ == "MulBackward0"
+
+
+@pytest.mark.parametrize("modes", [dict(round_xhat=True), dict(offset=1.0)], ids=str)
+@pytest.mark.parametrize("weight, error, message", [
+    (torch.ones(1), "ShapeError", r"weight: expected shape \(8,\) \(normalized_shape\), got \(1,\)"),
+    (torch.ones(2, 8), "ShapeError", r"weight: expected shape \(8,\)"),
+    (torch.ones(8, dtype=torch.int64), TypeError, r"weight: expected a floating-point dtype"),
+    (torch.ones(8, dtype=torch.complex64), TypeError, r"weight: expected a floating-point dtype"),
+    ([1.0] * 8, TypeError, r"weight: expected a torch.Tensor or None, got list"),
+    (torch.ones(8, device="meta"), "DeviceError", r"weight: expected a tensor on input's device"),
+], ids=["(1,)", "(2, 8)", "int64", "complex64", "list", "meta"])
+def test_a_mode_checks_the_weight_as_the_plain_call_does(modes, weight, error, message):
+    """rms_norm with round_xhat or an offset formed gamma from the weight before any check: a
+    weight of shape (1,) or (2, 8) was broadcast, an integer or complex one taken (complex
+    without its imaginary part), a list failed inside. Now the plain call's errors, for half
+    rows (where round_xhat acts) and float32 rows."""
+    from normbook import _validate
+
+    error = getattr(_validate, error) if isinstance(error, str) else error
+    for dtype in (torch.float16, torch.float32):
+        x = torch.randn(2, 3, 8).to(dtype)
+        w = weight.to(dtype) if isinstance(weight, torch.Tensor) and weight.is_floating_point() \
+            and not weight.is_meta else weight
+        with pytest.raises(error, match=message):
+            normbook.rms_norm(x, (8,), w, **modes)
+
+
+@pytest.mark.parametrize("offset", [float("nan"), float("inf"), -float("inf")])
+def test_an_offset_must_be_finite(offset):
+    """gamma = offset + weight: NaN or infinite throughout, an output of NaN, taken without a
+    word by the function, the module and set_modes."""
+    with pytest.raises(ValueError, match="offset: expected a finite number"):
+        normbook.rms_norm(torch.randn(2, 8), 8, torch.ones(8), offset=offset)
+    with pytest.raises(ValueError, match="offset: expected a finite number"):
+        normbook.RMSNorm(8, offset=offset)

@@ -9,6 +9,7 @@ integer, bool or float8 input, :class:`DTypeError` (a NotImplementedError, as to
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 
@@ -153,6 +154,8 @@ def check_modes(offset, round_xhat, has_weight: bool = True, without: str = "wei
         raise TypeError(f"offset: expected a real number, got {offset!r}")
     if type(round_xhat) is not bool:
         raise TypeError(f"round_xhat: expected a bool, got {round_xhat!r}")
+    if not math.isfinite(offset):     # gamma = offset + weight would be NaN or inf throughout
+        raise ValueError(f"offset: expected a finite number, got {offset!r}")
     if offset and not has_weight:
         raise ValueError(f"offset: expected a weight to add it to (gamma = offset + weight), "
                          f"got offset={offset!r} with {without}; without a weight gamma is 1, "

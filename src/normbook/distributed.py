@@ -247,16 +247,24 @@ class _ShardedNorm(torch.autograd.Function):
         return dx.to(x.dtype), dweight, dbias, None, None, None
 
 
-def _check(x, weight, bias, eps):
-    if not isinstance(x, torch.Tensor) or x.dim() < 1:
-        raise ValueError(f"x: expected a tensor of shape (..., D_local), got {type(x).__name__}")
+def _check(x, weight, bias, eps, is_rms):
+    """The sharded norms' arguments, before any collective: a ValueError or TypeError naming
+    the argument, as normbook.layer_norm's checks."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a tensor of shape (..., D_local), got {type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError(f"x: expected a tensor of shape (..., D_local), got a 0-d tensor")
     for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None and tuple(p.shape) != (x.shape[-1],):
-            raise ValueError(f"{name}: expected this rank's slice of shape ({x.shape[-1]},), "
-                             f"got {tuple(p.shape)}")
-    if eps is None:   # rms_norm_sharded's default, which default_eps leaves for a non-float x
+        if p is not None and not (isinstance(p, torch.Tensor) and p.is_floating_point()
+                                  and tuple(p.shape) == (x.shape[-1],)):
+            got = (f"{tuple(p.shape)} {p.dtype}" if isinstance(p, torch.Tensor)
+                   else type(p).__name__)
+            raise ValueError(f"{name}: expected this rank's slice, a floating tensor of shape "
+                             f"({x.shape[-1]},), got {got}")
+    if eps is None and is_rms:   # the default, which default_eps leaves for a non-float x
         raise TypeError(f"eps: None (the default) is the machine epsilon of a floating x, and x "
                         f"is {x.dtype}; expected a floating x, or eps given as a number")
+    _validate.check_eps(eps)        # a real number, not a bool, not NaN (TypeError, ValueError)
     if not eps >= 0:
         raise ValueError(f"eps: expected a number >= 0, got {eps}")
     # an integer, bool or complex x, as normbook.layer_norm and torch refuse it (computed, it
@@ -287,7 +295,7 @@ def layer_norm_sharded(x: torch.Tensor, weight: torch.Tensor | None = None,
     Returns:
         (..., D_local): this rank's slice of the output, in x's dtype.
     """
-    _check(x, weight, bias, eps)
+    _check(x, weight, bias, eps, False)
     return _ShardedNorm.apply(x, weight, bias, float(eps), False, group)
 
 
@@ -305,7 +313,7 @@ def rms_norm_sharded(x: torch.Tensor, weight: torch.Tensor | None = None,
     float32 x, fp64's for float64: ``normbook._validate.default_eps``), so that a model gives
     the same y whether its features are split or not."""
     eps = _validate.default_eps(x, eps)
-    _check(x, weight, None, eps)
+    _check(x, weight, None, eps, True)
     return _ShardedNorm.apply(x, weight, None, float(eps), True, group)
 
 

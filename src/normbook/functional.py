@@ -851,7 +851,9 @@ def layer_norm(input: Tensor, normalized_shape: int | Sequence[int],
         torch.func, torch.compile and torch.export work on both. Under autocast on CUDA,
         XPU or MPS, as torch's: half inputs cast to float32, a float32 result.
 
-    Differs from torch on purpose: weight and bias may have another floating dtype than the
+    Differs from torch on purpose: ``normalized_shape`` may be an int (torch's functional
+    wants a tuple, measured on torch 2.13; its modules take an int, and so does this, for
+    the same D); weight and bias may have another floating dtype than the
     input (torch's CPU kernel refuses that; on the kernel backend float16, bfloat16 or
     float32, a TypeError otherwise); rows whose variance overflows (fp32 values past
     about 1e19) give the finite, correct answer where torch gives zeros or NaN (measured on
@@ -929,16 +931,20 @@ def rms_norm(input: Tensor, normalized_shape: int | Sequence[int],
             only, as is ``round_xhat``; neither is torch's.
         round_xhat: round xhat to the input's dtype before the weight multiplies, and the
             product to it again, y = weight * xhat.to(input.dtype) (Llama's order of
-            operations in bf16 and fp16); by default the product is taken in float32 and
-            rounded once. A no-op for float32 and float64 inputs. On the kernels, in eager
+            operations in bf16 and fp16; a weight of a wider dtype than the input's gives
+            y in the weight's, as that product promotes: float32 for a bf16 input and a
+            float32 weight, as Hugging Face's); by default the product is taken in float32
+            and rounded once. A no-op for float32 and float64 inputs. On the kernels, in eager
             mode, rows of up to 8192 values with a weight of their dtype take it in one
             fused pass each way; otherwise it is the norm and then a multiplication.
 
     Returns:
-        Tensor of input's shape and dtype; under autocast on CUDA or XPU, as torch's, float32
-        (half inputs cast to float32 first).
+        Tensor: of input's shape and dtype (with ``round_xhat``, the promoted dtype of input
+        and weight, see above); under autocast on CUDA or XPU, as torch's, float32 (half
+        inputs cast to float32 first).
 
-    Differs from torch on purpose: complex inputs are refused (torch accepts them); the weight
+    Differs from torch on purpose: ``normalized_shape`` may be an int, as in
+    :func:`layer_norm`; complex inputs are refused (torch accepts them); the weight
     may have another floating dtype than the input (on the kernel backend float16, bfloat16
     or float32, a TypeError otherwise), and an integer or bool weight is refused (torch's
     composed rms_norm multiplies by it); rows of finite values whose mean square
@@ -968,8 +974,15 @@ def _rms_modes(input, normalized_shape, weight, eps, offset, round_xhat):
     eager case of ``round_xhat`` is fused instead (:class:`_RoundXhat`): the same operations
     in one pass."""
     offset = _validate.check_modes(offset, round_xhat, weight is not None)
+    if not (isinstance(input, Tensor) and input.is_nested):   # (a nested input: _nested's)
+        # the plain call's checks of the input and the weight, before gamma is formed from
+        # it: a weight of the wrong shape was broadcast, an integer or complex one taken
+        _validate.check_input(input)
+        shape = _validate.as_shape(normalized_shape)
+        _validate.check_normalized_shape(input, shape)
+        _validate.check_param(weight, "weight", input, shape)
     if offset:
-        weight = (weight.float() if isinstance(weight, Tensor) else weight) + offset
+        weight = weight.float() + offset
     if (round_xhat and weight is not None and isinstance(input, Tensor)
             and input.dtype in _HALF):
         if _rounds_fused(input, normalized_shape, weight, eps):
