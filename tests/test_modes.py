@@ -281,6 +281,43 @@ def test_round_xhat_on_the_kernels_is_one_fused_pass(kernels):
         assert (g_got.float() - g_want.float()).abs().max() <= 4 * ulp * g_want.float().abs().max()
 
 
+@pytest.mark.parametrize("view", ["column", "expand"])
+def test_round_xhat_fused_takes_a_weight_that_is_a_view(kernels, view):
+    """The fused pass read the weight as D dense values: a column of a stacked weight (stride
+    2) gave y 0.5 off in relative terms, an expanded one (stride 0) inf and NaN. It now gets
+    the same bits and gradients as a dense copy of the weight, forward and backward."""
+    M, width = 8, 64
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(M, width, generator=g).half()
+    dy = torch.randn(M, width, generator=g).half()
+    stacked = (1 + torch.randn(width, 2, generator=g) / 4).half().requires_grad_()
+    w = stacked[:, 1] if view == "column" else stacked[:1, 0].expand(width)
+    dense = w.detach().clone().requires_grad_()
+    with normbook.backend("kernels"):
+        outs = []
+        for weight in (w, dense):
+            xl = x.clone().requires_grad_()
+            y = normbook.rms_norm(xl, width, weight, EPS, round_xhat=True)
+            assert type(y.grad_fn).__name__ == "_RoundXhatBackward"
+            outs.append((y, *torch.autograd.grad(y, (xl, weight), dy)))
+    (y, dx, dw), (y2, dx2, dw2) = outs
+    assert torch.equal(y, y2) and torch.equal(dx, dx2) and torch.equal(dw, dw2)
+
+
+def test_round_xhat_fused_takes_an_inference_tensor(kernels):
+    """x made under torch.inference_mode, a weight wanting a gradient: the fused pass saves x
+    for the weight's gradient, which autograd refuses for an inference tensor; it now saves a
+    copy, as the plain call does, and gives the composition's result."""
+    with torch.inference_mode():
+        x = torch.randn(4, 64).half()
+    w = torch.ones(64, dtype=torch.float16, requires_grad=True)
+    with normbook.backend("kernels"):
+        y = normbook.rms_norm(x, 64, w, EPS, round_xhat=True)
+        (dw,) = torch.autograd.grad(y.sum(), w)
+        assert torch.equal(y, w * normbook.rms_norm(x.clone(), 64, None, EPS))
+    assert dw.shape == (64,) and torch.isfinite(dw).all()
+
+
 def test_round_xhat_fused_plans_each_batch_of_its_own(kernels):
     """One width, several batch sizes in turn: each takes its own launches (the grid, the
     partials of dweight, whether one program writes dweight itself), as a plain call's do,

@@ -986,7 +986,14 @@ def _rms_modes(input, normalized_shape, weight, eps, offset, round_xhat):
     if (round_xhat and weight is not None and isinstance(input, Tensor)
             and input.dtype in _HALF):
         if _rounds_fused(input, normalized_shape, weight, eps):
-            return _RoundXhat.apply(input, weight, _rms_eps(input, eps))
+            # the kernels read the weight as D dense values: a view (a column of a stacked
+            # weight, an expand) is copied, as the door copies it for the plain call
+            weight = weight if weight.is_contiguous() else weight.contiguous()
+            eps = _rms_eps(input, eps)
+            try:
+                return _RoundXhat.apply(input, weight, eps)
+            except RuntimeError:   # (an inference tensor: see _copy_of_inference)
+                return _RoundXhat.apply(_copy_of_inference(input, None), weight, eps)
         return weight * rms_norm(input, normalized_shape, None, eps)
     return rms_norm(input, normalized_shape, weight, eps)
 
