@@ -78,3 +78,16 @@ def test_train_is_seeded_and_learns():
     torch.testing.assert_close(a, b, rtol=0, atol=0)            # same seeds, same curve
     assert a.shape == (60,) and bool(torch.isfinite(a).all())
     assert a[-10:].mean() < 0.5 * a[:5].mean()                  # it learns something
+
+
+def test_a_model_whose_output_does_not_fit_the_teacher_is_refused():
+    """A model of d_out 1 against a teacher of d_out 3: mse_loss broadcast the two and trained
+    with a warning only; train and layer_grad_norms now name the target's shape."""
+    model = blocks.ResidualStack(4, 1, 8, 2)
+    teacher = blocks.make_teacher(4, 3)
+    with pytest.raises(ValueError, match=r"target: expected the model's output shape "
+                                         r"\(64, 1\), got \(64, 3\)"):
+        blocks.train(model, teacher, steps=1, lr=1e-3)
+    x, target = blocks.teacher_batch(teacher, 5, 4, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="does the model's d_out match the teacher's"):
+        blocks.layer_grad_norms(model, x, target)

@@ -173,6 +173,17 @@ def make_teacher(d_in: int, d_out: int, width: int = 64, seed: int = 0) -> nn.Se
     return teacher.requires_grad_(False)
 
 
+def _mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The mean squared error of a model's (..., d_out) prediction, a ValueError where the
+    target's shape differs (mse_loss would broadcast, a model of the wrong d_out training
+    against a warning only)."""
+    if prediction.shape != target.shape:
+        raise ValueError(f"target: expected the model's output shape {tuple(prediction.shape)}, "
+                         f"got {tuple(target.shape)} (does the model's d_out match the "
+                         f"teacher's?)")
+    return nn.functional.mse_loss(prediction, target)
+
+
 def layer_grad_norms(model: ResidualStack, x: torch.Tensor,
                      target: torch.Tensor) -> torch.Tensor:
     """Per-block gradient norms of the MSE loss at the current parameters.
@@ -187,7 +198,7 @@ def layer_grad_norms(model: ResidualStack, x: torch.Tensor,
         input) to depth - 1 (next to the output).
     """
     model.zero_grad(set_to_none=True)
-    loss = nn.functional.mse_loss(model(x), target)
+    loss = _mse(model(x), target)
     loss.backward()
     norms = []
     for blk in model.blocks:
@@ -229,7 +240,7 @@ def train(model: ResidualStack, teacher: nn.Module, *,
             for group in opt.param_groups:
                 group["lr"] = lr * min(1.0, (step + 1) / warmup)
         x, target = teacher_batch(teacher, batch, d_in, g)
-        loss = nn.functional.mse_loss(model(x), target)
+        loss = _mse(model(x), target)
         if not torch.isfinite(loss):
             break
         losses[step] = loss.item()

@@ -97,6 +97,8 @@ class HFNorm:
         xhat_to_weight: xhat of float32 rows rounded to a half *weight's* dtype rather than the
             input's, the output in the weight's dtype for any input (T5's); the replacement
             checks each input's dtype (see the module docstring).
+        kind: "rms" (the replacement a :class:`normbook.RMSNorm`) or "layer" (a LayerNorm
+            without bias, ``normbook.LayerNorm(bias=False)``).
     """
 
     module: str
