@@ -1056,8 +1056,6 @@ def _add_norm(x, residual, weight, bias, eps, is_rms, kernels=None):
     for :func:`add_layer_norm`, :func:`add_rms_norm` and their kernel aliases."""
     if residual is None:
         raise TypeError("residual: expected a torch.Tensor, got None")
-    if residual is x and isinstance(x, Tensor):   # x + x: a view, so that no autograd.Function
-        residual = x.view_as(x)   # gets one tensor twice (torch.compile refuses: "duplicate tensor input")
     if isinstance(x, Tensor) and x.dim() == 0:
         raise _validate.ShapeError("x: expected a tensor of shape (..., D) with at least one "
                                    "dim, got a 0-d tensor")
