@@ -49,6 +49,15 @@ def test_minimal_errors_name_the_argument():
     y, mean, rstd = minimal.layer_norm_forward(x, w, b)
     with pytest.raises(ValueError, match=r"rstd: expected .*\(4,\), got \(3,\)"):
         minimal.layer_norm_backward(x, x, w, mean, rstd[:3])
+    # what a kernel would read wrongly, or Python would fail on with no name
+    with pytest.raises(TypeError, match=r"^bias: expected a tensor of shape \(8,\), got NoneType$"):
+        minimal.layer_norm_forward(x, w, None)
+    with pytest.raises(TypeError, match=r"^x: expected a floating-point dtype, got torch.int64$"):
+        minimal.layer_norm_forward(x.long(), w, b)
+    with pytest.raises(TypeError, match=r"^x: expected a tensor \(M, D\), got list$"):
+        minimal.layer_norm_forward(x.tolist(), w, b)
+    with pytest.raises(ValueError, match=r"^weight: expected a tensor on x's device cpu, got meta$"):
+        minimal.layer_norm_forward(x.cpu(), w.to("meta"), b.cpu())
 
 
 COMPILE = """

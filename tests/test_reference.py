@@ -279,3 +279,61 @@ def test_batching_adds_the_token_index(token_fn, batched_fn):
     with_n = [",".join("n" + op for op in s.split("->")[0].split(",")) + "->n" for s in token]
     assert [s for s in batched if s.endswith("->n")] == with_n
     assert all(s.endswith("->d") for s in batched if not s.endswith("->n"))
+
+
+def _bad_shape_calls():
+    """(call, the argument it names, the shape in its message): every reference,
+    batching and residual function given one argument of a shape the formulas
+    would broadcast into a wrong answer (a (1,) weight, a () rstd, a (1, D)
+    branch weight) or refuse with torch's unnamed message."""
+    from normbook import batching, residual
+    x1, x2, x3 = torch.ones(5, **f64), torch.ones(3, 5, **f64), torch.ones(2, 3, 5, **f64)
+    w, one = torch.ones(5, **f64), torch.ones(1, **f64)
+    A = torch.eye(5, **f64)
+    s3, s2 = torch.ones(2, 3, **f64), torch.ones(3, **f64)
+    r = reference
+    return [
+        (lambda: r.layer_norm_token_forward(x1, one, None, 1e-5), "weight", r"\(5,\)"),
+        (lambda: r.layer_norm_token_forward(x1, w, w[:4], 1e-5), "bias", r"\(5,\)"),
+        (lambda: r.layer_norm_token_backward(x1, x1, w, s2, 1.0), "mean", r"\(\) or \(1,\)"),
+        (lambda: r.rms_norm_token_backward(x1, x1, w, None), "rstd", "a torch.Tensor"),
+        (lambda: r.rms_norm_token_forward(x1, w[None], 1e-5), "weight", r"\(5,\)"),
+        (lambda: r.layer_norm_rows_forward(x2, w, one, 1e-5), "bias", r"\(5,\)"),
+        (lambda: r.layer_norm_rows_backward(x2, x2, w, s2, s2[:1]), "rstd", r"\(3,\)"),
+        (lambda: r.layer_norm_forward(x3, one, None, 1e-5), "weight", r"\(5,\)"),
+        (lambda: r.layer_norm_backward(x3, x3, w, s3, torch.tensor(1.0, **f64)), "rstd",
+         r"\(2, 3\) or \(6,\)"),
+        (lambda: r.layer_norm_backward(x3[0], x3, w, s3, s3), "dy", r"\(2, 3, 5\)"),
+        (lambda: r.rms_norm_forward(x3, torch.ones(5, 1, **f64), 1e-5), "weight", r"\(5,\)"),
+        (lambda: r.rms_norm_backward(x3, x3, w, s3[:, :1]), "rstd", r"\(2, 3\) or \(6,\)"),
+        (lambda: batching.rms_norm_backward_loop(x2, x2, one, s2), "weight", r"\(5,\)"),
+        (lambda: residual.residual_tanh_forward(x3, A[:1]), "A", r"\(5, 5\)"),
+        (lambda: residual.residual_tanh_backward(x3, x3, A, x3[:, :1]), "t", r"\(2, 3, 5\)"),
+        (lambda: residual.pre_norm_tanh_forward(x3, A.T[:, :4], w, w, 1e-5), "A", r"\(5, 5\)"),
+        (lambda: residual.pre_norm_tanh_backward(x3, x3, A, w, w, 1e-5, x3, s3, s2), "rstd",
+         r"\(2, 3\) or \(6,\)"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(17))
+def test_every_reference_function_names_an_argument_of_the_wrong_shape(case):
+    call, name, shape = _bad_shape_calls()[case]
+    with pytest.raises((ValueError, TypeError), match=rf"^{name}: expected (shape {shape}|{shape})"):
+        call()
+
+
+def test_the_shape_checks_accept_what_the_forwards_return():
+    """Statistics flattened to (N,) (as the launchers keep them) or in x's
+    leading shape, and plain numbers for one token, all pass."""
+    x = torch.randn(2, 3, 5, **f64)
+    w = torch.randn(5, **f64)
+    y, mean, rstd = reference.layer_norm_forward(x, w, w, 1e-5)
+    a = reference.layer_norm_backward(y, x, w, mean, rstd)
+    b = reference.layer_norm_backward(y, x, w, mean.flatten(), rstd.flatten())
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    assert reference.layer_norm_token_backward(x[0, 0], x[0, 0], None, 0.0, 1.0)[0].shape == (5,)
+
+
+def test_a_non_tensor_x_is_named():
+    with pytest.raises(TypeError, match=r"^x: expected a torch.Tensor, got list$"):
+        reference.layer_norm_forward([1.0, 2.0], None, None, 1e-5)

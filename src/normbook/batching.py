@@ -33,7 +33,7 @@ def rms_norm_backward_loop(
     Returns:
         dx: (N, D); dweight: (D,) summed over the N tokens, or None.
     """
-    N, D = x.shape
+    N, D = reference._check_rows(x, dy, weight=weight, rstd=rstd)
     dx = torch.empty_like(x)                            # (N, D)
     dweight = None if weight is None else torch.zeros(D, dtype=x.dtype, device=x.device)
     for n in range(N):

@@ -18,6 +18,8 @@ reductions are exactly the einsum strings of the batching chapter: per-token sta
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -42,22 +44,73 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _token(x, dy=None):
-    """D for one token's vector ``x`` (and a ``dy`` of its shape), else a ValueError."""
+def _token(x, dy=None, **given):
+    """D for one token's vector ``x``, after the arguments ``given``
+    beside it (see :func:`_against_x`), else a ValueError."""
+    _tensor("x", x)
     if x.dim() != 1:
         raise ValueError(f"x: expected a 1-D vector of shape (D,), got shape {tuple(x.shape)}")
-    if dy is not None and dy.shape != x.shape:
-        raise ValueError(f"dy: expected shape {tuple(x.shape)} (as x), got shape {tuple(dy.shape)}")
-    return x.shape[0]
+    return _against_x(x, dy=dy, **given)
 
 
-def _check_rows(x, dy=None):
-    """(N, D) for rows ``x`` (and a ``dy`` of their shape), else a ValueError."""
+def _check_rows(x, dy=None, **given):
+    """(N, D) for rows ``x``, after the arguments ``given`` beside them
+    (see :func:`_against_x`), else a ValueError."""
+    _tensor("x", x)
     if x.dim() != 2:
         raise ValueError(f"x: expected rows of shape (N, D), got shape {tuple(x.shape)}")
-    if dy is not None and dy.shape != x.shape:
-        raise ValueError(f"dy: expected shape {tuple(x.shape)} (as x), got shape {tuple(dy.shape)}")
+    _against_x(x, dy=dy, **given)
     return x.shape
+
+
+def _batch(x, dy=None, **given):
+    """D for tokens ``x`` of shape (..., D), after the arguments
+    ``given`` beside them (see :func:`_against_x`), else a ValueError."""
+    _tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x: expected a tensor of shape (..., D), got a 0-d tensor")
+    return _against_x(x, dy=dy, **given)
+
+
+def _tensor(name, t):
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+
+
+# what each argument's shape must be, by its name, given x (..., D)
+_LIKE_X = ("dy", "t")              # gradients and saved outputs: x's shape
+_VECTORS = ("weight", "bias")      # one value per feature: (D,)
+_PER_TOKEN = ("mean", "rstd")      # one value per token: x's leading shape
+
+
+def _against_x(x, **given):
+    """D = x.shape[-1], once every argument in ``given`` (by name) has
+    the shape its name asks for beside x: dy and t x's shape; weight
+    and bias (D,), or None; A (D, D); mean and rstd one value per
+    token, x's leading shape or those dims flattened into one (a
+    number for a single token). Else a ValueError naming it, expected
+    against given: the formulas would broadcast a (1,) weight or a
+    scalar rstd over every token and return a wrong answer."""
+    D, lead = x.shape[-1], tuple(x.shape[:-1])
+    for name, t in given.items():
+        if t is None and name not in _PER_TOKEN:
+            continue
+        if name in _LIKE_X:
+            shapes, why = [tuple(x.shape)], " (as x)"
+        elif name in _VECTORS:
+            shapes, why = [(D,)], " (D = x.shape[-1])"
+        elif name == "A":
+            shapes, why = [(D, D)], " (D x D, D = x.shape[-1])"
+        else:
+            if not lead and isinstance(t, (int, float)) and not isinstance(t, bool):
+                continue
+            shapes, why = [lead, (math.prod(lead),)], " (one value per token of x)"
+        _tensor(name, t)
+        if tuple(t.shape) not in shapes:
+            expected = " or ".join(str(s) for s in dict.fromkeys(shapes))
+            raise ValueError(f"{name}: expected shape {expected}{why}, "
+                             f"got shape {tuple(t.shape)}")
+    return D
 
 
 # One token's vector, x of shape (D,): chapters "One token's vector" and "The backward pass".
@@ -87,7 +140,7 @@ def layer_norm_token_forward(
         y: (D,); mean, rstd: () scalars, all that backward needs
         besides x: two numbers instead of the D values of xhat.
     """
-    D = _token(x)
+    D = _token(x, weight=weight, bias=bias)
     mean = torch.einsum("d->", x) / D           # ()  (ln-mean), sweep 1
     xc = x - mean                               # (D,) centred
     var = torch.einsum("d,d->", xc, xc) / D     # ()  (ln-var), sweep 2
@@ -119,7 +172,7 @@ def layer_norm_token_backward(
         dx: (D,); dweight: (D,) or None; dbias: (D,). One token's
         share of the parameter gradients; a batch adds up the shares.
     """
-    D = _token(x, dy)
+    D = _token(x, dy, weight=weight, mean=mean, rstd=rstd)
     xhat = (x - mean) * rstd                    # (D,) recomputed
     ghat = dy if weight is None else dy * weight    # (D,) (ln-ghat)
     c1 = torch.einsum("d->", ghat) / D          # ()  (ln-c): along 1
@@ -148,7 +201,7 @@ def rms_norm_token_forward(
     Returns:
         y: (D,); rstd: (), the one scalar that backward needs.
     """
-    D = _token(x)
+    D = _token(x, weight=weight)
     ms = torch.einsum("d,d->", x, x) / D        # ()  (rms-ms): 1 sweep
     rstd = torch.rsqrt(ms + eps)                # ()
     xhat = x * rstd                             # (D,) (rms-xhat)
@@ -174,7 +227,7 @@ def rms_norm_token_backward(
     Returns:
         dx: (D,); dweight: (D,), this token's share, or None.
     """
-    D = _token(x, dy)
+    D = _token(x, dy, weight=weight, rstd=rstd)
     xhat = x * rstd                             # (D,) recomputed
     ghat = dy if weight is None else dy * weight    # (D,)
     c2 = torch.einsum("d,d->", ghat, xhat) / D  # ()  the only sum
@@ -205,7 +258,7 @@ def layer_norm_rows_forward(
     Returns:
         y: (N, D); mean, rstd: (N,), two scalars saved per row.
     """
-    N, D = _check_rows(x)
+    N, D = _check_rows(x, weight=weight, bias=bias)
     y = torch.empty_like(x)                     # (N, D)
     mean = x.new_empty(N)                       # (N,)
     rstd = x.new_empty(N)                       # (N,)
@@ -236,7 +289,8 @@ def layer_norm_rows_backward(
         dx: (N, D); dweight: (D,) or None; dbias: (D,), both summed
         over the N rows.
     """
-    N, D = _check_rows(x, dy)
+    N, D = _check_rows(x, dy, weight=weight, mean=mean,
+                       rstd=rstd)
     dx = torch.empty_like(x)                    # (N, D)
     dweight = None if weight is None else x.new_zeros(D)  # (D,)
     dbias = x.new_zeros(D)                      # (D,)
@@ -275,7 +329,7 @@ def layer_norm_forward(
         all that backward needs besides x: two scalars per token
         instead of D values of xhat.
     """
-    D = x.shape[-1]
+    D = _batch(x, weight=weight, bias=bias)
     X = _rows(x)                                # (N, D)
     mean = torch.einsum("nd->n", X) / D         # (N,)  (ln-mean)
     xc = X - mean[:, None]                      # (N, D) centred
@@ -311,7 +365,7 @@ def layer_norm_backward(
         parameter gradients are summed over every leading dim, because
         one weight is used by every token (the fork rule).
     """
-    D = x.shape[-1]
+    D = _batch(x, dy, weight=weight, mean=mean, rstd=rstd)
     X, G = _rows(x), _rows(dy)                  # (N, D)
     r = rstd.reshape(-1, 1)                     # (N, 1)
     xhat = (X - mean.reshape(-1, 1)) * r        # (N, D) recomputed
@@ -368,7 +422,7 @@ def rms_norm_forward(
         y: (..., D); rstd: (...,), the one scalar per token that
         backward needs.
     """
-    D = x.shape[-1]
+    D = _batch(x, weight=weight)
     X = _rows(x)                                # (N, D)
     ms = torch.einsum("nd,nd->n", X, X) / D     # (N,)  (rms-ms)
     rstd = torch.rsqrt(ms + eps)                # (N,)
@@ -396,7 +450,7 @@ def rms_norm_backward(
         dx: (..., D); dweight: (D,) summed over every leading dim, or
         None.
     """
-    D = x.shape[-1]
+    D = _batch(x, dy, weight=weight, rstd=rstd)
     X, G = _rows(x), _rows(dy)                  # (N, D)
     r = rstd.reshape(-1, 1)                     # (N, 1)
     xhat = X * r                                # (N, D)

@@ -54,6 +54,7 @@ def residual_tanh_forward(
         because backward needs tanh' = 1 - t^2 and recomputing it would
         cost a matrix product.
     """
+    reference._batch(x, A=A)
     t = torch.tanh(x @ A.T)                             # (..., D)
     return x + t, t
 
@@ -76,6 +77,7 @@ def residual_tanh_backward(
     Returns:
         dx: (..., D); dA: (D, D) summed over every token.
     """
+    reference._batch(x, dy, A=A, t=t)
     dx = dy.clone()     # use 1 of x: the identity path
     du, dA = _branch_backward(dy, x, A, t)
     dx += du            # use 2 of x: the branch. += (fork-rule), not =
@@ -96,6 +98,7 @@ def pre_norm_tanh_forward(
     Returns:
         y: (..., D); t: (..., D) the branch output; mean, rstd: (...,) the norm's statistics.
     """
+    reference._batch(x, A=A)
     u, mean, rstd = reference.layer_norm_forward(x, weight, bias, eps)  # (..., D) Norm(x)
     t = torch.tanh(u @ A.T)                             # (..., D) F(Norm(x))
     return x + t, t, mean, rstd
@@ -119,6 +122,8 @@ def pre_norm_tanh_backward(
         dx: (..., D); dA: (D, D); dweight: (D,) or None; dbias: (D,) or
         None.
     """
+    reference._batch(x, dy, A=A, weight=weight, bias=bias, t=t,
+                     mean=mean, rstd=rstd)
     # recomputed, not saved
     u, _, _ = reference.layer_norm_forward(x, weight, bias, eps)
     du, dA = _branch_backward(dy, u, A, t)

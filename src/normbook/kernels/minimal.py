@@ -68,11 +68,32 @@ def ln_bwd_kernel(X, DY, DX, W, Mean, Rstd, DW, DB, D,
     tl.atomic_add(DB + cols, dy, mask=mask)
 
 
-def _check(name, t, shape):
+def _check(name, t, shape, x=None):
+    """A contiguous floating tensor of ``shape`` (on x's device), else
+    an error naming the argument, expected against given."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor of shape {shape}, "
+                        f"got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point dtype, "
+                        f"got {t.dtype}")
     if tuple(t.shape) != shape or not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor of shape "
                          f"{shape}, got {tuple(t.shape)}"
                          + ("" if t.is_contiguous() else " strided"))
+    if x is not None and t.device != x.device:
+        raise ValueError(f"{name}: expected a tensor on x's device "
+                         f"{x.device}, got {t.device}")
+
+
+def _rows(x):
+    """(M, D) of rows x, else an error naming x."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a tensor (M, D), "
+                        f"got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected (M, D), got {tuple(x.shape)}")
+    return x.shape
 
 
 def _block(D):
@@ -92,12 +113,10 @@ def layer_norm_forward(x, weight, bias, eps=1e-5):
     Returns:
         y: (M, D) in x's dtype; mean, rstd: (M,) fp32.
     """
-    if x.dim() != 2:
-        raise ValueError(f"x: expected (M, D), got {tuple(x.shape)}")
-    M, D = x.shape
+    M, D = _rows(x)
     block = _block(D)
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        _check(name, t, (M, D) if name == "x" else (D,))
+        _check(name, t, (M, D) if name == "x" else (D,), x)
     y = torch.empty_like(x)
     mean = x.new_empty((M,), dtype=torch.float32)
     rstd = x.new_empty((M,), dtype=torch.float32)
@@ -118,14 +137,12 @@ def layer_norm_backward(dy, x, weight, mean, rstd):
         dx: (M, D) in x's dtype; dweight, dbias: (D,) fp32, summed
         over rows with atomics (not bitwise reproducible on a GPU).
     """
-    if x.dim() != 2:
-        raise ValueError(f"x: expected (M, D), got {tuple(x.shape)}")
-    M, D = x.shape
+    M, D = _rows(x)
     block = _block(D)
     for name, t, shape in (("dy", dy, (M, D)), ("x", x, (M, D)),
                            ("weight", weight, (D,)),
                            ("mean", mean, (M,)), ("rstd", rstd, (M,))):
-        _check(name, t, shape)
+        _check(name, t, shape, x)
     dx = torch.empty_like(x)
     dweight = x.new_zeros((D,), dtype=torch.float32)
     dbias = x.new_zeros((D,), dtype=torch.float32)
