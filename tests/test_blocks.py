@@ -1,5 +1,7 @@
 """Pre-norm and post-norm blocks (pre-norm, post-norm, pre-jac, post-jac) and the experiment's helpers."""
 
+import re
+
 import pytest
 import torch
 
@@ -64,6 +66,28 @@ def test_stack_rejects_bad_arguments():
         blocks.ResidualStack(2, 2, 8, 2, arrangement="sandwich")
     with pytest.raises(ValueError, match=r"depth: expected a positive int, got 0"):
         blocks.ResidualStack(2, 2, 8, 0)
+    with pytest.raises(TypeError, match=r"^depth: expected an int, got float 2.5$"):
+        blocks.ResidualStack(2, 2, 8, 2.5)
+    with pytest.raises(ValueError, match=r"^hidden: expected a positive int, got 0$"):
+        blocks.ResidualStack(2, 2, 8, 2, hidden=0)
+    with pytest.raises(ValueError, match=r"^d_out: expected a positive int, got 0$"):
+        blocks.make_teacher(3, 0)
+
+
+@pytest.mark.parametrize("kw, error, message", [
+    (dict(steps=-1), ValueError, "steps: expected an int >= 0, got -1"),
+    (dict(steps=2.0), TypeError, "steps: expected an int, got float 2.0"),
+    (dict(batch=0), ValueError, "batch: expected a positive int, got 0"),
+    (dict(warmup=-5), ValueError, "warmup: expected an int >= 0, got -5"),
+    (dict(lr=float("nan")), ValueError, "lr: expected a positive, finite number, got nan"),
+    (dict(lr=-1e-3), ValueError, "lr: expected a positive, finite number, got -0.001"),
+])
+def test_train_names_a_bad_argument(kw, error, message):
+    """A negative step count failed inside torch.full, a zero batch trained on nothing, a
+    negative warmup ran as none and a NaN learning rate trained to NaN: each is named."""
+    args = dict(steps=3, lr=1e-3) | kw
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        blocks.train(blocks.ResidualStack(3, 1, 8, 1), blocks.make_teacher(3, 1), **args)
 
 
 def test_train_is_seeded_and_learns():

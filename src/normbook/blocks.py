@@ -112,9 +112,9 @@ class ResidualStack(nn.Module):
         super().__init__()
         if arrangement not in ARRANGEMENTS:
             raise ValueError(f"arrangement: expected one of {ARRANGEMENTS}, got {arrangement!r}")
-        if depth < 1:
-            raise ValueError(f"depth: expected a positive int, got {depth!r}")
-        hidden = 4 * dim if hidden is None else hidden
+        for name, n in (("d_in", d_in), ("d_out", d_out), ("dim", dim), ("depth", depth)):
+            _count(name, n)
+        hidden = 4 * dim if hidden is None else _count("hidden", hidden)
         block = PreNormBlock if arrangement == "pre" else PostNormBlock
         if final_norm is None:
             final_norm = arrangement == "pre"
@@ -161,6 +161,8 @@ def make_teacher(d_in: int, d_out: int, width: int = 64, seed: int = 0) -> nn.Se
     Gaussian weights, scaled so that tanh works in its curved range and each output has a
     variance of order one (about 2): a smooth, learnable regression target.
     """
+    for name, n in (("d_in", d_in), ("d_out", d_out), ("width", width)):
+        _count(name, n)
     g = torch.Generator().manual_seed(seed)
     W1 = torch.randn(width, d_in, generator=g) / math.sqrt(d_in)
     W2 = torch.randn(d_out, width, generator=g) / math.sqrt(width) * 2
@@ -171,6 +173,27 @@ def make_teacher(d_in: int, d_out: int, width: int = 64, seed: int = 0) -> nn.Se
         first.weight.copy_(W1)
         last.weight.copy_(W2)
     return teacher.requires_grad_(False)
+
+
+def _count(name: str, n, least: int = 1) -> int:
+    """n, an int (not a bool) of at least ``least``; else an error naming it."""
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise TypeError(f"{name}: expected an int, got {type(n).__name__} {n!r}")
+    if n < least:
+        kind = "a positive int" if least == 1 else f"an int >= {least}"
+        raise ValueError(f"{name}: expected {kind}, got {n}")
+    return n
+
+
+def _check_schedule(steps, lr, warmup, batch) -> None:
+    """:func:`train`'s numbers, each named where it is wrong: a negative step count failed
+    in torch.full, a zero batch trained on nothing, a negative warmup ran as none, a NaN
+    learning rate trained to NaN."""
+    _count("steps", steps, least=0)
+    _count("warmup", warmup, least=0)
+    _count("batch", batch)
+    if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < math.inf):
+        raise ValueError(f"lr: expected a positive, finite number, got {lr!r}")
 
 
 def _mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -230,6 +253,7 @@ def train(model: ResidualStack, teacher: nn.Module, *,
         each step's batch before that step's update. A non-finite loss
         stops training; the remaining entries are nan.
     """
+    _check_schedule(steps, lr, warmup, batch)
     d_in = model.embed.in_features
     g = torch.Generator().manual_seed(seed)
     # one fused kernel for all tensors
