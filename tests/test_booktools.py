@@ -138,3 +138,13 @@ def test_check_fn_says_not_yet_written_matches_or_wrong(capsys):
     # one part of the wrong shape: no 'max difference' of the parts that fit
     assert not check_fn("parts", lambda: (x, x[:2]), (x, x))
     assert capsys.readouterr().out == "parts: WRONG; expected the shape (7,), got (2,)\n"
+
+
+def test_all_lists_every_public_helper():
+    """``from normbook.booktools import *`` gives every public helper and nothing else (the
+    module's own imports stay out)."""
+    from normbook import booktools
+    defined = {n for n, o in vars(booktools).items()
+               if callable(o) and not n.startswith("_")
+               and getattr(o, "__module__", "") == booktools.__name__}
+    assert set(booktools.__all__) == defined

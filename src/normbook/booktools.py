@@ -12,6 +12,10 @@ import os
 import re
 import sys
 
+__all__ = ["prose", "claim", "kernel_device", "why_no_kernels", "check", "layer_norm_graph",
+           "check_nodes", "check_fn", "prose_words", "shown_code_lines", "without_solutions",
+           "reading_minutes"]
+
 
 class _Text(str):
     """A string whose repr is itself, so myst-nb's glue shows it without quotes."""
