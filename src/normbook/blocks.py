@@ -217,8 +217,8 @@ def layer_grad_norms(model: ResidualStack, x: torch.Tensor,
 
     Returns:
         A float64 tensor of shape (depth,), the 2-norm of the gradient of
-        all of block l's parameters together, for l = 0 (next to the
-        input) to depth - 1 (next to the output).
+        all of a block's parameters together: block 1 (next to the input)
+        at index 0 to block depth (next to the output) at depth - 1.
     """
     model.zero_grad(set_to_none=True)
     loss = _mse(model(x), target)
