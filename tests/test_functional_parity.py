@@ -481,3 +481,28 @@ def test_kernel_path_edges_like_torch():
                                    rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(K.rms_norm(x, 16, eps=eps), F.rms_norm(x, (16,), eps=eps),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("D", [8, 1000, 20000])     # the rows kernel, and the loop kernel
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_a_tiny_row_at_eps_zero_is_normalized_accurately_on_the_kernels(norm, D, kernels, device):
+    """Rows of size 1e-21 to 1e-30 with eps = 0: var is subnormal or underflows to 0 in fp32.
+    The kernels raised var + eps to the smallest normal float, which shrank y by up to 99%
+    (finite and wrong); they now take the sum again on the rows scaled by 2^64, exactly, and
+    agree with float64 to fp32's rounding, where torch's own norm loses digits or gives inf."""
+    torch.manual_seed(0)
+    x = torch.cat([s * torch.randn(2, D) for s in (1e-19, 1e-21, 1e-30, 1.0)]).to(device)
+    x.requires_grad_()
+    dy = torch.randn_like(x)
+    fn = getattr(normbook, norm)
+    with normbook.backend("kernels"):
+        y = fn(x, D, eps=0.0)
+        dx, = torch.autograd.grad(y, x, dy)
+    x64 = x.detach().double().requires_grad_()
+    y64 = getattr(F, norm)(x64, (D,), eps=0.0)
+    dx64, = torch.autograd.grad(y64, x64, dy.double())
+    bound = 64 * torch.finfo(torch.float32).eps
+    assert (y.double() - y64).abs().max() < bound * y64.abs().max()
+    # dx scales as 1 / |x|: relative to each row's largest
+    rel = (dx.double() - dx64).abs().amax(-1) / dx64.abs().amax(-1)
+    assert rel.max() < bound

@@ -29,13 +29,20 @@ from normbook.kernels._launch import launch, measure, other_device
 
 FP32_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)   # torch.finfo(torch.float32).tiny
 FP32_MAX = tl.constexpr(3.4028234663852886e38)           # torch.finfo(torch.float32).max
+# rows whose var + eps is below TINY_VAR (2^-100; eps = 0 and values below about 1e-15) take
+# their sum of squares again on values scaled by SCALE_UP (2^64, exact): squares below fp32's
+# smallest normal keep fewer bits, and a GPU's rsqrt flushes a subnormal argument to 0
+TINY_VAR = tl.constexpr(7.888609052210118e-31)
+SCALE_UP = tl.constexpr(18446744073709551616.0)
 
 
 @triton.jit
 def _clamp_tiny(v):
     """v, with values in (0, smallest normal float) raised to it: rsqrt of a subnormal stays
-    finite (a GPU's rsqrt flushes it to 0, giving inf). 0 stays 0: a constant row at eps = 0
-    has rstd = inf and y = 0 * inf = NaN, torch's answer, on every backend."""
+    finite (a GPU's rsqrt flushes it to 0, giving inf). Only a row whose values are themselves
+    near fp32's smallest reaches it, after the rescaling of TINY_VAR rows. 0 stays 0: a
+    constant row at eps = 0 has rstd = inf and y = 0 * inf = NaN, torch's answer, on every
+    backend."""
     return tl.where(v > 0, tl.maximum(v, FP32_MIN_NORMAL), v)
 
 
@@ -135,11 +142,17 @@ def norm_fwd_rows_kernel(
             # padding must not count
             xc = tl.where(mask, x - mean[:, None], 0.0)
         var = tl.sum(xc * xc, axis=1) / D               # (ROWS,)
-        # (ln-rstd). On a GPU rsqrt flushes a subnormal argument (eps =
-        # 0, a near-constant row) to zero and returns inf; the smallest
-        # normal float keeps rstd finite. (A negative var + eps, possible
-        # with a negative eps, stays negative: NaN, as in torch.)
+        # (ln-rstd). (A negative var + eps, possible with a negative eps,
+        # stays negative: NaN, as in torch.)
         rstd = tl.math.rsqrt(_clamp_tiny(var + eps))
+        # var + eps below TINY_VAR (eps = 0, values below about 1e-15):
+        # the sum again on xc * 2^64, exact, and 2^64 back out of the root
+        small = var + eps < TINY_VAR                    # (ROWS,)
+        if tl.max(small.to(tl.int32), axis=0) > 0:
+            u = xc * SCALE_UP
+            q = tl.sum(u * u, axis=1) / D + eps * SCALE_UP * SCALE_UP
+            rstd = tl.where(small,
+                            tl.math.rsqrt(_clamp_tiny(q)) * SCALE_UP, rstd)
         # fp32 values past about 1e19 square to inf: var = inf, rstd = 0
         # and an output of zeros. Such rows take the sum again on
         # xc / amax, which cannot overflow, and amax comes back out of the
@@ -292,9 +305,17 @@ def norm_fwd_loop_kernel(
                 m2 += tl.sum(xc * xc, axis=0) + spread
                 n = total
         var = m2 / D                                   # (ln-var)
-        # (ln-rstd), the smallest normal float keeping it finite (see the
-        # rows kernel)
+        # (ln-rstd); a tiny var + eps takes the sum again scaled (see
+        # the rows kernel): one more sweep, for such rows only
         rstd = tl.math.rsqrt(_clamp_tiny(var + eps))
+        if var + eps < TINY_VAR:
+            q = tl.full((), 0.0, tl.float32)
+            for start in range(0, D, BLOCK_D):
+                u = _centred(X, H, row, stride_x, D, start + cols, mean,
+                             IS_RMS, HAS_RESIDUAL) * SCALE_UP
+                q += tl.sum(u * u, axis=0)
+            q = q / D + eps * SCALE_UP * SCALE_UP
+            rstd = tl.math.rsqrt(_clamp_tiny(q)) * SCALE_UP
         if var > FP32_MAX:
             # squares past fp32 (values past about 1e19): two more sweeps,
             # for such rows only, take the sum on (x - mean) / amax, which
