@@ -1,9 +1,10 @@
 """What Triton's interpreter hides: behaviour that differs between the CPU interpreter and a GPU.
 
 - rsqrt on a GPU (rsqrt.approx.ftz) flushes a subnormal argument to zero: with eps = 0 and a
-  near-constant row, var + eps is subnormal and rstd would be inf. The kernels raise a positive
-  argument to the smallest normal float; the output stays finite (checked everywhere). (0 stays
-  0: a constant row at eps = 0 gives torch's NaN.)
+  near-constant row, var + eps is subnormal and rstd would be inf. The kernels take the sum of
+  squares of such a row again scaled by 2^64 (exact), so rsqrt sees a normal argument; the
+  output is finite and right (checked everywhere, and against float64 in
+  test_functional_parity). (0 stays 0: a constant row at eps = 0 gives torch's NaN.)
 - A GPU rounds fp32 -> bf16 to nearest even; Triton's interpreter as shipped truncates, and
   normbook makes it round as a GPU does (normbook.kernels._interpret.install_rounding). Checked
   on both: almost every bf16 output is the correctly rounded reference, and the fused round_xhat
@@ -32,6 +33,10 @@ def test_subnormal_variance_stays_finite(norm):
     assert 0 < x.double().var(-1, unbiased=False).max() < torch.finfo(torch.float32).tiny
     y = K.layer_norm(x, 256, eps=0.0) if norm == "layer" else K.rms_norm(x, 256, eps=0.0)
     assert torch.isfinite(y).all()
+    x64 = x.double()
+    y64 = (torch.nn.functional.layer_norm(x64, (256,), eps=0.0) if norm == "layer"
+           else torch.nn.functional.rms_norm(x64, (256,), eps=0.0))
+    assert (y.double() - y64).abs().max() < 1e-5 * y64.abs().max()     # and right
 
 
 @pytest.mark.gpu_too
