@@ -337,3 +337,15 @@ def test_assert_layer_norm_identities_fails_on_nan(which):
         dx, atol = 1.5 * dx, float("nan")
     with pytest.raises(AssertionError, match="identity .* fails"):
         checks.assert_layer_norm_identities(x, dy, w, dx, 1e-5, atol)
+
+
+def test_the_weight_identity_takes_the_centring_into_account():
+    """torch's own LayerNorm, on rows whose mean is 1e3 times their spread, in float32: the
+    weight identity's bound left out the conditioning 1 + |mean| rstd that the other
+    identities carry, and refused torch's gradient in about half of the seeds."""
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(6, 17, generator=g) + 1e3
+        w = torch.randn(17, generator=g)
+        assert checks.check_norm_backward(
+            lambda x, w: torch.nn.functional.layer_norm(x, (17,), w), x, "layer", weight=w)

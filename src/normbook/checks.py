@@ -340,12 +340,15 @@ def check_norm_backward(
         if kind == "layer":
             _, mean, rstd = reference.layer_norm_forward(xd, None, None, eps)
             xhat = (xd - mean[..., None]) * rstd[..., None]
+            cond = (1 + mean.abs() * rstd).reshape(-1)                   # (N,), as above
         else:
             xhat = _rms_stats(xd, eps)[0]
+            cond = 1
         terms = (dyd * xhat).reshape(-1, D)                              # (N, D)
         got = (wd * dweight.double()).sum()
         want = (terms * wd).sum()                                        # sum_n D c2_n
-        size = (terms.abs() * wd.abs()).sum() + tiny
+        # each token's share, times the centring's conditioning, as the other identities'
+        size = ((terms.abs() * wd.abs()).sum(-1) * cond).sum() + tiny
         _fail("weight identity sum(weight * dweight) = D sum_n c2",
               ((got - want).abs() / size).reshape(1), atol)
     return True
