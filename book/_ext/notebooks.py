@@ -16,7 +16,7 @@ plain notebook instead:
 - exercises, solutions, admonitions and dropdowns as plain Markdown (solutions and dropdowns in
   ``<details>``, which Jupyter and Colab fold);
 - a first cell that installs normbook with the ``book`` extra, or only the extra's packages
-  beside a plain ``pip install normbook``, where they are missing.
+  beside normbook installed without it (it is not on PyPI), where they are missing.
 
 Needs jupytext and nbformat, plus (to compute glued values without a built book) what the
 chapters import: the package with its ``book`` extra. Numbers follow the book's: chapters are
@@ -58,13 +58,13 @@ def install_cell(kernels: bool = False, ref: str | None = None) -> str:
         comment = """\
 # Runs this chapter anywhere: installs normbook, what the chapters import (its "book" extra)
 # and Triton ("kernels", on Linux) where they are missing: all of it in a fresh Colab or
-# Binder session, only the extras' packages beside a plain `pip install normbook`, nothing
+# Binder session, only the extras' packages beside normbook installed without them, nothing
 # when all are present."""
     else:
         comment = """\
 # Runs this chapter anywhere: installs normbook and what the chapters import (its "book"
 # extra) where they are missing: all of it in a fresh Colab or Binder session, only the
-# extra's packages beside a plain `pip install normbook`, nothing when all are present."""
+# extra's packages beside normbook installed without it, nothing when all are present."""
     return comment + f"""
 import importlib.metadata as md, importlib.util, re, subprocess, sys
 def _missing(name):

@@ -97,7 +97,8 @@ def why_no_kernels() -> str | None:
     import importlib.util
 
     if importlib.util.find_spec("triton") is None:
-        return "Triton is not installed (Linux only: pip install 'normbook[kernels]')"
+        return ("Triton is not installed (Linux only: pip install -e '.[kernels]' in a clone, or "
+                "pip install 'normbook[kernels] @ git+https://github.com/normbook/normbook')")
     import torch
 
     if torch.cuda.is_available():

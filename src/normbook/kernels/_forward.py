@@ -151,8 +151,8 @@ def norm_fwd_rows_kernel(
         if tl.max(small.to(tl.int32), axis=0) > 0:
             u = xc * SCALE_UP
             q = tl.sum(u * u, axis=1) / D + eps * SCALE_UP * SCALE_UP
-            rstd = tl.where(small,
-                            tl.math.rsqrt(_clamp_tiny(q)) * SCALE_UP, rstd)
+            rescued = tl.math.rsqrt(_clamp_tiny(q)) * SCALE_UP
+            rstd = tl.where(small, rescued, rstd)
         # fp32 values past about 1e19 square to inf: var = inf, rstd = 0
         # and an output of zeros. Such rows take the sum again on
         # xc / amax, which cannot overflow, and amax comes back out of the
