@@ -506,3 +506,22 @@ def test_a_tiny_row_at_eps_zero_is_normalized_accurately_on_the_kernels(norm, D,
     # dx scales as 1 / |x|: relative to each row's largest
     rel = (dx.double() - dx64).abs().amax(-1) / dx64.abs().amax(-1)
     assert rel.max() < bound
+
+
+@pytest.mark.parametrize("D", [16, 4096, 20000])    # the rows kernel, and the loop kernel
+def test_rows_with_a_large_mean_are_centred_to_fp32s_rounding_on_the_kernels(D, kernels, device):
+    """x = 1e4 + N(0, 1): the mean, summed in fp32, was off by about an ulp of 1e4, which
+    shifted every xhat of its row (up to 10x torch's error, past the accuracy rule). The rows
+    kernel now takes that rounding back from the centred row (the corrected two-pass mean),
+    the loop kernel keeps its merged mean as a sum and its rounding error: y is within fp32's
+    rounding of float64, which torch's own norm is not."""
+    rows = 4 if D < 20000 else 2
+    errs = []
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        x = (1e4 + torch.randn(rows, D, generator=g)).to(device)
+        with normbook.backend("kernels"):
+            y = normbook.layer_norm(x, D)
+        y64 = F.layer_norm(x.double(), (D,))
+        errs.append(float((y.double() - y64).abs().max() / y64.abs().max()))
+    assert max(errs) < 8 * torch.finfo(torch.float32).eps

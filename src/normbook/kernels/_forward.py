@@ -141,6 +141,11 @@ def norm_fwd_rows_kernel(
             mean = tl.sum(x, axis=1) / D                # (ROWS,)
             # padding must not count
             xc = tl.where(mask, x - mean[:, None], 0.0)
+            # the sum's rounding (an ulp of a mean large against the
+            # spread) would shift every xhat: take it back from xc
+            fix = tl.sum(xc, axis=1) / D
+            mean += fix
+            xc = tl.where(mask, xc - fix[:, None], 0.0)
         var = tl.sum(xc * xc, axis=1) / D               # (ROWS,)
         # (ln-rstd). (A negative var + eps, possible with a negative eps,
         # stays negative: NaN, as in torch.)
@@ -233,13 +238,13 @@ def _sweep_again(X, H, row, stride_x, D, c, mask, HAS_RESIDUAL: tl.constexpr):
 
 
 @triton.jit
-def _centred(X, H, row, stride_x, D, c, mean, IS_RMS: tl.constexpr,
+def _centred(X, H, row, stride_x, D, c, mean, lo, IS_RMS: tl.constexpr,
              HAS_RESIDUAL: tl.constexpr):
-    """Columns c of the row again (:func:`_sweep_again`), fp32, less the row's mean (RMSNorm:
-    as they are); 0 past D."""
+    """Columns c of the row again (:func:`_sweep_again`), fp32, less the row's mean, mean + lo
+    (RMSNorm: as they are); 0 past D."""
     mask = c < D
     x = _sweep_again(X, H, row, stride_x, D, c, mask, HAS_RESIDUAL)
-    return x if IS_RMS else tl.where(mask, x - mean, 0.0)
+    return x if IS_RMS else tl.where(mask, (x - mean) - lo, 0.0)
 
 
 @triton.jit
@@ -283,6 +288,7 @@ def norm_fwd_loop_kernel(
         # sweep 1: the statistics, chunk by chunk (kern-chan)
         n = tl.full((), 0.0, tl.float32)       # columns merged so far
         mean = tl.full((), 0.0, tl.float32)
+        lo = tl.full((), 0.0, tl.float32)      # the mean is mean + lo
         m2 = tl.full((), 0.0, tl.float32)      # RMSNorm: sum of squares
         for start in range(0, D, BLOCK_D):
             c = start + cols
@@ -295,9 +301,19 @@ def norm_fwd_loop_kernel(
                 nc = tl.minimum(D - start, BLOCK_D).to(tl.float32)
                 mc = tl.sum(x, axis=0) / nc
                 xc = tl.where(mask, x - mc, 0.0)
+                cc = tl.sum(xc, axis=0) / nc   # mc's rounding, back
+                xc = tl.where(mask, xc - cc, 0.0)
                 total = n + nc
-                delta = mc - mean
-                mean += delta * (nc / total)
+                delta = (mc - mean) + (cc - lo)
+                # the merged mean as mean + lo, a sum and its rounding
+                # error (TwoSum): an ulp of a large mean would shift
+                # every xhat of the row
+                step = (mc - mean) * (nc / total)
+                s = mean + step
+                back = s - mean
+                lo += ((cc - lo) * (nc / total)
+                       + ((mean - (s - back)) + (step - back)))
+                mean = s
                 # (the first chunk adds no term: 0 * delta^2, NaN where
                 # delta^2 overflows, is not computed)
                 spread = delta * delta * (n * nc / total)
@@ -312,7 +328,7 @@ def norm_fwd_loop_kernel(
             q = tl.full((), 0.0, tl.float32)
             for start in range(0, D, BLOCK_D):
                 u = _centred(X, H, row, stride_x, D, start + cols, mean,
-                             IS_RMS, HAS_RESIDUAL) * SCALE_UP
+                             lo, IS_RMS, HAS_RESIDUAL) * SCALE_UP
                 q += tl.sum(u * u, axis=0)
             q = q / D + eps * SCALE_UP * SCALE_UP
             rstd = tl.math.rsqrt(_clamp_tiny(q)) * SCALE_UP
@@ -323,12 +339,12 @@ def norm_fwd_loop_kernel(
             amax = tl.full((), 0.0, tl.float32)
             for start in range(0, D, BLOCK_D):
                 xc = _centred(X, H, row, stride_x, D, start + cols, mean,
-                              IS_RMS, HAS_RESIDUAL)
+                              lo, IS_RMS, HAS_RESIDUAL)
                 amax = tl.maximum(amax, tl.max(tl.abs(xc), axis=0))
             q = tl.full((), 0.0, tl.float32)
             for start in range(0, D, BLOCK_D):
                 u = _centred(X, H, row, stride_x, D, start + cols, mean,
-                             IS_RMS, HAS_RESIDUAL) / amax
+                             lo, IS_RMS, HAS_RESIDUAL) / amax
                 q += tl.sum(u * u, axis=0)
             # (a row holding an infinity keeps rstd = 0, as torch's)
             rstd = tl.where(amax <= FP32_MAX,
@@ -336,7 +352,7 @@ def norm_fwd_loop_kernel(
         if IS_RMS:
             tl.store(Stats + row, rstd)
         else:
-            tl.store(Stats + row, mean)
+            tl.store(Stats + row, mean + lo)
             tl.store(Stats + M + row, rstd)
         # sweep 2: y = weight * xhat + bias (ln-xhat), (ln-y)
         for start in range(0, D, BLOCK_D):
@@ -344,7 +360,7 @@ def norm_fwd_loop_kernel(
             mask = c < D
             x = _sweep_again(X, H, row, stride_x, D, c, mask,
                              HAS_RESIDUAL)
-            y = x * rstd if IS_RMS else (x - mean) * rstd
+            y = x * rstd if IS_RMS else ((x - mean) - lo) * rstd
             if HAS_WEIGHT:
                 w = tl.load(W + c, mask=mask, other=0.0)
                 y = y * w.to(tl.float32)
