@@ -142,3 +142,13 @@ print(json.dumps(notebooks.glue_by_running(cells, "appendix")))
     assert run.returncode == 0, run.stderr[-3000:]
     claims = json.loads(run.stdout.splitlines()[-1])
     assert claims["app_m"].isdigit() and claims["kern_ring"].isdigit()
+
+
+@pytest.mark.slow
+def test_the_closing_chapter_runs_outside_the_repository(tmp_path, monkeypatch):
+    """A downloaded notebook runs where no _toc.yml or chapter source is: chapter 11's count
+    of the chapters before it read _toc.yml from the checkout and raised StopIteration in its
+    second cell there (found by running the converted notebook from /tmp)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    claims = notebooks.run_chapter(ROOT / "book" / "11-closing.md", where=tmp_path)
+    assert claims["close_n_before"] == "The"

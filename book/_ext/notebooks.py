@@ -244,16 +244,19 @@ def run_cell(source: str, namespace: dict, name: str) -> None:
     exec(compile(source, filename, "exec"), namespace)
 
 
-def glue_by_running(cells: list, name: str = "chapter") -> dict[str, str]:
+def glue_by_running(cells: list, name: str = "chapter", where: Path | None = None
+                    ) -> dict[str, str]:
     """Run a chapter's code cells here (magics dropped, each by :func:`run_cell`, named
-    "<``name`` cell k #n>" in tracebacks) and return what ``claim`` recorded."""
+    "<``name`` cell k #n>" in tracebacks) and return what ``claim`` recorded. ``where``: the
+    folder they run in, the book's source by default (where the book build runs them);
+    another, outside the repository, runs them as a downloaded notebook is run."""
     os.environ.setdefault("MPLBACKEND", "Agg")
     from normbook import booktools
 
     booktools.CLAIMED.clear()
     namespace: dict = {"__name__": "__chapter__"}
     here = os.getcwd()
-    os.chdir(ROOT / "book")                    # where the book build runs a chapter
+    os.chdir(ROOT / "book" if where is None else where)   # where the book build runs it
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             for k, cell in enumerate((c for c in cells if c.cell_type == "code"), 1):
@@ -472,10 +475,11 @@ def code_cells(source: Path) -> list:
     return cells
 
 
-def run_chapter(source: Path) -> dict[str, str]:
+def run_chapter(source: Path, where: Path | None = None) -> dict[str, str]:
     """Execute a chapter's code here, top to bottom (as ``gpu_check.sh`` does on a GPU); return
-    its claims. Raises whatever a cell raises, an AssertionError for a claim that fails."""
-    return glue_by_running(code_cells(source), source.stem)
+    its claims. Raises whatever a cell raises, an AssertionError for a claim that fails.
+    ``where``: see :func:`glue_by_running`."""
+    return glue_by_running(code_cells(source), source.stem, where)
 
 
 def main(argv: list[str] | None = None) -> int:

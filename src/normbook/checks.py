@@ -343,7 +343,7 @@ def check_norm_backward(
             cond = (1 + mean.abs() * rstd).reshape(-1)                   # (N,), as above
         else:
             xhat = _rms_stats(xd, eps)[0]
-            cond = 1
+            cond = torch.ones((), dtype=torch.float64)
         terms = (dyd * xhat).reshape(-1, D)                              # (N, D)
         got = (wd * dweight.double()).sum()
         want = (terms * wd).sum()                                        # sum_n D c2_n
