@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -148,3 +150,33 @@ def test_all_lists_every_public_helper():
                if callable(o) and not n.startswith("_")
                and getattr(o, "__module__", "") == booktools.__name__}
     assert set(booktools.__all__) == defined
+
+
+def test_turning_the_interpreter_on_after_triton_is_named():
+    """TRITON_INTERPRET=1 set after triton was imported: Triton reads it once, so its own
+    helpers stay compiled while normbook's kernels are interpreted, and a launch failed deep
+    in Triton. why_no_kernels said the kernels would run; now it says why not, and the first
+    kernel call raises a one-line RuntimeError (a fresh user's trial)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    script = (
+        "import os, torch, triton\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "import normbook\n"
+        "from normbook.booktools import why_no_kernels\n"
+        "print(why_no_kernels())\n"
+        "with normbook.backend('kernels'):\n"
+        "    try:\n"
+        "        normbook.layer_norm(torch.randn(2, 8), 8)\n"
+        "    except RuntimeError as e:\n"
+        "        print(e)\n"
+        "from normbook.kernels import minimal\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    said, raised = r.stdout.strip().splitlines()
+    assert said.startswith("no GPU, and Triton was imported before TRITON_INTERPRET=1 was set")
+    assert raised.startswith("input: TRITON_INTERPRET=1 was set after triton was imported")

@@ -392,3 +392,32 @@ def test_the_epoch_is_not_specialized_on():
     for launches in got["False"] + got["True"]:
         assert [handle for handle, _ in launches] == [handle for handle, _ in first], got
         assert launches[0][1], got
+
+
+_FUSION_SCRIPT = '''
+import warnings
+warnings.simplefilter("error")          # Triton 3.9's FP-fusion default warning, an error
+import torch
+import normbook
+from normbook.bench.host import stubbed
+with stubbed(), normbook.backend("kernels"):
+    x = torch.randn(4, 64, requires_grad=True)
+    for m in (normbook.LayerNorm(64), normbook.RMSNorm(64)):
+        m(x).sum().backward()
+    wide = torch.randn(2, 40000, requires_grad=True)
+    normbook.layer_norm(wide, 40000).sum().backward()
+'''
+
+
+def test_the_kernels_compile_with_fp_fusion_asked_for(tmp_path):
+    """Every compile names enable_fp_fusion=True, as the kernels were compiled, measured and
+    reported: Triton 3.9 warned at each compile that its default changes in 3.10 (a user's
+    first LayerNorm on a GPU printed it), and under 3.10 the kernels would have compiled
+    without fusion. A fresh process (the warning is given once), compiled for sm_90 through
+    the stubbed driver."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "TRITON_DEFAULT_FP_FUSION")}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)             # compile, not a cached kernel
+    r = subprocess.run([sys.executable, "-c", _FUSION_SCRIPT], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]

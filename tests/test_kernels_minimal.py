@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -75,8 +79,6 @@ def test_minimal_kernels_compile_for_sm90():
     """They are real kernels: compiled for Hopper (no GPU needed), no spills, 128-bit loads."""
     import json
     import os
-    import subprocess
-    import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True,
@@ -86,3 +88,19 @@ def test_minimal_kernels_compile_for_sm90():
     assert len(rows) == 2
     for row in rows.values():
         assert row["spill_bytes"] == 0 and row["load_bits"] == 128, row
+
+
+def test_a_cpu_tensor_without_the_interpreter_is_named():
+    """Triton's "0 active drivers" was all a CPU user without TRITON_INTERPRET=1 got."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = ("import torch\n"
+              "from normbook.kernels import minimal\n"
+              "try:\n"
+              "    minimal.layer_norm_forward(torch.randn(4, 8), torch.ones(8), torch.zeros(8))\n"
+              "except ValueError as e:\n"
+              "    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("x: expected a CUDA tensor, got one on cpu while Triton's "
+                               "interpreter is off")

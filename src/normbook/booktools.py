@@ -82,6 +82,18 @@ def kernel_device() -> str:
     return "cpu"
 
 
+def _triton_interprets() -> bool:
+    """Whether the imported Triton runs @triton.jit functions in its interpreter: its own
+    helpers, decorated when triton.language was imported, tell (True where none is found)."""
+    try:
+        from triton.language import standard
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return True
+    helper = getattr(standard, "sigmoid", None)
+    return helper is None or isinstance(helper, InterpretedFunction)
+
+
 def why_no_kernels() -> str | None:
     """Why a chapter's kernel cells skip here, in a few words a cell prints, or None where they
     run: Triton installed, and a CUDA GPU or Triton's interpreter on.
@@ -107,6 +119,9 @@ def why_no_kernels() -> str | None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     value = os.environ.get("TRITON_INTERPRET")
     if value == "1":
+        if "triton" in sys.modules and not _triton_interprets():
+            return ("no GPU, and Triton was imported before TRITON_INTERPRET=1 was set "
+                    "(restart with it set first)")
         return None
     if value is None:
         return "no GPU, and Triton was imported before TRITON_INTERPRET=1 was set"

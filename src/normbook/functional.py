@@ -511,6 +511,8 @@ def _check_kernel_args(input, weight, bias, name):
     if _INTERPRETED is None:
         _INTERPRETED = _kernels()[2].interpreted()
     if input.is_cpu and _INTERPRETED:
+        if _K.ops.LATE_INTERPRET:
+            raise RuntimeError(f"{name}: {_K.ops.LATE_MESSAGE}")
         return
     if input.is_cpu:
         raise ValueError(f"{name}: expected a CUDA tensor, got a CPU tensor while Triton's interpreter "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 __all__ = ["layer_norm_forward", "layer_norm_backward", "MAX_D"]
 
@@ -93,6 +94,10 @@ def _rows(x):
                         f"got {type(x).__name__}")
     if x.dim() != 2:
         raise ValueError(f"x: expected (M, D), got {tuple(x.shape)}")
+    if not x.is_cuda and not isinstance(ln_fwd_kernel, InterpretedFunction):
+        raise ValueError(f"x: expected a CUDA tensor, got one on {x.device} "
+                         "while Triton's interpreter is off (set "
+                         "TRITON_INTERPRET=1 before triton is imported)")
     return x.shape
 
 
@@ -122,7 +127,7 @@ def layer_norm_forward(x, weight, bias, eps=1e-5):
     rstd = x.new_empty((M,), dtype=torch.float32)
     if M:
         ln_fwd_kernel[(M,)](x, y, weight, bias, mean, rstd, D, eps,
-                            BLOCK_D=block)
+                            BLOCK_D=block, enable_fp_fusion=True)
     return y, mean, rstd
 
 
@@ -148,5 +153,5 @@ def layer_norm_backward(dy, x, weight, mean, rstd):
     dbias = x.new_zeros((D,), dtype=torch.float32)
     if M:
         ln_bwd_kernel[(M,)](x, dy, dx, weight, mean, rstd, dweight,
-                            dbias, D, BLOCK_D=block)
+                            dbias, D, BLOCK_D=block, enable_fp_fusion=True)
     return dx, dweight, dbias

@@ -17,6 +17,8 @@ op itself (an exported program).
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
@@ -32,6 +34,14 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # decided once, when triton decorated the kernels
 _INTERPRETED = isinstance(_forward.norm_fwd_rows_kernel, InterpretedFunction)
+# TRITON_INTERPRET=1 set after triton was imported but before these kernels: they are
+# interpreted, triton.language's own @jit helpers (decorated at its import) are not, and a
+# launch fails inside Triton ("Cannot call @triton.jit'd outside of the scope of a kernel")
+_HELPER = getattr(importlib.import_module("triton.language.standard"), "sigmoid", None)
+LATE_INTERPRET = (_INTERPRETED and _HELPER is not None
+                  and not isinstance(_HELPER, InterpretedFunction))
+LATE_MESSAGE = ("TRITON_INTERPRET=1 was set after triton was imported: Triton reads it once, "
+                "at its import; restart Python with it set before anything imports triton")
 if _INTERPRETED:   # the interpreter without its rescans of triton.language (same bits, ~2x
     from normbook.kernels import _interpret   # faster), rounding to bfloat16 as a GPU does
 
