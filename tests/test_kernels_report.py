@@ -295,3 +295,20 @@ def test_a_pool_of_processes_gives_the_rows_of_one_process():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_python_api_refuses_the_interpreter_as_the_command_line_does():
+    """report.run under TRITON_INTERPRET=1 returned a row per configuration, each holding the
+    same compile error, and raised nothing; sass.compile_plan failed inside Triton."""
+    script = ("import pytest\n"
+              "from normbook.kernels import report, sass, _config\n"
+              "for call in (lambda: report.run(archs=(90,), dtypes=('bf16',), ds=(3000,)),\n"
+              "             lambda: sass.compile_plan(_config.forward_plan(\n"
+              "                 64, 3000, _config.Device(90, 132), 2, False, False, True, True)[0],"
+              " 3000)):\n"
+              "    with pytest.raises(RuntimeError, match='interpreter stands in'):\n"
+              "        call()\n")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -301,6 +301,19 @@ def _progress(items: list, progress):
     return counted()
 
 
+def compiles_here() -> None:
+    """A RuntimeError of one line, as the command line refuses, where the kernels were made
+    interpreted (TRITON_INTERPRET set when they were decorated, ``_backward.INTERPRETED``):
+    their helpers are then the interpreter's, which no compile can reference, and every row
+    would hold that error."""
+    from normbook.kernels import _backward
+
+    if _backward.INTERPRETED:
+        raise RuntimeError("the kernels were decorated under TRITON_INTERPRET, so Triton's "
+                           "interpreter stands in for the compiler the report runs; run it "
+                           "where TRITON_INTERPRET is unset (env -u TRITON_INTERPRET ...)")
+
+
 def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None, progress=False) -> list[dict]:
     """Compile every configuration; one row per (kernel, arch, dtype, D, norm, residual), with
     what the kernel moves (:func:`traffic`). ``residual_d``: only that D with the fused add
@@ -309,6 +322,7 @@ def run(archs=ARCHS, dtypes=DTYPES, ds=DS, residual_d=None, progress=False) -> l
     they ran one at a time, about 0.8 s each on a 2-core VM); a few, in this one. Either way
     the SASS is disassembled in threads while the next kernels compile (cuobjdump takes about
     half a second to start; the counts are cached, :func:`normbook.kernels.sass.serial_path_of`)."""
+    compiles_here()
     configs = [(arch, dtype, D, is_rms, residual) for arch in archs for dtype in dtypes for D in ds
                for is_rms in (False, True)
                for residual in ((False, True) if residual_d in (None, D) else (False,))]

@@ -443,6 +443,9 @@ def _local_signature(fn, dtype: str, constexprs: dict, D: int):
 def compile_plan(plan, D: int, dtype: str = "bf16", arch: int = 90):
     """Compile the kernel of a launch plan (:class:`normbook.kernels._config.Plan`) for sm_<arch>
     without a GPU. Needs a process where TRITON_INTERPRET is unset."""
+    from normbook.kernels.report import compiles_here
+
+    compiles_here()
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
