@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -812,3 +813,19 @@ def test_an_absent_quack_says_why(monkeypatch):
     monkeypatch.setattr(providers, "_import", absent)
     with pytest.raises(providers.Unsupported, match="92 MB.*64 MiB"):
         providers.quack("rms_norm", "fwd", torch.device("cuda"))   # (only its type is read)
+
+
+def test_a_run_given_twice_is_merged_once(tmp_path):
+    """--merge of one file twice (or of a folder and a file in it) doubled every row."""
+    (tmp_path / "r.json").write_text(json.dumps(_result([_row()])))
+    rc, out, err = _main(["--merge", tmp_path / "r.json", tmp_path / "r.json",
+                          "--out", tmp_path / "merged.json"])
+    assert rc == 0 and "merged 1 runs, 1 rows" in out, err
+
+
+def test_goal_on_a_cpu_sweep_is_refused_before_it_runs(monkeypatch):
+    """The goal is bf16 at M = 32768 on a GPU: a CPU sweep judged against it printed some 60
+    'not measured' lines and 'goal: not met'."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc, out, err = _main(["--quick", "--goal"])
+    assert rc == 2 and not out and "--goal: the goal is judged on a CUDA run" in err

@@ -217,6 +217,10 @@ def config_from_args(args, parser) -> runner.Config:
         parser.error(f"--timer: {args.timer} times CUDA work; the CPU is timed with a "
                      "perf_counter loop (drop --timer)")
     if not cuda:
+        if args.goal:
+            parser.error(f"--goal: the goal is judged on a CUDA run (bf16, M = {GOAL['M']}); "
+                         "this one would run on the CPU (normbook-bench cpu --goal judges the "
+                         "CPU backend)")
         notes.append("no GPU: CPU mode (small shapes, fp32, perf_counter timer). "
                      "The numbers are not the performance goal's; that needs a CUDA device.")
     if cuda:

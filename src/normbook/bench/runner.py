@@ -376,10 +376,19 @@ def merge(results: list[dict]) -> dict:
     """Several runs as one result: every row and skip, each run's provenance and copy bandwidth.
 
     Rows keep the frac_copy of their own run; ``copy_bandwidth_gbps`` is the fastest of the runs
-    (informative only). The first run's provenance heads the file; ``runs`` lists them all.
+    (informative only). The first run's provenance heads the file; ``runs`` lists them all. A
+    run given twice (the same file twice, or a folder and a file in it) is merged once.
     """
     if not results:
         raise ValueError("nothing to merge")
+    seen: set = set()
+    unique = []
+    for r in results:
+        key = json.dumps(r, sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            unique.append(r)
+    results = unique
     return {
         "provenance": results[0]["provenance"],
         "copy_bandwidth_gbps": max(r["copy_bandwidth_gbps"] for r in results),
