@@ -338,8 +338,8 @@ def _backward_eager(dy, x, weight, mean, rstd, has_bias: bool):
     pairwise, and the blocks in turn. (Matrix-vector products, ``addmv``, took them in a third
     of the time but added a block's rows one after another: with rows of a common sign,
     dweight's error grew with the rows, 10 to 40 times torch's own backward's in float32 from
-    4096 x 1024 to 65536 x 8; the sums are within torch's, at a few percent of the backward's
-    time.)
+    4096 x 1024 to 65536 x 8. The sums are within torch's; the backward takes 7 to 18% longer
+    for them, measured on 2 CPU threads from 65536 x 8 to 4096 x 4096, bf16 and fp32.)
     """
     D = x.shape[-1]
     ct = weight.dtype                                                  # the compute dtype
