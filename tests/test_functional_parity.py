@@ -525,3 +525,16 @@ def test_rows_with_a_large_mean_are_centred_to_fp32s_rounding_on_the_kernels(D, 
         y64 = F.layer_norm(x.double(), (D,))
         errs.append(float((y.double() - y64).abs().max() / y64.abs().max()))
     assert max(errs) < 8 * torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize("D", [1024, 20000])        # the rows kernel, and the loop kernel
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_a_negative_eps_past_the_variance_is_torchs_nan_on_the_kernels(norm, D, kernels, device):
+    """var + eps < 0 (eps = -0.5, var about 0.01): torch's NaN. The tiny-row rescue once took
+    every row with var + eps below 2^-100, negative ones too, and its scaled squares overflowed
+    to rstd = 0: y = 0 where torch gives NaN. It takes only rows whose variance is tiny."""
+    g = torch.Generator().manual_seed(0)
+    x = (0.1 * torch.randn(2, D, generator=g)).to(device)
+    with normbook.backend("kernels"):
+        y = getattr(normbook, norm)(x, D, eps=-0.5)
+    assert getattr(F, norm)(x, (D,), eps=-0.5).isnan().all() and y.isnan().all()

@@ -465,22 +465,30 @@ def test_double_backward_in_fp32_matches_torch(norm):
 @pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("M, D", [(65536, 8), (4096, 256)])
 def test_parameter_gradients_sum_tokens_as_accurately_as_torch(norm, M, D):
-    """The torch backend's blocked backward summed a block's rows into dweight and dbias with
-    addmv, one row after another: with rows of a common sign its float32 error grew with the
-    rows, 10 to 40 times torch's own backward's. Its sums are now within twice torch's."""
+    """The blocked backward (_math._backward_eager: RMSNorm's on the torch backend, and
+    LayerNorm's for half rows or extreme rstd) summed a block's rows into dweight and dbias with
+    addmv, one row after another: with rows whose terms keep a sign its float32 error grew with
+    the rows, 10 to 40 times torch's own backward's. Its sums are now within twice torch's.
+    Called directly, so that LayerNorm's fp32 rows (which take torch's fused backward through
+    the public function) test it too, dbias included."""
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(M, D, generator=g) + 0.5).requires_grad_()
+    x = torch.linspace(-2, 2, D) + 0.1 * torch.randn(M, D, generator=g)   # columns keep a sign
     w = (torch.randn(D, generator=g) + 1).requires_grad_()
     b = torch.randn(D, generator=g).requires_grad_()
-    dy = torch.randn(M, D, generator=g) + 0.3
-    args = (w,) if norm == "rms_norm" else (w, b)
-    with normbook.backend("torch"):
-        got = torch.autograd.grad(getattr(normbook, norm)(x, D, *args), args, dy)
-    ref = torch.autograd.grad(getattr(torch.nn.functional, norm)(x, (D,), *args), args, dy)
+    dy = torch.randn(M, D, generator=g) + 3                               # so do the gradients
+    is_rms = norm == "rms_norm"
+    x64 = x.double()
+    mean = None if is_rms else x64.mean(-1)
+    var = (x64 * x64).mean(-1) if is_rms else x64.var(-1, unbiased=False)
+    rstd = torch.rsqrt(var + 1e-5)
+    _, dw, db = _math._backward_eager(dy, x, w.detach(), None if is_rms else mean.float(),
+                                      rstd.float(), not is_rms)
+    args = (w,) if is_rms else (w, b)
+    xt = x.clone().requires_grad_()
+    ref = torch.autograd.grad(getattr(F, norm)(xt, (D,), *args, eps=1e-5), args, dy)
     p64 = [a.detach().double().requires_grad_() for a in args]
-    exact = torch.autograd.grad(
-        getattr(torch.nn.functional, norm)(x.detach().double(), (D,), *p64), p64, dy.double())
-    for ours, theirs, want in zip(got, ref, exact):
+    exact = torch.autograd.grad(getattr(F, norm)(x64, (D,), *p64, eps=1e-5), p64, dy.double())
+    for ours, theirs, want in zip((dw, db), ref, exact):
         scale = want.abs().max()
         err, torch_err = ((ours.double() - want).abs().max() / scale,
                           (theirs.double() - want).abs().max() / scale)

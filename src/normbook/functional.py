@@ -511,8 +511,9 @@ def _check_kernel_args(input, weight, bias, name):
     if _INTERPRETED is None:
         _INTERPRETED = _kernels()[2].interpreted()
     if input.is_cpu and _INTERPRETED:
-        if _K.ops.LATE_INTERPRET:
-            raise RuntimeError(f"{name}: {_K.ops.LATE_MESSAGE}")
+        ops = _kernels().ops   # (_INTERPRETED may be set without them: the stub driver)
+        if ops.LATE_INTERPRET:
+            raise RuntimeError(f"{name}: {ops.LATE_MESSAGE}")
         return
     if input.is_cpu:
         raise ValueError(f"{name}: expected a CUDA tensor, got a CPU tensor while Triton's interpreter "

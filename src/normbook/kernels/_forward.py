@@ -152,7 +152,8 @@ def norm_fwd_rows_kernel(
         rstd = tl.math.rsqrt(_clamp_tiny(var + eps))
         # var + eps below TINY_VAR (eps = 0, values below about 1e-15):
         # the sum again on xc * 2^64, exact, and 2^64 back out of the root
-        small = var + eps < TINY_VAR                    # (ROWS,)
+        # (a negative eps with var < -eps stays as it is: NaN)
+        small = (var < TINY_VAR) & (var + eps < TINY_VAR)   # (ROWS,)
         if tl.max(small.to(tl.int32), axis=0) > 0:
             u = xc * SCALE_UP
             q = tl.sum(u * u, axis=1) / D + eps * SCALE_UP * SCALE_UP
@@ -324,7 +325,7 @@ def norm_fwd_loop_kernel(
         # (ln-rstd); a tiny var + eps takes the sum again scaled (see
         # the rows kernel): one more sweep, for such rows only
         rstd = tl.math.rsqrt(_clamp_tiny(var + eps))
-        if var + eps < TINY_VAR:
+        if (var < TINY_VAR) & (var + eps < TINY_VAR):
             q = tl.full((), 0.0, tl.float32)
             for start in range(0, D, BLOCK_D):
                 u = _centred(X, H, row, stride_x, D, start + cols, mean,
