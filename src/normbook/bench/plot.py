@@ -38,7 +38,7 @@ def results_folder() -> Path:
 
 def recorded_gpu_results(folder=None) -> list[dict]:
     """The real GPU runs recorded under ``folder`` (each run's ``results.json``, searched recursively);
-    by default :func:`results_folder`'s: the checkout's ``benchmarks/results``, or, from an
+    by default ``results_folder()``'s: the checkout's ``benchmarks/results``, or, from an
     installed wheel, the copy of those runs it carries (``normbook/bench/recorded``).
 
     CPU runs and synthetic test fixtures are left out, so that nothing but a measurement on a GPU
