@@ -829,3 +829,18 @@ def test_goal_on_a_cpu_sweep_is_refused_before_it_runs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     rc, out, err = _main(["--quick", "--goal"])
     assert rc == 2 and not out and "--goal: the goal is judged on a CUDA run" in err
+
+
+def test_an_output_file_is_opened_for_writing_before_anything_runs(tmp_path):
+    """The folder's permissions passed /proc (or a read-only file, for a user): the report
+    then compiled for minutes and died writing. The check opens the file as the end will,
+    and leaves a file that exists as it was, and none where there was none."""
+    if Path("/proc").is_dir():
+        with pytest.raises(cli.BenchError, match=r"^--json: cannot write /proc/normbook\.json"):
+            cli.writable_file("--json", "/proc/normbook.json")
+    kept = tmp_path / "kept.json"
+    kept.write_text(RECORDED)
+    cli.writable_file("--json", str(kept))
+    assert kept.read_text() == RECORDED
+    cli.writable_file("--json", str(tmp_path / "new.json"))
+    assert not (tmp_path / "new.json").exists()

@@ -308,6 +308,18 @@ def writable_file(flag: str, path: str | None) -> None:
         raise BenchError(f"{flag}: no folder {folder} to write {target.name} into")
     if not os.access(folder, os.W_OK):
         raise BenchError(f"{flag}: cannot write into {folder}")
+    # what the folder's permissions do not tell (a read-only file, a file system that takes
+    # no new file, as /proc): open it for writing as the end will, without changing it
+    try:
+        if target.exists():
+            with open(target, "ab"):
+                pass
+        else:
+            with open(target, "xb"):
+                pass
+            target.unlink()
+    except OSError as e:
+        raise BenchError(f"{flag}: cannot write {path} ({e.strerror or e})") from None
 
 
 def add_json_out(p: argparse.ArgumentParser, what: str) -> None:
