@@ -233,3 +233,26 @@ def test_norm_over_several_dims_compiles_whole(cls, backend, request):
         assert torch._dynamo.explain(m)(x).graph_break_count == 0
         torch._dynamo.reset()
         torch.testing.assert_close(torch.compile(m, backend="aot_eager", fullgraph=True)(x), m(x))
+
+
+@pytest.mark.parametrize("cls", [normbook.LayerNorm, normbook.RMSNorm])
+def test_a_module_compiles_whole_past_the_calls_it_keeps(cls):
+    """A module keeps the calls it launched in eager mode (functional._module_norm: C++
+    guards and compiled kernels, which Dynamo cannot trace). Compiled, its forward must not
+    read them: with one planted for the input's shape (an object that fails if touched), the
+    module compiles whole, with eager's numbers."""
+    torch.manual_seed(0)
+    m = cls(16)
+    x = torch.randn(4, 16)
+
+    class Untouchable:
+        def __iter__(self):
+            raise AssertionError("a kept call was read under torch.compile")
+
+    m.__dict__["_normbook_calls"] = {x.shape: Untouchable()}
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(m)(x).graph_break_count == 0
+    torch._dynamo.reset()
+    y = torch.compile(m, backend="aot_eager", fullgraph=True)(x)
+    del m.__dict__["_normbook_calls"]
+    torch.testing.assert_close(y, m(x))

@@ -272,6 +272,70 @@ with _launch.stub_driver(record), normbook.backend("kernels"):
         calls, by_launchers = run(lambda: ys.append(normbook.layer_norm(x, 64, w)))
     out["no grad"] = dict(grad_fn=ys[0].grad_fn is None, launched=by_launchers,
                           launches=len(calls))
+
+    # the modules' own kept calls (functional._module_norm): _norm, the front door, counted
+    door = functional._norm
+    doors = []
+    def counted(*args, **kwargs):
+        doors.append(1)
+        return door(*args, **kwargs)
+    functional._norm = counted
+    def module_run(fn):
+        """(launcher calls, launchers called, front-door calls) of fn."""
+        n = len(doors)
+        calls, by_launchers = run(fn)
+        return calls, by_launchers, len(doors) - n
+    m = normbook.LayerNorm(64, dtype=torch.bfloat16)
+    mr = normbook.RMSNorm(64, dtype=torch.bfloat16)
+    xm = t(200, 64)     # (a shape no case above made ready)
+    def fwd_bwd(mod=m, x=xm):
+        return lambda: backward(mod(x))
+    module = out["module"] = {"LayerNorm": [module_run(fwd_bwd()) for _ in range(3)],
+                              "RMSNorm": [module_run(fwd_bwd(mr)) for _ in range(3)]}
+    # and what its guard and checks must send to the front door, each once, then kept again
+    def each(name, change, fn=fwd_bwd()):
+        change()
+        module[name] = [module_run(fn) for _ in range(2)]
+    each("eps", lambda: setattr(m, "eps", 1e-3))
+    each("weight frozen", lambda: m.weight.requires_grad_(False))
+    each("bias.data in float32", lambda: setattr(m.bias, "data", torch.zeros(64)))
+    m.bias.data = torch.zeros(32).bfloat16()      # same dtype, another length: refused
+    try:
+        m(xm)
+        module["bias.data of another length"] = "accepted"
+    except (ValueError, RuntimeError) as e:
+        module["bias.data of another length"] = str(e).splitlines()[0]
+    m.bias.data = torch.zeros(64).bfloat16()
+    each("input not requiring grad", lambda: None, lambda: m(xm.detach()))
+    each("normalized_shape replaced", lambda: setattr(m, "normalized_shape", (64,)))
+    misaligned = base[1:129].view(2, 64)
+    each("misaligned input", lambda: None, lambda: m(misaligned))
+    def to_torch():
+        with normbook.backend("torch"):
+            return m(xm)
+    each("torch backend", lambda: None, to_torch)
+    each("weight moved to float32", lambda: m.float(), lambda: m(xm.float()))
+    with torch.no_grad():
+        ys = []
+        module["no grad"] = [module_run(lambda: ys.append(mr(xm))) for _ in range(2)]
+        module["no grad, grad_fn"] = ys[-1].grad_fn is None
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        module["a launch hook"] = module_run(fwd_bwd(mr))
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    with torch.inference_mode():
+        xi = xm.detach().clone()
+    module["an inference tensor"] = module_run(lambda: mr(xi))
+    import copy, pickle
+    kept = "_normbook_calls" in vars(mr)
+    module["copies keep no calls"] = [kept] + [
+        "_normbook_calls" not in vars(c) for c in (copy.deepcopy(mr), pickle.loads(pickle.dumps(mr)))]
+    # the stub's kernels forgotten: a module's kept call must not launch them
+    ready_before = next(iter(vars(mr)["_normbook_calls"].values()))[-1][-1]
+    _launch.forget_ready()
+    module["forgotten"] = [ready_before.live, module_run(fwd_bwd(mr))]
+    functional._norm = door
 json.dump(out, sys.stdout)
 '''
 
@@ -421,3 +485,67 @@ def test_the_kernels_compile_with_fp_fusion_asked_for(tmp_path):
     r = subprocess.run([sys.executable, "-c", _FUSION_SCRIPT], capture_output=True, text=True,
                        env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+def test_a_module_launches_its_kept_call_without_the_front_door(ready_calls, kind):
+    """normbook.LayerNorm / RMSNorm keep the ready call of each input shape
+    (functional._module_norm): after the first call, which goes through the front door and
+    the launchers, the next ones take neither and hand the launcher the same kernels, grids
+    and arguments, forward and backward."""
+    (first, launchers, door), *later = ready_calls["module"][kind]
+    assert launchers == ["fwd", "bwd"] and door == 1
+    assert all(calls == first and by == [] and d == 0 for calls, by, d in later), later
+
+
+@pytest.mark.parametrize("case", ["eps", "weight frozen", "bias.data in float32",
+                                  "input not requiring grad", "normalized_shape replaced",
+                                  "weight moved to float32"])
+def test_what_a_module_guard_does_not_pass_goes_through_the_front_door(ready_calls, case):
+    """A change to the module (its eps, its normalized_shape), to a parameter (frozen, its
+    .data replaced in another dtype, the module moved to float32) or to the input (another
+    requires_grad) sends the next call through the front door, which launches what this call
+    needs; the call after it is kept again and launches exactly that."""
+    (first, _, door), (second, launchers, again) = ready_calls["module"][case]
+    assert door == 1 and again == 0 and launchers == [], (case, door, again, launchers)
+    assert second == first
+
+
+def test_a_kept_call_launches_the_new_eps(ready_calls):
+    (first, _, _), _ = ready_calls["module"]["eps"]
+    (before, _, _), *_ = ready_calls["module"]["LayerNorm"]
+    assert 0.001 in first[0] and 0.001 not in before[0]
+
+
+@pytest.mark.parametrize("case", ["misaligned input", "torch backend"])
+def test_what_a_module_may_never_keep_takes_the_front_door_every_time(ready_calls, case):
+    assert [door for _, _, door in ready_calls["module"][case]] == [1, 1]
+
+
+def test_a_parameter_of_another_length_is_refused_after_a_kept_call(ready_calls):
+    """The guard sees .data replaced by a tensor of the same dtype and another length: the
+    front door's check refuses it, as on a first call, rather than launching the kept (D,)
+    kernels."""
+    assert "bias" in ready_calls["module"]["bias.data of another length"]
+
+
+def test_a_module_call_without_gradient_launches_the_forward_alone(ready_calls):
+    (calls, launchers, door), _ = ready_calls["module"]["no grad"]
+    assert (len(calls), launchers, door) == (1, [], 0)
+    assert ready_calls["module"]["no grad, grad_fn"] is True
+
+
+@pytest.mark.parametrize("case", ["a launch hook", "an inference tensor"])
+def test_a_hook_or_an_inference_tensor_takes_the_front_door(ready_calls, case):
+    assert ready_calls["module"][case][2] == 1
+
+
+def test_copies_of_a_module_keep_no_calls(ready_calls):
+    assert ready_calls["module"]["copies keep no calls"] == [True, True, True]
+
+
+def test_forgotten_kernels_are_not_launched_by_a_module(ready_calls):
+    """When the kept kernels are forgotten (the stub driver leaving, the table full), a
+    module's kept call is no longer live and its next call takes the front door."""
+    live, (_, _, door) = ready_calls["module"]["forgotten"]
+    assert live is False and door == 1

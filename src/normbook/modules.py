@@ -14,7 +14,8 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from normbook.functional import _NO_BIAS, _norm, _rms_eps, _validate, layer_norm, rms_norm
+from normbook.functional import (_NO_BIAS, _module_norm, _rms_eps, _validate, layer_norm,
+                                 rms_norm)
 
 __all__ = ["LayerNorm", "RMSNorm"]
 
@@ -25,6 +26,24 @@ __all__ = ["LayerNorm", "RMSNorm"]
 # tensor by a hook) comes back as _ABSENT and is read the usual way, so that forward sees what
 # ``self.weight`` gives.
 _ABSENT: Any = object()
+
+
+# A module keeps the calls it has made ready (functional._module_norm), in its instance dict:
+# they hold compiled kernels and guards, which neither a pickle, nor a copy, nor a replica for
+# another device should carry.
+_CALLS = "_normbook_calls"
+
+
+def _getstate(self):
+    state = torch.nn.Module.__getstate__(self)
+    state.pop(_CALLS, None)
+    return state
+
+
+def _replicate(self):
+    replica = torch.nn.Module._replicate_for_data_parallel(self)
+    replica.__dict__.pop(_CALLS, None)
+    return replica
 
 
 class LayerNorm(torch.nn.LayerNorm):
@@ -42,6 +61,8 @@ class LayerNorm(torch.nn.LayerNorm):
     # (a class attribute, so that a torch.nn.LayerNorm whose class a swap changed has it too;
     # a type comment, not an annotation: TorchScript reads the class's annotations)
     _upcast = False  # type: Union[bool, str]
+    __getstate__ = _getstate
+    _replicate_for_data_parallel = _replicate
 
     def __init__(self, normalized_shape: Union[int, list[int], torch.Size], eps: float = 1e-5,
                  elementwise_affine: bool = True, bias: bool = True, device: Any = None,
@@ -75,8 +96,8 @@ class LayerNorm(torch.nn.LayerNorm):
                               upcast=self._upcast)
         if type(input) is not Tensor:   # a subclass (nested, DTensor): the public door
             return layer_norm(input, self.normalized_shape, weight, bias, eps)
-        return _norm(input, self.normalized_shape, weight, bias,
-                     eps if type(eps) is float else _validate.as_eps(eps), False)[0]
+        return _module_norm(self, input, weight, bias,
+                            eps if type(eps) is float else _validate.as_eps(eps), False)
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -101,6 +122,8 @@ class RMSNorm(torch.nn.RMSNorm):
     # has it too)
     # (no annotation: TorchScript reads the class's annotations; mypy reads the comment)
     _modes = None  # type: Optional[tuple[float, bool]]
+    __getstate__ = _getstate
+    _replicate_for_data_parallel = _replicate
 
     def __init__(self, normalized_shape: Union[int, list[int], torch.Size],
                  eps: Optional[float] = None,
@@ -140,5 +163,5 @@ class RMSNorm(torch.nn.RMSNorm):
                             round_xhat=self._modes[1])
         if type(input) is not Tensor:   # a subclass (nested, DTensor): the public door
             return rms_norm(input, self.normalized_shape, weight, eps)
-        return _norm(input, self.normalized_shape, weight, _NO_BIAS,
-                     eps if type(eps) is float else _rms_eps(input, eps), True)[0]
+        return _module_norm(self, input, weight, _NO_BIAS,
+                            eps if type(eps) is float else _rms_eps(input, eps), True)

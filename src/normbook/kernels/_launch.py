@@ -49,7 +49,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 __all__ = ["launch", "direct", "stub_driver", "TESTED", "compiled_variants", "kept", "plain",
-           "READY", "measure", "other_device"]
+           "READY", "forget_ready", "measure", "other_device"]
 
 TESTED = ("3.6", "3.9")   # Triton versions whose JITFunction.run this mirrors, and is tested on
 
@@ -61,6 +61,16 @@ _compiled: dict = {}
 # the front door's ready calls (normbook.functional._norm): its key -> a Ready of _forward,
 # holding kept kernels; forgotten with them
 READY: dict = {}
+
+
+def forget_ready() -> None:
+    """Empty :data:`READY`, and mark each Ready it held no longer live: a module keeps the
+    ones it launched (``functional._module_norm``), and must not launch their kernels again
+    once they are forgotten (a stub's, say, after it is gone)."""
+    for made in READY.values():
+        if made:
+            made.live = False
+    READY.clear()
 
 
 def direct(kernel) -> bool:
@@ -132,7 +142,7 @@ def launch(kernel, grid: tuple, args: tuple, flags: dict, key: Optional[tuple] =
         return
     if len(_compiled) >= MAX_KEPT:   # (many distinct M: start again rather than grow)
         _compiled.clear()
-        READY.clear()
+        forget_ready()
     _compiled[key, device] = kept
 
 
@@ -294,7 +304,7 @@ def _forget() -> None:
     from normbook.kernels import _backward, _forward
 
     _compiled.clear()
-    READY.clear()
+    forget_ready()
     for module in (_forward, _backward):
         for value in vars(module).values():
             caches = getattr(value, "device_caches", None)

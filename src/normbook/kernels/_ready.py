@@ -36,7 +36,7 @@ class Ready:
     (True) a gradient at h that finds its kernels kept."""
 
     __slots__ = ("device", "M", "D", "k", "fwd", "plan_args", "likes", "bwd", "groups", "stream",
-                 "empties")
+                 "empties", "live")
 
     def forward(self, x, residual, weight, bias, eps: float):
         """(y, h, stats) as ``norm_forward``'s, for x (..., D) and the residual (or None) of
@@ -151,6 +151,7 @@ def ready(x, residual, weight, bias, is_rms: bool, D: int):
     if fwd is None:
         return None
     made = Ready()
+    made.live = True    # until its kernels are forgotten (_launch.forget_ready)
     made.device, made.M, made.D, made.k, made.fwd = device, M, D, 1 if is_rms else 2, fwd
     # the backward's, by whether dh is given (h may get no gradient although it was returned)
     made.plan_args = (M, D, device, e, is_rms, weight is not None, bias is not None, D & 15)
