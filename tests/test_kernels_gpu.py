@@ -199,7 +199,8 @@ def test_gpu_reduce_overhead_mode_matches_eager(D):
 def test_gpu_a_ready_call_is_bitwise_the_launchers(D):
     """The door's fast path (normbook.kernels._ready): a signature's first call runs the
     launchers and makes it ready, the next ones launch the kept kernels directly. Both give the
-    same bits: modules, the fused residual add with and without a gradient at h, and no_grad."""
+    same bits: modules (whose later calls launch the ready call each keeps, past its guard),
+    the fused residual add with and without a gradient at h, and no_grad."""
     import normbook
     from normbook.kernels import _launch
 
@@ -222,7 +223,7 @@ def test_gpu_a_ready_call_is_bitwise_the_launchers(D):
 
     steps = [lambda: _train_step(norms, x, dy), lambda: fused(True), lambda: fused(False),
              no_grad]
-    _launch.READY.clear()           # the first calls: through the launchers
+    _launch.forget_ready()          # the first calls: through the launchers
     first = [step() for step in steps]
     assert len(_launch.READY) >= 3
     for _ in range(2):
