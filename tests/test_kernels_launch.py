@@ -247,6 +247,7 @@ with _launch.stub_driver(record), normbook.backend("kernels"):
     declined = {
         "misaligned input": lambda: normbook.layer_norm(base[1:129].view(2, 64).requires_grad_(), 64, w),
         "weight not dense": lambda: normbook.layer_norm(x, 64, t(128, grad=False).float()[::2]),
+        "a negative view": lambda: normbook.layer_norm(torch._neg_view(x), 64, w),
         "dy not dense": lambda: normbook.layer_norm(x, 64, w).backward(torch.ones(64).bfloat16().expand(300, 64)),
     }
     for name, fn in declined.items():
@@ -326,11 +327,23 @@ with _launch.stub_driver(record), normbook.backend("kernels"):
         knobs.runtime.launch_enter_hook.remove(hook)
     with torch.inference_mode():
         xi = xm.detach().clone()
-    module["an inference tensor"] = module_run(lambda: mr(xi))
+    module["an inference tensor"] = [module_run(lambda: mr(xi))[2] for _ in range(2)]
+    # rows that are not dense: kept, the guard would hold their strides for the dense kernels
+    tokens = t(200, 3, 64)
+    module["rows not dense"] = [module_run(lambda: mr(tokens[:, 0])) for _ in range(2)]
+    module["rows expanded"] = [module_run(lambda: mr(xm[:1].expand(200, 64))) for _ in range(2)]
+    module["a negative view"] = [module_run(lambda: mr(torch._neg_view(xm)))[2] for _ in range(2)]
     import copy, pickle
-    kept = "_normbook_calls" in vars(mr)
-    module["copies keep no calls"] = [kept] + [
-        "_normbook_calls" not in vars(c) for c in (copy.deepcopy(mr), pickle.loads(pickle.dumps(mr)))]
+    kept = bool(vars(mr).get("_normbook_calls"))
+    from torch.nn.utils import parametrize
+    pm = normbook.RMSNorm(64, dtype=torch.bfloat16)
+    parametrize.register_parametrization(pm, "weight", torch.nn.Identity())
+    backward(pm(xm)), backward(pm(xm))
+    pm_kept = bool(vars(pm).get("_normbook_calls"))
+    module["copies keep no calls"] = [kept, pm_kept] + [
+        not vars(c).get("_normbook_calls")
+        for c in (copy.deepcopy(mr), pickle.loads(pickle.dumps(mr)), copy.deepcopy(pm),
+                  mr._replicate_for_data_parallel())]
     # the stub's kernels forgotten: a module's kept call must not launch them
     ready_before = next(iter(vars(mr)["_normbook_calls"].values()))[-1][-1]
     _launch.forget_ready()
@@ -384,12 +397,14 @@ def test_ready_signatures_called_in_turn_each_launch_their_own(ready_calls, case
 
 
 @pytest.mark.parametrize("case", ["misaligned input", "weight not dense", "a launch hook",
-                                  "weight.data in another dtype"])
+                                  "weight.data in another dtype", "a negative view"])
 def test_what_a_signature_does_not_fix_is_checked_on_every_call(ready_calls, case):
     """A ready signature's later calls go to the launchers when this call's pointers are off
     16-byte alignment or its parameters not dense (the kernels were specialized and the
     launches planned for what the first call had), when a launch hook is set (Triton's path
-    calls it), and when a parameter's data changed dtype in place (another signature)."""
+    calls it), when a parameter's data changed dtype in place (another signature), and for a
+    negative view (its sign a bit the kernels' pointer does not carry: the launchers get its
+    values)."""
     assert ready_calls[case][:1] == ["fwd"], (case, ready_calls[case])
 
 
@@ -535,13 +550,32 @@ def test_a_module_call_without_gradient_launches_the_forward_alone(ready_calls):
     assert ready_calls["module"]["no grad, grad_fn"] is True
 
 
-@pytest.mark.parametrize("case", ["a launch hook", "an inference tensor"])
-def test_a_hook_or_an_inference_tensor_takes_the_front_door(ready_calls, case):
-    assert ready_calls["module"][case][2] == 1
+def test_a_launch_hook_takes_the_front_door(ready_calls):
+    assert ready_calls["module"]["a launch hook"][2] == 1
+
+
+@pytest.mark.parametrize("case", ["an inference tensor", "a negative view"])
+def test_what_the_door_copies_is_never_kept(ready_calls, case):
+    """An inference tensor (the Function cannot save it: the door copies it) and a negative
+    view (the door gives the launchers its values) take the front door every time."""
+    assert ready_calls["module"][case] == [1, 1]
+
+
+@pytest.mark.parametrize("case", ["rows not dense", "rows expanded"])
+def test_rows_not_dense_are_never_kept(ready_calls, case):
+    """A module called on rows that are not dense (a column of tokens, x[:, 0]; one row
+    expanded) after its dense call of the same shape made the signature ready: the door each
+    time, which hands the launchers the real strides (kept, the dense kernels would read the
+    wrong rows, or past the end of an expanded row)."""
+    (first, _, door), (second, _, again) = ready_calls["module"][case]
+    assert (door, again) == (1, 1) and second == first
 
 
 def test_copies_of_a_module_keep_no_calls(ready_calls):
-    assert ready_calls["module"]["copies keep no calls"] == [True, True, True]
+    """A deep copy, a pickle, a DataParallel replica, and the deep copy of a parametrized
+    module (torch.nn.utils.parametrize copies the module's dict itself) carry none of the
+    calls the module keeps."""
+    assert ready_calls["module"]["copies keep no calls"] == [True] * 6
 
 
 def test_forgotten_kernels_are_not_launched_by_a_module(ready_calls):

@@ -220,6 +220,28 @@ def test_transposed_input_is_copied_and_correct():
     assert torch.equal(dw, dw_c)
 
 
+@pytest.mark.parametrize("which", ["x", "residual", "weight", "bias"])
+def test_a_negative_view_is_read_as_its_values(which):
+    """torch._neg_view keeps a tensor's sign as a bit, not in its memory, which the kernels
+    read as it is: every argument gives what its values give (they once gave the norm of the
+    memory, the sign lost), forward and backward, through the fused add too."""
+    x, w, b, dy = make(37, 760, torch.bfloat16)
+    r = torch.randn_like(x)
+
+    def fn(neg):
+        def norm(x, r, w, b):
+            args = dict(x=x, residual=r, weight=w, bias=b)
+            args[which] = (torch._neg_view if neg else torch.neg)(args[which])
+            return K.add_layer_norm(*args.values(), EPS)[0]
+        return norm
+
+    y, g = grads(fn(True), dy, x, r, w, b)
+    y_want, g_want = grads(fn(False), dy, x, r, w, b)
+    assert torch.equal(y, y_want)
+    for got, want in zip(g, g_want):
+        assert torch.equal(got, want)
+
+
 def test_multi_dim_normalized_shape_and_nan_row():
     """normalized_shape (4, 8) flattens to D = 32, as in torch; a NaN stays in its own row."""
     x, w, b, _ = make(6, 32, torch.float32)

@@ -457,3 +457,19 @@ def test_two_dim_input_normalized_over_both_dims_keeps_its_shape():
                    (K.rms_norm(x, (4, 8), w), torch.nn.functional.rms_norm(x, (4, 8), w))):
         assert y.shape == (4, 8)
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_negative_view_compiled_or_exported_is_read_as_its_values():
+    """Eager calls make a negative view's values real before the kernels read memory (the
+    door's _values); compiled and exported programs, which never run that check (Dynamo cannot
+    trace is_neg), hand their custom op real tensors: the norm of -x, not of x."""
+    x, w, _, _ = make(8, 64, torch.float32)
+    want = K.rms_norm(-x, 64, w)
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: K.rms_norm(t, 64, w), backend="aot_eager", fullgraph=True)
+    assert torch.equal(f(torch._neg_view(x)), want)
+    m = normbook.RMSNorm(64, device=DEVICE)
+    with normbook.backend("kernels"):
+        ep = torch.export.export(m, (x,))
+        assert torch.equal(ep.module()(torch._neg_view(x)), m(-x))

@@ -523,6 +523,13 @@ def _check_kernel_args(input, weight, bias, name):
                      f"got device {input.device}")
 
 
+def _values(*tensors):
+    """The tensors with each negative view (``torch._neg_view``: a sign kept as a bit of the
+    tensor, not in its memory) made real, since the kernels read memory as it is; the rest
+    (and None) as they are."""
+    return tuple(t.resolve_neg() if t is not None and t.is_neg() else t for t in tensors)
+
+
 def _check_residual(residual, input) -> None:
     _validate.check_input(residual, "residual")
     if residual.shape != input.shape:
@@ -640,14 +647,15 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
             key = _signature(input, weight, b, residual, is_rms, D, kernels)
             ready = _READY.get(key)
             if ready and not (
-                    input.is_contiguous()
+                    input.is_contiguous() and not input.is_neg()
                     and (weight is None or (weight.shape == (D,) and weight.device == key[2]
-                                            and weight.is_contiguous()))
+                                            and weight.is_contiguous() and not weight.is_neg()))
                     and (b is None or (b.shape == (D,) and b.device == key[2]
-                                       and b.is_contiguous()))
+                                       and b.is_contiguous() and not b.is_neg()))
                     and (residual is None or (residual.shape == key[0]
                                               and residual.device == key[2]
-                                              and residual.is_contiguous()))
+                                              and residual.is_contiguous()
+                                              and not residual.is_neg()))
                     and not (input.data_ptr() | (0 if weight is None else weight.data_ptr())
                              | (0 if b is None else b.data_ptr())
                              | (0 if residual is None else residual.data_ptr())) & 15
@@ -687,6 +695,21 @@ _NOTHING = torch.empty(0)   # a None parameter, as the guard sees it (no ready c
 MAX_MODULE_CALLS = 64       # input shapes a module keeps before it starts again
 
 
+class _Calls(dict):
+    """A module's kept calls, input shape -> (guard, normalized_shape, backend, wants a
+    gradient, the Function's cfg). They hold compiled kernels and C++ guards, which no copy of
+    the module carries: a copy, deep copy or pickle of this is empty (whichever way the module
+    is copied: ``torch.nn.utils.parametrize`` deep-copies its dict itself)."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return _Calls, ()
+
+    def __deepcopy__(self, memo):
+        return _Calls()
+
+
 def _module_norm(module, input, weight, bias, eps, is_rms):
     """y of ``normbook.LayerNorm`` and ``normbook.RMSNorm`` (``bias`` :data:`_NO_BIAS`), for
     a plain tensor.
@@ -700,7 +723,9 @@ def _module_norm(module, input, weight, bias, eps, is_rms):
     normalized_shape, backend and current CUDA device; no tracer, transform, autocast, forward
     AD or launch hook), launches the kept kernels at once, about 1.2 us sooner than through
     :func:`_norm` (``python -m normbook.bench host``). Any other call goes through
-    :func:`_norm`, which checks everything, and its signature, if ready, is kept.
+    :func:`_norm`, which checks everything; its signature, if ready, is kept when its tensors
+    are what the kept kernels take as they are (dense, neither inference tensors nor
+    negative views).
     """
     shape = module.normalized_shape
     if (_compiling() or _transformed() or _any_autocast() or _tracing()
@@ -727,10 +752,14 @@ def _module_norm(module, input, weight, bias, eps, is_rms):
     y = _norm(input, shape, weight, bias, eps, is_rms)[0]
     if _TensorGuards is not None and type(shape) is tuple and len(shape) == 1 and type(eps) is float:
         ready = _READY.get(_signature(input, weight, b, None, is_rms, shape[0], None))
-        if ready:
+        tensors = (input, _NOTHING if weight is None else weight, _NOTHING if b is None else b)
+        # kept only for what the kept kernels take as it is (the guard then holds it so):
+        # dense rows and parameters, no inference tensor (the Function cannot save it) and no
+        # negative view (see _values): the front door copies those
+        if ready and all(t.is_contiguous() and not (t.is_inference() or t.is_neg())
+                         for t in tensors):
             if calls is None or len(calls) >= MAX_MODULE_CALLS:
-                calls = module.__dict__["_normbook_calls"] = {}
-            tensors = (input, _NOTHING if weight is None else weight, _NOTHING if b is None else b)
+                calls = module.__dict__["_normbook_calls"] = _Calls()
             calls[input.shape] = (
                 _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None),
                 shape, _backend, any(t.requires_grad for t in tensors),
@@ -823,6 +852,8 @@ def _checked(input, normalized_shape, weight, bias, eps, is_rms, residual, name,
         _check_kernel_args(input, weight, bias, name)
         kernels = _kernels_take(input, residual)
         _kernels()
+        if not _compiling():   # (Dynamo cannot trace is_neg; a traced op gets real tensors)
+            input, residual, weight, bias = _values(input, residual, weight, bias)
     if _whole(input):
         x, r = input, residual          # (..., D) as they are (see _whole)
         if not kernels and not x.is_contiguous():
@@ -1076,6 +1107,7 @@ def _rounds_fused(input, normalized_shape, weight, eps) -> bool:
     AD; anything else (and every refusal) takes the composition."""
     D = input.shape[-1] if input.dim() else 0
     return (type(input) is Tensor and type(weight) in _PLAIN and weight.dtype == input.dtype
+            and not (input.is_neg() or weight.is_neg())      # (see _values)
             and 0 < D <= _FUSED_D and normalized_shape in (D, (D,), [D])
             and weight.shape == (D,) and weight.device == input.device
             and (eps is None or (type(eps) is float and eps == eps))

@@ -28,21 +28,13 @@ __all__ = ["LayerNorm", "RMSNorm"]
 _ABSENT: Any = object()
 
 
-# A module keeps the calls it has made ready (functional._module_norm), in its instance dict:
-# they hold compiled kernels and guards, which neither a pickle, nor a copy, nor a replica for
-# another device should carry.
-_CALLS = "_normbook_calls"
-
-
-def _getstate(self):
-    state = torch.nn.Module.__getstate__(self)
-    state.pop(_CALLS, None)
-    return state
-
 
 def _replicate(self):
+    """A DataParallel replica, without the calls this module keeps (functional._module_norm):
+    a replica's parameters are on another device, and a store shared with it would be
+    rebuilt at every call (copies and pickles of a module carry none: functional._Calls)."""
     replica = torch.nn.Module._replicate_for_data_parallel(self)
-    replica.__dict__.pop(_CALLS, None)
+    replica.__dict__.pop("_normbook_calls", None)
     return replica
 
 
@@ -61,7 +53,6 @@ class LayerNorm(torch.nn.LayerNorm):
     # (a class attribute, so that a torch.nn.LayerNorm whose class a swap changed has it too;
     # a type comment, not an annotation: TorchScript reads the class's annotations)
     _upcast = False  # type: Union[bool, str]
-    __getstate__ = _getstate
     _replicate_for_data_parallel = _replicate
 
     def __init__(self, normalized_shape: Union[int, list[int], torch.Size], eps: float = 1e-5,
@@ -122,7 +113,6 @@ class RMSNorm(torch.nn.RMSNorm):
     # has it too)
     # (no annotation: TorchScript reads the class's annotations; mypy reads the comment)
     _modes = None  # type: Optional[tuple[float, bool]]
-    __getstate__ = _getstate
     _replicate_for_data_parallel = _replicate
 
     def __init__(self, normalized_shape: Union[int, list[int], torch.Size],
