@@ -256,3 +256,21 @@ def test_a_module_compiles_whole_past_the_calls_it_keeps(cls):
     y = torch.compile(m, backend="aot_eager", fullgraph=True)(x)
     del m.__dict__["_normbook_calls"]
     torch.testing.assert_close(y, m(x))
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+def test_round_xhat_of_half_rows_compiles_whole(backend, request):
+    """rms_norm's round_xhat on bf16 rows (Llama's order, what swap.py gives its norms)
+    compiles with fullgraph, no graph break, with eager's numbers: the fused path's test
+    reads nothing Dynamo cannot trace (a negative-view test placed before the tracers' once
+    broke it)."""
+    if backend == "kernels":
+        request.getfixturevalue("kernels")
+    torch.manual_seed(0)
+    m = normbook.RMSNorm(64, dtype=torch.bfloat16, round_xhat=True)
+    x = torch.randn(4, 64).bfloat16()
+    with normbook.backend(backend):
+        torch._dynamo.reset()
+        assert torch._dynamo.explain(m)(x).graph_break_count == 0
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(m, backend="aot_eager", fullgraph=True)(x), m(x))

@@ -243,15 +243,26 @@ with _launch.stub_driver(record), normbook.backend("kernels"):
     # calls the fast path must leave to the launchers, after their signature is ready
     base = t(2 * 64 + 8, grad=False)
     w = t(64, grad=False).float()
-    normbook.layer_norm(x, 64, w)                         # ready
+    bb = t(64, grad=False).float()
+    for _ in range(2):    # ready: (300, 64) with w, with w and bb, and (2, 64) aligned
+        normbook.layer_norm(x, 64, w), normbook.layer_norm(x, 64, w, bb)
+        normbook.layer_norm(base[:128].view(2, 64).requires_grad_(), 64, w)
     declined = {
         "misaligned input": lambda: normbook.layer_norm(base[1:129].view(2, 64).requires_grad_(), 64, w),
         "weight not dense": lambda: normbook.layer_norm(x, 64, t(128, grad=False).float()[::2]),
         "a negative view": lambda: normbook.layer_norm(torch._neg_view(x), 64, w),
+        "a negative weight": lambda: normbook.layer_norm(x, 64, torch._neg_view(w)),
+        "a negative bias": lambda: normbook.layer_norm(x, 64, w, torch._neg_view(bb)),
+        "a negative residual": lambda: normbook.add_layer_norm(x, torch._neg_view(r), w32),
         "dy not dense": lambda: normbook.layer_norm(x, 64, w).backward(torch.ones(64).bfloat16().expand(300, 64)),
     }
     for name, fn in declined.items():
         out[name] = run(fn)[1]
+    # a negative dy to a ready backward: its values reach the launcher, not the memory
+    n = len(record)
+    neg_dy = lambda: normbook.layer_norm(x, 64, w).backward(torch._neg_view(torch.ones(300, 64).bfloat16()))
+    out["a negative dy"] = dict(launched=run(neg_dy)[1], negative=any(
+        isinstance(a, torch.Tensor) and a.is_neg() for call in record[n:] for a in call))
     from triton import knobs
     hook = lambda metadata: None
     knobs.runtime.launch_enter_hook.add(hook)
@@ -309,8 +320,17 @@ with _launch.stub_driver(record), normbook.backend("kernels"):
     m.bias.data = torch.zeros(64).bfloat16()
     each("input not requiring grad", lambda: None, lambda: m(xm.detach()))
     each("normalized_shape replaced", lambda: setattr(m, "normalized_shape", (64,)))
-    misaligned = base[1:129].view(2, 64)
+    aligned, misaligned = base[:128].view(2, 64), base[1:129].view(2, 64)
+    module["aligned, kept"] = [module_run(lambda: m(aligned))[2] for _ in range(2)]
     each("misaligned input", lambda: None, lambda: m(misaligned))
+    module_run(fwd_bwd())   # (xm's call kept again)
+    m.normalized_shape = (32,)      # another width: the door's error, not the kept (64,) call
+    try:
+        m(xm)
+        module["normalized_shape of another width"] = "accepted"
+    except (ValueError, RuntimeError) as e:
+        module["normalized_shape of another width"] = type(e).__name__
+    m.normalized_shape = (64,)
     def to_torch():
         with normbook.backend("torch"):
             return m(xm)
@@ -344,6 +364,13 @@ with _launch.stub_driver(record), normbook.backend("kernels"):
         not vars(c).get("_normbook_calls")
         for c in (copy.deepcopy(mr), pickle.loads(pickle.dumps(mr)), copy.deepcopy(pm),
                   mr._replicate_for_data_parallel())]
+    # a bounded store: a module called on many shapes keeps at most MAX_MODULE_CALLS
+    many = normbook.RMSNorm(64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for M in range(1, functional.MAX_MODULE_CALLS + 7):
+            many(t(M, 64, grad=False))
+        last = t(M, 64, grad=False)
+        module["many shapes"] = [len(vars(many)["_normbook_calls"]), module_run(lambda: many(last))[2]]
     # the stub's kernels forgotten: a module's kept call must not launch them
     ready_before = next(iter(vars(mr)["_normbook_calls"].values()))[-1][-1]
     _launch.forget_ready()
@@ -397,7 +424,9 @@ def test_ready_signatures_called_in_turn_each_launch_their_own(ready_calls, case
 
 
 @pytest.mark.parametrize("case", ["misaligned input", "weight not dense", "a launch hook",
-                                  "weight.data in another dtype", "a negative view"])
+                                  "weight.data in another dtype", "a negative view",
+                                  "a negative weight", "a negative bias",
+                                  "a negative residual"])
 def test_what_a_signature_does_not_fix_is_checked_on_every_call(ready_calls, case):
     """A ready signature's later calls go to the launchers when this call's pointers are off
     16-byte alignment or its parameters not dense (the kernels were specialized and the
@@ -406,6 +435,12 @@ def test_what_a_signature_does_not_fix_is_checked_on_every_call(ready_calls, cas
     negative view (its sign a bit the kernels' pointer does not carry: the launchers get its
     values)."""
     assert ready_calls[case][:1] == ["fwd"], (case, ready_calls[case])
+
+
+def test_a_negative_gradient_reaches_the_ready_backward_as_its_values(ready_calls):
+    """A negative view as dy: the ready backward launches (no launcher runs) with its values
+    (the launcher is handed no tensor whose sign is a bit)."""
+    assert ready_calls["a negative dy"] == {"launched": [], "negative": False}
 
 
 def test_a_gradient_not_dense_goes_to_the_launcher(ready_calls):
@@ -534,7 +569,25 @@ def test_a_kept_call_launches_the_new_eps(ready_calls):
 
 @pytest.mark.parametrize("case", ["misaligned input", "torch backend"])
 def test_what_a_module_may_never_keep_takes_the_front_door_every_time(ready_calls, case):
+    """A misaligned input of a shape whose aligned call is kept (the kept kernels were
+    specialized on 16-byte pointers), and the torch backend."""
+    assert ready_calls["module"]["aligned, kept"] == [1, 0]
     assert [door for _, _, door in ready_calls["module"][case]] == [1, 1]
+
+
+def test_a_kept_call_is_not_taken_for_another_normalized_shape(ready_calls):
+    """normalized_shape set to another width after a call was kept: the door's error, as on a
+    first call (the kept call normalizes rows of 64)."""
+    assert ready_calls["module"]["normalized_shape of another width"] == "ShapeError"
+
+
+def test_a_module_keeps_at_most_max_module_calls(ready_calls):
+    """Called on MAX_MODULE_CALLS + 6 shapes, a module keeps at most MAX_MODULE_CALLS of
+    them (the store starts again when full), and the last shape's next call is kept."""
+    from normbook.functional import MAX_MODULE_CALLS
+
+    kept, door = ready_calls["module"]["many shapes"]
+    assert 0 < kept <= MAX_MODULE_CALLS and door == 0
 
 
 def test_a_parameter_of_another_length_is_refused_after_a_kept_call(ready_calls):

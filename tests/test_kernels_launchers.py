@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+import normbook  # noqa: E402
 import normbook.kernels as K  # noqa: E402
 from normbook.kernels import _config  # noqa: E402
 from normbook import checks, reference  # noqa: E402
@@ -240,6 +241,35 @@ def test_a_negative_view_is_read_as_its_values(which):
     assert torch.equal(y, y_want)
     for got, want in zip(g, g_want):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("which", ["dy", "dh", "round_xhat x", "round_xhat dy"])
+def test_a_negative_view_is_read_as_its_values_in_the_backward_and_round_xhat(which):
+    """The same for the gradients arriving at y and at h (autograd hands the backward what
+    the graph's next op gave), and for rms_norm's round_xhat, forward and backward (a negative
+    x takes the composition, weight * rms_norm(x), whose backward rounds as autograd's does,
+    so that is what it is compared with)."""
+    x, w, _, dy = make(37, 760, torch.bfloat16)
+    r = torch.randn_like(x)
+    results = []
+    for sign in (torch._neg_view, torch.neg):
+        xi, ri, wi = (t.detach().clone().requires_grad_() for t in (x, r, w))
+        if which.startswith("round_xhat"):
+            xin = sign(xi) if which == "round_xhat x" else xi
+            with normbook.backend("kernels"):
+                if which == "round_xhat x" and sign is torch.neg:
+                    y = wi * normbook.rms_norm(xin, 760, None)
+                else:
+                    y = normbook.rms_norm(xin, 760, wi, round_xhat=True)
+            y.backward(sign(dy) if which == "round_xhat dy" else dy)
+            h = y
+        else:
+            y, h = K.add_layer_norm(xi, ri, wi, None, EPS)
+            torch.autograd.backward((y, h), (sign(dy) if which == "dy" else dy,
+                                             sign(dy) if which == "dh" else dy))
+        results.append([y.detach(), h.detach(), xi.grad, ri.grad, wi.grad])
+    for got, want in zip(*results):
+        assert (got is None and want is None) or torch.equal(got, want), which
 
 
 def test_multi_dim_normalized_shape_and_nan_row():

@@ -272,9 +272,11 @@ class NormFunction(torch.autograd.Function):
             # in place, is not read, as torch's x + residual would not)
             return dh, dh, None, None, None
         x, weight, stats = ctx.saved_tensors
-        if ready is not None and not (_grad_enabled() or _transformed() or _compiling()
-                                      or _fwAD._current_level >= 0 or _legacy_batched(dy)
-                                      or not _K.plain()):
+        if not _compiling():      # (see _values; Dynamo cannot trace is_neg)
+            dy, dh = _values(dy, dh)
+        if ready is not None and ready.live and not (
+                _grad_enabled() or _transformed() or _compiling() or _fwAD._current_level >= 0
+                or _legacy_batched(dy) or not _K.plain()):
             grads = ready.backward(dy, dh, x, weight, stats, bias_dtype)
             if grads is not None:       # (None: dy or dh not dense, or not kept yet)
                 dx = grads[0]
@@ -703,11 +705,8 @@ class _Calls(dict):
 
     __slots__ = ()
 
-    def __reduce__(self):
+    def __reduce__(self):      # (what pickle and copy.deepcopy rebuild it from)
         return _Calls, ()
-
-    def __deepcopy__(self, memo):
-        return _Calls()
 
 
 def _module_norm(module, input, weight, bias, eps, is_rms):
@@ -758,7 +757,7 @@ def _module_norm(module, input, weight, bias, eps, is_rms):
         # negative view (see _values): the front door copies those
         if ready and all(t.is_contiguous() and not (t.is_inference() or t.is_neg())
                          for t in tensors):
-            if calls is None or len(calls) >= MAX_MODULE_CALLS:
+            if calls is None or (len(calls) >= MAX_MODULE_CALLS and input.shape not in calls):
                 calls = module.__dict__["_normbook_calls"] = _Calls()
             calls[input.shape] = (
                 _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None),
@@ -1107,13 +1106,14 @@ def _rounds_fused(input, normalized_shape, weight, eps) -> bool:
     AD; anything else (and every refusal) takes the composition."""
     D = input.shape[-1] if input.dim() else 0
     return (type(input) is Tensor and type(weight) in _PLAIN and weight.dtype == input.dtype
-            and not (input.is_neg() or weight.is_neg())      # (see _values)
             and 0 < D <= _FUSED_D and normalized_shape in (D, (D,), [D])
             and weight.shape == (D,) and weight.device == input.device
             and (eps is None or (type(eps) is float and eps == eps))
             and _use_kernels(input)
             and not (_compiling() or _transformed() or _any_autocast() or _tracing()
-                     or _fwAD._current_level >= 0))
+                     or _fwAD._current_level >= 0)
+            # (see _values; after the tracers' test: Dynamo cannot trace is_neg)
+            and not (input.is_neg() or weight.is_neg()))
 
 
 class _RoundXhat(torch.autograd.Function):
@@ -1145,6 +1145,7 @@ class _RoundXhat(torch.autograd.Function):
                 y = weight * rms_norm(x, x.shape[-1], None, ctx.eps)
                 grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True))
             return (*(next(grads) if need else None for need in ctx.needs_input_grad[:2]), None)
+        (dy,) = _values(dy)     # (see _values: the launcher reads memory)
         dx, dweight, _ = _K.norm_backward(_rows(dy), None, _rows(x), weight, stats, None, True,
                                           True)
         return dx.view(x.shape), dweight, None

@@ -28,7 +28,6 @@ __all__ = ["LayerNorm", "RMSNorm"]
 _ABSENT: Any = object()
 
 
-
 def _replicate(self):
     """A DataParallel replica, without the calls this module keeps (functional._module_norm):
     a replica's parameters are on another device, and a store shared with it would be

@@ -85,6 +85,10 @@ def _check(name, t, shape, x=None):
     if x is not None and t.device != x.device:
         raise ValueError(f"{name}: expected a tensor on x's device "
                          f"{x.device}, got {t.device}")
+    if t.is_neg():      # (the kernels read memory, not the sign bit)
+        raise ValueError(f"{name}: expected a tensor whose values are "
+                         "in memory, got a negative view (call "
+                         ".resolve_neg() first)")
 
 
 def _rows(x):
