@@ -373,7 +373,9 @@ with _launch.stub_driver(record), normbook.backend("kernels"):
         module["many shapes"] = [len(vars(many)["_normbook_calls"]), module_run(lambda: many(last))[2]]
     # the stub's kernels forgotten: a module's kept call must not launch them
     ready_before = next(iter(vars(mr)["_normbook_calls"].values()))[-1][-1]
+    y_before = mr(xm)                 # a graph whose backward is still to run
     _launch.forget_ready()
+    module["backward after forgetting"] = run(lambda: backward(y_before))[1]
     module["forgotten"] = [ready_before.live, module_run(fwd_bwd(mr))]
     functional._norm = door
 json.dump(out, sys.stdout)
@@ -636,3 +638,5 @@ def test_forgotten_kernels_are_not_launched_by_a_module(ready_calls):
     module's kept call is no longer live and its next call takes the front door."""
     live, (_, _, door) = ready_calls["module"]["forgotten"]
     assert live is False and door == 1
+    # nor by a backward recorded before: it takes the launcher
+    assert ready_calls["module"]["backward after forgetting"] == ["bwd"]
