@@ -1071,6 +1071,17 @@ def _rms_modes(input, normalized_shape, weight, eps, offset, round_xhat):
     eager case of ``round_xhat`` is fused instead (:class:`_RoundXhat`): the same operations
     in one pass."""
     offset = _validate.check_modes(offset, round_xhat, weight is not None)
+    if (round_xhat and not offset and type(input) is Tensor and input.dtype in _HALF
+            and _rounds_fused(input, normalized_shape, weight, eps)):
+        # fused, the kernels' eager case (what it takes passes every check below). The
+        # kernels read the weight as D dense values: a view (a column of a stacked weight, an
+        # expand) is copied, as the door copies it for the plain call
+        weight = weight if weight.is_contiguous() else weight.contiguous()
+        eps = _rms_eps(input, eps)
+        try:
+            return _round_apply(input, weight, eps)
+        except RuntimeError:   # (an inference tensor: see _copy_of_inference)
+            return _round_apply(_copy_of_inference(input, None), weight, eps)
     if not (isinstance(input, Tensor) and input.is_nested):   # (a nested input: _nested's)
         # the plain call's checks of the input and the weight, before gamma is formed from
         # it: a weight of the wrong shape was broadcast, an integer or complex one taken
@@ -1082,15 +1093,6 @@ def _rms_modes(input, normalized_shape, weight, eps, offset, round_xhat):
         weight = weight.float() + offset
     if (round_xhat and weight is not None and isinstance(input, Tensor)
             and input.dtype in _HALF):
-        if _rounds_fused(input, normalized_shape, weight, eps):
-            # the kernels read the weight as D dense values: a view (a column of a stacked
-            # weight, an expand) is copied, as the door copies it for the plain call
-            weight = weight if weight.is_contiguous() else weight.contiguous()
-            eps = _rms_eps(input, eps)
-            try:
-                return _RoundXhat.apply(input, weight, eps)
-            except RuntimeError:   # (an inference tensor: see _copy_of_inference)
-                return _RoundXhat.apply(_copy_of_inference(input, None), weight, eps)
         return weight * rms_norm(input, normalized_shape, None, eps)
     return rms_norm(input, normalized_shape, weight, eps)
 
@@ -1149,6 +1151,11 @@ class _RoundXhat(torch.autograd.Function):
         dx, dweight, _ = _K.norm_backward(_rows(dy), None, _rows(x), weight, stats, None, True,
                                           True)
         return dx.view(x.shape), dweight, None
+
+
+# (the C++ apply, as NormFunction's _eager_apply: _rounds_fused has excluded the transforms
+# that torch's Python apply would look for)
+_round_apply = super(torch.autograd.Function, _RoundXhat).apply
 
 
 def _add_norm(x, residual, weight, bias, eps, is_rms, kernels=None):
