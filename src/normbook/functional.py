@@ -272,7 +272,7 @@ class NormFunction(torch.autograd.Function):
             # in place, is not read, as torch's x + residual would not)
             return dh, dh, None, None, None
         x, weight, stats = ctx.saved_tensors
-        if not _compiling():      # (see _values; Dynamo cannot trace is_neg)
+        if kernels == _LAUNCH and not _compiling():   # (see _values; Dynamo cannot trace is_neg)
             dy, dh = _values(dy, dh)
         if ready is not None and ready.live and not (
                 _grad_enabled() or _transformed() or _compiling() or _fwAD._current_level >= 0
