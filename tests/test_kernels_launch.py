@@ -232,8 +232,11 @@ with _launch.stub_driver(record), normbook.backend("kernels"):
         "add_layer_norm fp32 weight": lambda: backward(normbook.add_layer_norm(x, r, w32)),
         "add_rms_norm": lambda: backward(normbook.add_rms_norm(x, r, w32.bfloat16())),
         "layer_norm no weight, 8 rows": lambda: backward(normbook.layer_norm(x8, 64)),
+        # Llama's order, fused (functional._round): its own signature, kept the same way
+        "rms_norm round_xhat": lambda: backward(normbook.rms_norm(x, 64, w16, round_xhat=True)),
     }
     x8 = x.detach()[:8].requires_grad_()
+    w16 = t(64)
     for name, fn in cases.items():
         calls = [run(fn) for _ in range(3)]
         out[name] = dict(calls=calls, ready=len(_launch.READY))
@@ -247,7 +250,12 @@ with _launch.stub_driver(record), normbook.backend("kernels"):
     for _ in range(2):    # ready: (300, 64) with w, with w and bb, and (2, 64) aligned
         normbook.layer_norm(x, 64, w), normbook.layer_norm(x, 64, w, bb)
         normbook.layer_norm(base[:128].view(2, 64).requires_grad_(), 64, w)
+        normbook.rms_norm(base[:128].view(2, 64).requires_grad_(), 64, w16, round_xhat=True)
     declined = {
+        "round_xhat misaligned input": lambda: normbook.rms_norm(
+            base[1:129].view(2, 64).requires_grad_(), 64, w16, round_xhat=True),
+        "round_xhat rows not dense": lambda: normbook.rms_norm(
+            t(300, 128)[:, :64], 64, w16, round_xhat=True),
         "misaligned input": lambda: normbook.layer_norm(base[1:129].view(2, 64).requires_grad_(), 64, w),
         "weight not dense": lambda: normbook.layer_norm(x, 64, t(128, grad=False).float()[::2]),
         "a negative view": lambda: normbook.layer_norm(torch._neg_view(x), 64, w),
@@ -265,9 +273,13 @@ with _launch.stub_driver(record), normbook.backend("kernels"):
         isinstance(a, torch.Tensor) and a.is_neg() for call in record[n:] for a in call))
     from triton import knobs
     hook = lambda metadata: None
+    y_hooked = normbook.rms_norm(x, 64, w16, round_xhat=True)   # (ready: its backward kept)
     knobs.runtime.launch_enter_hook.add(hook)
     try:
         out["a launch hook"] = run(lambda: backward(normbook.layer_norm(x, 64, w)))[1]
+        out["round_xhat, a launch hook"] = run(
+            lambda: backward(normbook.rms_norm(x, 64, w16, round_xhat=True)))[1]
+        out["round_xhat, a launch hook at backward"] = run(lambda: backward(y_hooked))[1]
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     # the same Parameter with other data: another signature, the launchers again
@@ -286,12 +298,14 @@ with _launch.stub_driver(record), normbook.backend("kernels"):
                           launches=len(calls))
 
     # the modules' own kept calls (functional._module_norm): _norm, the front door, counted
-    door = functional._norm
+    door, round_door = functional._norm, functional._round
     doors = []
-    def counted(*args, **kwargs):
-        doors.append(1)
-        return door(*args, **kwargs)
-    functional._norm = counted
+    def counting(fn):
+        def counted(*args, **kwargs):
+            doors.append(1)
+            return fn(*args, **kwargs)
+        return counted
+    functional._norm, functional._round = counting(door), counting(round_door)
     def module_run(fn):
         """(launcher calls, launchers called, front-door calls) of fn."""
         n = len(doors)
@@ -302,8 +316,19 @@ with _launch.stub_driver(record), normbook.backend("kernels"):
     xm = t(200, 64)     # (a shape no case above made ready)
     def fwd_bwd(mod=m, x=xm):
         return lambda: backward(mod(x))
+    mrx = normbook.RMSNorm(64, dtype=torch.bfloat16, round_xhat=True)
     module = out["module"] = {"LayerNorm": [module_run(fwd_bwd()) for _ in range(3)],
-                              "RMSNorm": [module_run(fwd_bwd(mr)) for _ in range(3)]}
+                              "RMSNorm": [module_run(fwd_bwd(mr)) for _ in range(3)],
+                              "RMSNorm round_xhat": [module_run(fwd_bwd(mrx)) for _ in range(3)]}
+    with torch.no_grad():
+        module["round_xhat, no grad"] = [module_run(lambda: mrx(xm)) for _ in range(2)]
+    # a plain module's kept call is not taken once its modes are set, nor the other way
+    mp = normbook.RMSNorm(64, dtype=torch.bfloat16)
+    module["modes set"] = [module_run(fwd_bwd(mp)) for _ in range(2)]
+    mp.set_modes(round_xhat=True)
+    module["modes set"] += [module_run(fwd_bwd(mp)) for _ in range(2)]
+    mp.set_modes()
+    module["modes set"] += [module_run(fwd_bwd(mp))]
     # and what its guard and checks must send to the front door, each once, then kept again
     def each(name, change, fn=fwd_bwd()):
         change()
@@ -372,12 +397,14 @@ with _launch.stub_driver(record), normbook.backend("kernels"):
         last = t(M, 64, grad=False)
         module["many shapes"] = [len(vars(many)["_normbook_calls"]), module_run(lambda: many(last))[2]]
     # the stub's kernels forgotten: a module's kept call must not launch them
-    ready_before = next(iter(vars(mr)["_normbook_calls"].values()))[-1][-1]
+    ready_before = next(iter(vars(mr)["_normbook_calls"].values()))[4][-1]
     y_before = mr(xm)                 # a graph whose backward is still to run
+    y_round = mrx(xm)
     _launch.forget_ready()
     module["backward after forgetting"] = run(lambda: backward(y_before))[1]
+    module["round_xhat backward after forgetting"] = run(lambda: backward(y_round))[1]
     module["forgotten"] = [ready_before.live, module_run(fwd_bwd(mr))]
-    functional._norm = door
+    functional._norm, functional._round = door, round_door
 json.dump(out, sys.stdout)
 '''
 
@@ -393,7 +420,7 @@ def ready_calls():
 
 _LAUNCHES = {"LayerNorm (2, 3, 256)": 2, "RMSNorm fp32 (300, 64)": 3, "layer_norm no weight": 2,
              "add_layer_norm fp32 weight": 3, "add_rms_norm": 3,
-             "layer_norm no weight, 8 rows": 2}
+             "layer_norm no weight, 8 rows": 2, "rms_norm round_xhat": 3}
 _CASES = tuple(_LAUNCHES)
 
 
@@ -413,7 +440,7 @@ def test_a_ready_call_hands_the_launcher_what_the_launchers_would(ready_calls, c
 
 
 def test_every_ready_signature_is_kept_once(ready_calls):
-    assert [ready_calls[c]["ready"] for c in _CASES] == [1, 2, 3, 4, 5, 6]
+    assert [ready_calls[c]["ready"] for c in _CASES] == [1, 2, 3, 4, 5, 6, 7]
 
 
 @pytest.mark.parametrize("case", _CASES)
@@ -428,7 +455,8 @@ def test_ready_signatures_called_in_turn_each_launch_their_own(ready_calls, case
 @pytest.mark.parametrize("case", ["misaligned input", "weight not dense", "a launch hook",
                                   "weight.data in another dtype", "a negative view",
                                   "a negative weight", "a negative bias",
-                                  "a negative residual"])
+                                  "a negative residual", "round_xhat misaligned input",
+                                  "round_xhat rows not dense", "round_xhat, a launch hook"])
 def test_what_a_signature_does_not_fix_is_checked_on_every_call(ready_calls, case):
     """A ready signature's later calls go to the launchers when this call's pointers are off
     16-byte alignment or its parameters not dense (the kernels were specialized and the
@@ -437,6 +465,12 @@ def test_what_a_signature_does_not_fix_is_checked_on_every_call(ready_calls, cas
     negative view (its sign a bit the kernels' pointer does not carry: the launchers get its
     values)."""
     assert ready_calls[case][:1] == ["fwd"], (case, ready_calls[case])
+
+
+def test_a_launch_hook_set_before_the_backward_takes_the_launcher(ready_calls):
+    """A round_xhat forward from kept kernels, then a launch hook: its backward goes to the
+    launcher (which lets Triton call the hook), not to the kept backward."""
+    assert ready_calls["round_xhat, a launch hook at backward"] == ["bwd"]
 
 
 def test_a_negative_gradient_reaches_the_ready_backward_as_its_values(ready_calls):
@@ -539,7 +573,7 @@ def test_the_kernels_compile_with_fp_fusion_asked_for(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm", "RMSNorm round_xhat"])
 def test_a_module_launches_its_kept_call_without_the_front_door(ready_calls, kind):
     """normbook.LayerNorm / RMSNorm keep the ready call of each input shape
     (functional._module_norm): after the first call, which goes through the front door and
@@ -561,6 +595,25 @@ def test_what_a_module_guard_does_not_pass_goes_through_the_front_door(ready_cal
     (first, _, door), (second, launchers, again) = ready_calls["module"][case]
     assert door == 1 and again == 0 and launchers == [], (case, door, again, launchers)
     assert second == first
+
+
+def test_a_round_xhat_module_without_gradient_launches_the_forward_alone(ready_calls):
+    """Under no_grad, the call kept with gradients launches its forward, no Function."""
+    assert all((len(calls), launchers, door) == (1, [], 0)
+               for calls, launchers, door in ready_calls["module"]["round_xhat, no grad"])
+
+
+def test_modes_set_after_a_kept_call_are_not_given_the_kept_kernels(ready_calls):
+    """A plain RMSNorm's kept call, then round_xhat set (set_modes): the next call takes the
+    round_xhat door, which launches the kernels of its signature (ready since another module
+    ran it: the round_xhat module's, not the plain ones), and the call after it is kept;
+    modes unset again, the plain door once more."""
+    (plain, _, _), (_, _, kept), (rounding, _, door), (again, by_again, kept_again), \
+        (back, _, door_back) = ready_calls["module"]["modes set"]
+    (round_module, _, _), *_ = ready_calls["module"]["RMSNorm round_xhat"]
+    assert kept == 0 and door == 1 and rounding == round_module and rounding != plain
+    assert (by_again, kept_again) == ([], 0) and again == rounding
+    assert door_back == 1 and back == plain
 
 
 def test_a_kept_call_launches_the_new_eps(ready_calls):
@@ -640,3 +693,4 @@ def test_forgotten_kernels_are_not_launched_by_a_module(ready_calls):
     assert live is False and door == 1
     # nor by a backward recorded before: it takes the launcher
     assert ready_calls["module"]["backward after forgetting"] == ["bwd"]
+    assert ready_calls["module"]["round_xhat backward after forgetting"] == ["bwd"]

@@ -367,6 +367,31 @@ def test_round_xhat_fused_differentiates_twice_and_leaves_the_rest_composed(kern
         assert type(two.grad_fn).__name__ == "MulBackward0"
 
 
+def test_round_xhat_fused_backward_takes_batched_and_dual_gradients(kernels):
+    """The fused pass's backward handed the launchers a batched dy (is_grads_batched, or vmap
+    over torch.autograd.grad), which has no storage ("Cannot access data pointer"), and a dual
+    one, whose tangent the launchers cannot carry. Both now take the composition through
+    autograd: the torch backend's gradients and tangents, to the bit."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, w, dy = _inputs(torch.bfloat16)
+    v = torch.stack([dy, dy.flip(0)])
+    got = {}
+    for name in ("kernels", "torch"):
+        with normbook.backend(name):
+            y = normbook.rms_norm(x, D, w, EPS, round_xhat=True)
+            grads = list(torch.autograd.grad(y, (x, w), v, is_grads_batched=True,
+                                             retain_graph=True))
+            grads += torch.func.vmap(lambda u: torch.autograd.grad(y, (x, w), u,
+                                                                  retain_graph=True))(v)
+            with fwAD.dual_level():
+                dual = torch.autograd.grad(y, (x, w), fwAD.make_dual(dy, v[1]))
+                grads += [part for g in dual for part in fwAD.unpack_dual(g)[:2]]
+        got[name] = grads
+    assert len(got["kernels"]) == 8
+    assert all(torch.equal(a, b) for a, b in zip(got["kernels"], got["torch"]))
+
+
 @pytest.mark.parametrize("modes", [dict(round_xhat=True), dict(offset=1.0)], ids=str)
 @pytest.mark.parametrize("weight, error, message", [
     (torch.ones(1), "ShapeError", r"weight: expected shape \(8,\) \(normalized_shape\), got \(1,\)"),

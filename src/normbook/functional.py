@@ -709,9 +709,9 @@ class _Calls(dict):
         return _Calls, ()
 
 
-def _module_norm(module, input, weight, bias, eps, is_rms):
+def _module_norm(module, input, weight, bias, eps, is_rms, round_xhat=False):
     """y of ``normbook.LayerNorm`` and ``normbook.RMSNorm`` (``bias`` :data:`_NO_BIAS`), for
-    a plain tensor.
+    a plain tensor; ``round_xhat``: RMSNorm's mode, for a half input (:func:`_round`).
 
     A module is called again and again with the same parameters on inputs of a few shapes. So
     it keeps, per input shape, the ready signature (:func:`_norm`) its last call of that shape
@@ -729,28 +729,36 @@ def _module_norm(module, input, weight, bias, eps, is_rms):
     shape = module.normalized_shape
     if (_compiling() or _transformed() or _any_autocast() or _tracing()
             or _fwAD._current_level >= 0):     # (first: a tracer sees nothing kept)
+        if round_xhat:
+            return rms_norm(input, shape, weight, eps, round_xhat=True)
         return _norm(input, shape, weight, bias, eps, is_rms)[0]
     b = None if bias is _NO_BIAS else bias
     calls = module.__dict__.get("_normbook_calls")
     if calls:
         call = calls.get(input.shape)
         if call is not None:
-            guard, kept_shape, backend, grad, cfg = call
+            guard, kept_shape, backend, grad, cfg, rounds = call
             ready = cfg[5]
             if (guard.check(input, _NOTHING if weight is None else weight,
                             _NOTHING if b is None else b)
                     and eps == cfg[0] and shape is kept_shape and _backend == backend
-                    and ready.live
+                    and rounds is round_xhat and ready.live
                     and not (input.data_ptr() | (0 if weight is None else weight.data_ptr())
                              | (0 if b is None else b.data_ptr())) & 15
                     and (ready.device < 0 or _current_device() == ready.device)
                     and _K.plain()):
                 if grad and _grad_enabled():
+                    if rounds:
+                        return _round_apply(input, weight, eps, ready)
                     return _eager_apply(input, None, weight, b, cfg)
                 return ready.forward(input, None, weight, b, eps)[0]
-    y = _norm(input, shape, weight, bias, eps, is_rms)[0]
+    if round_xhat:
+        y = rms_norm(input, shape, weight, eps, round_xhat=True)
+    else:
+        y = _norm(input, shape, weight, bias, eps, is_rms)[0]
     if _TensorGuards is not None and type(shape) is tuple and len(shape) == 1 and type(eps) is float:
-        ready = _READY.get(_signature(input, weight, b, None, is_rms, shape[0], None))
+        ready = _READY.get(_round_key(input, weight) if round_xhat
+                           else _signature(input, weight, b, None, is_rms, shape[0], None))
         tensors = (input, _NOTHING if weight is None else weight, _NOTHING if b is None else b)
         # kept only for what the kept kernels take as it is (the guard then holds it so):
         # dense rows and parameters, no inference tensor (the Function cannot save it) and no
@@ -762,7 +770,7 @@ def _module_norm(module, input, weight, bias, eps, is_rms):
             calls[input.shape] = (
                 _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None),
                 shape, _backend, any(t.requires_grad for t in tensors),
-                (eps, is_rms, _LAUNCH, None if b is None else b.dtype, False, ready))
+                (eps, is_rms, _LAUNCH, None if b is None else b.dtype, False, ready), round_xhat)
     return y
 
 
@@ -1077,11 +1085,7 @@ def _rms_modes(input, normalized_shape, weight, eps, offset, round_xhat):
         # kernels read the weight as D dense values: a view (a column of a stacked weight, an
         # expand) is copied, as the door copies it for the plain call
         weight = weight if weight.is_contiguous() else weight.contiguous()
-        eps = _rms_eps(input, eps)
-        try:
-            return _round_apply(input, weight, eps)
-        except RuntimeError:   # (an inference tensor: see _copy_of_inference)
-            return _round_apply(_copy_of_inference(input, None), weight, eps)
+        return _round(input, weight, _rms_eps(input, eps))
     if not (isinstance(input, Tensor) and input.is_nested):   # (a nested input: _nested's)
         # the plain call's checks of the input and the weight, before gamma is formed from
         # it: a weight of the wrong shape was broadcast, an integer or complex one taken
@@ -1118,6 +1122,41 @@ def _rounds_fused(input, normalized_shape, weight, eps) -> bool:
             and not (input.is_neg() or weight.is_neg()))
 
 
+def _round_key(input, weight) -> tuple:
+    """The signature of a fused ``round_xhat`` call (:func:`_round`) in the ready table."""
+    return _ROUND, input.shape, input.dtype, input.device, weight.dtype, _backend
+
+
+_ROUND = "round_xhat"
+
+
+def _round(input, weight, eps: float):
+    """``rms_norm(input, D, weight, eps, round_xhat=True)`` on the kernels, fused
+    (:func:`_rounds_fused` has said it is; weight dense): :class:`_RoundXhat`, launched as
+    :func:`_norm` launches the plain norm. The first call of a signature goes through the
+    launchers and makes it ready; later ones launch its kept kernels, checking what the
+    signature does not fix (dense rows, 16-byte aligned pointers, the current CUDA device, no
+    launch hook), and without the Function when no gradient is wanted."""
+    key = _round_key(input, weight)
+    ready = _READY.get(key)
+    if ready and not (input.is_contiguous()
+                      and not (input.data_ptr() | weight.data_ptr()) & 15
+                      and (ready.device < 0 or _current_device() == ready.device)
+                      and _K.plain()):
+        ready = None
+    if ready and not (_grad_enabled() and (input.requires_grad or weight.requires_grad)):
+        return ready.forward(input, None, weight, None, eps)[0]    # no gradient: no Function
+    try:
+        y = _round_apply(input, weight, eps, ready)
+    except RuntimeError:   # (an inference tensor: see _copy_of_inference)
+        y = _round_apply(_copy_of_inference(input, None), weight, eps, ready)
+    if ready is None and key not in _READY and _K.plain():
+        made = _K.ready(input, None, weight, None, True, input.shape[-1], True)
+        if made is not None:       # (None: not yet, this call's layout; False: never)
+            _READY[key] = made
+    return y
+
+
 class _RoundXhat(torch.autograd.Function):
     """``rms_norm(input, D, weight, eps, round_xhat=True)`` of half rows on the kernels, fused
     (:func:`_rounds_fused` says when): y = weight * xhat.to(dtype), rounded, in the rows
@@ -1129,28 +1168,42 @@ class _RoundXhat(torch.autograd.Function):
     multiplied; dx is (rms-dx) of ghat = dy * weight in fp32 (the composition's autograd rounds
     that product to the input's dtype first: the two agree within its rounding). When autograd
     is building a graph of the backward (create_graph), it is the composition's, through
-    autograd, so that second derivatives are right."""
+    autograd, so that second derivatives are right. ``ready``: the signature's kept kernels
+    (a :class:`~normbook.kernels._ready.Ready`, from :func:`_round`), or None for the
+    launchers."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
-        y, _, stats = _kernels().norm_forward(_rows(x), None, weight, None, eps, True, True)
+    def forward(ctx, x, weight, eps, ready):
+        if ready is not None:
+            y, _, stats = ready.forward(x, None, weight, None, eps)
+        else:
+            y, _, stats = _kernels().norm_forward(_rows(x), None, weight, None, eps, True, True)
+            y = y.view(x.shape)
         ctx.save_for_backward(x, weight, stats)
-        ctx.eps = eps
-        return y.view(x.shape)
+        ctx.eps, ctx.ready = eps, ready
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, stats = ctx.saved_tensors
-        if _grad_enabled():   # create_graph: the composition, which autograd differentiates
+        if _grad_enabled() or _transformed() or _legacy_batched(dy) or _fwAD._current_level >= 0:
+            # create_graph, batched gradients (is_grads_batched, a torch.func transform) or
+            # tangents: the composition, through autograd, which the launchers are not
             wanted = [t for t, need in zip((x, weight), ctx.needs_input_grad) if need]
             with torch.enable_grad():
                 y = weight * rms_norm(x, x.shape[-1], None, ctx.eps)
                 grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True))
-            return (*(next(grads) if need else None for need in ctx.needs_input_grad[:2]), None)
+            return (*(next(grads) if need else None for need in ctx.needs_input_grad[:2]),
+                    None, None)
         (dy,) = _values(dy)     # (see _values: the launcher reads memory)
+        ready = ctx.ready
+        if ready is not None and ready.live and not (_compiling() or not _K.plain()):
+            grads = ready.backward(dy, None, x, weight, stats, None)
+            if grads is not None:       # (None: dy not dense, or not kept yet)
+                return grads[0], grads[1], None, None
         dx, dweight, _ = _K.norm_backward(_rows(dy), None, _rows(x), weight, stats, None, True,
                                           True)
-        return dx.view(x.shape), dweight, None
+        return dx.view(x.shape), dweight, None, None
 
 
 # (the C++ apply, as NormFunction's _eager_apply: _rounds_fused has excluded the transforms

@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from normbook.functional import (_NO_BIAS, _module_norm, _rms_eps, _validate, layer_norm,
+from normbook.functional import (_HALF, _NO_BIAS, _module_norm, _rms_eps, _validate, layer_norm,
                                  rms_norm)
 
 __all__ = ["LayerNorm", "RMSNorm"]
@@ -147,9 +147,15 @@ class RMSNorm(torch.nn.RMSNorm):
         if weight is _ABSENT:
             weight = self.weight
         eps = self.eps
-        if self._modes is not None:
-            return rms_norm(input, self.normalized_shape, weight, eps, offset=self._modes[0],
-                            round_xhat=self._modes[1])
+        modes = self._modes
+        if modes is not None:
+            if not modes[0] and type(input) is Tensor and input.dtype in _HALF:
+                # Llama's order alone, on half rows: kept as the plain call is (below)
+                return _module_norm(self, input, weight, _NO_BIAS,
+                                    eps if type(eps) is float else _rms_eps(input, eps), True,
+                                    True)
+            return rms_norm(input, self.normalized_shape, weight, eps, offset=modes[0],
+                            round_xhat=modes[1])
         if type(input) is not Tensor:   # a subclass (nested, DTensor): the public door
             return rms_norm(input, self.normalized_shape, weight, eps)
         return _module_norm(self, input, weight, _NO_BIAS,

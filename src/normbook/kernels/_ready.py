@@ -91,8 +91,9 @@ class Ready:
         """The kept kernels of the backward with a gradient at h (``has_dh``: the residual was
         fused and h was used) or without, looked up once they are (the plan measured on a GPU,
         its kernels launched by ``norm_backward``), with the partials' row count; or None."""
-        M, D, device, e, is_rms, has_w, has_b, odd = self.plan_args
-        plans = backward_plan(M, D, device, e, is_rms, has_dh, has_w, has_b, odd, False)
+        M, D, device, e, is_rms, has_w, has_b, odd, round_xhat = self.plan_args
+        plans = backward_plan(M, D, device, e, is_rms, has_dh, has_w, has_b, odd, False,
+                              round_xhat)
         if plans is None or not plans[0].measured or plans[0].slices != 1:
             return None
         x, w, dweight, dbias = self.likes
@@ -119,10 +120,11 @@ def _empty_like_this(x, dtype, *shape):
     return x.new_empty(1, dtype=dtype).expand(shape)
 
 
-def ready(x, residual, weight, bias, is_rms: bool, D: int):
+def ready(x, residual, weight, bias, is_rms: bool, D: int, round_xhat: bool = False):
     """A :class:`Ready` for calls of this one's signature, which has just run through the
     launchers (x (..., D) normalized over its last dim D, not several; residual, weight, bias
-    tensors or None, as the door had them); None
+    tensors or None, as the door had them; ``round_xhat``: the launchers' flag, xhat rounded
+    to x's dtype before the weight, see ``_config._rounding``); None
     when this call's layout or launch cannot make it ready but another's may (rows or
     parameters not dense or aligned, a kernel not kept), False when the signature fixes that
     the launchers must decide each call (see the module docstring)."""
@@ -139,9 +141,9 @@ def ready(x, residual, weight, bias, is_rms: bool, D: int):
     e = x.element_size()
     has_h = residual is not None
     fplans = forward_plan(M, D, device, e, is_rms, has_h, weight is not None, bias is not None,
-                          D & 15)
+                          D & 15, round_xhat)
     bplans = backward_plan(M, D, device, e, is_rms, has_h, weight is not None, bias is not None,
-                           D & 15, False)
+                           D & 15, False, round_xhat)
     if bplans is None or not (fplans[0].simple and bplans[0].slices == 1):
         return False
     r = x if residual is None else residual
@@ -154,7 +156,8 @@ def ready(x, residual, weight, bias, is_rms: bool, D: int):
     made.live = True    # until its kernels are forgotten (_launch.forget_ready)
     made.device, made.M, made.D, made.k, made.fwd = device, M, D, 1 if is_rms else 2, fwd
     # the backward's, by whether dh is given (h may get no gradient although it was returned)
-    made.plan_args = (M, D, device, e, is_rms, weight is not None, bias is not None, D & 15)
+    made.plan_args = (M, D, device, e, is_rms, weight is not None, bias is not None, D & 15,
+                      round_xhat)
     made.bwd, made.groups = [None, None], [1, 1]
     # what the calls allocate besides tensors like x and the weight, as shapes for
     # torch.empty_like to copy (which costs less than new_empty with a dtype: about 0.4 us a
