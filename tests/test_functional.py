@@ -381,6 +381,44 @@ def test_backend_chooses_what_computes_and_comes_back():
             pass
 
 
+def test_backend_blocks_overlapping_in_two_threads_each_end_their_own():
+    """A block in one thread, then one in another that ends after it: the first block's end
+    gave back the choice from before it ("auto") while the second still ran, and the second's
+    end gave back the first's ("kernels"), for good. Now the running block entered last
+    decides, and "auto" comes back when both have ended."""
+    import threading
+
+    from normbook import functional
+
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def first():
+        with normbook.backend("kernels"):
+            a_in.set()
+            b_in.wait(10)
+        seen.append(functional._backend)      # the second block runs on
+        a_out.set()
+
+    def second():
+        a_in.wait(10)
+        with normbook.backend("torch"):
+            b_in.set()
+            a_out.wait(10)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert seen == ["torch"] and functional._backend == "auto"
+    with normbook.backend("kernels"), normbook.backend("torch"):
+        with normbook.backend("kernels"):
+            pass
+        assert functional._backend == "torch"     # the inner "kernels" ended, not the outer
+    assert functional._backend == "auto"
+
+
 def test_kernel_route_validates_once(monkeypatch):
     """One door: on the kernel route, normbook.layer_norm does not run the torch path's
     argument checks before the kernels' own (it used to, about 20 us a call)."""

@@ -27,6 +27,7 @@ import contextlib
 import functools
 import importlib.util
 import math
+import threading
 import warnings
 from typing import Any, Iterator, NamedTuple, Sequence   # typing's: the book's API page resolves these names
 
@@ -78,20 +79,34 @@ def backend(name: str) -> Iterator[None]:
             in Triton's interpreter); ``"torch"``: always the torch ops, which also compute
             float64 and every transform.
 
-    The choice is process-wide while the block runs (not per thread), and the previous one
-    comes back when it ends. Example::
+    The choice is process-wide while the block runs (not per thread): the block entered last
+    of those still running decides, and when the last one ends the choice from before the
+    first comes back, also where blocks in several threads overlap (each ends its own, not
+    the one running when it started). Example::
 
         with normbook.backend("torch"):
             y = model(x)        # the hand-derived backward on a GPU too, for comparison
     """
-    global _backend
+    global _backend, _outside
     if name not in _BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(map(repr, _BACKENDS))}, got {name!r}")
-    previous, _backend = _backend, name
+    block = object()
+    with _blocks_lock:
+        if not _blocks:
+            _outside = _backend
+        _blocks[block] = name
+        _backend = name
     try:
         yield
     finally:
-        _backend = previous
+        with _blocks_lock:
+            del _blocks[block]
+            _backend = next(reversed(_blocks.values())) if _blocks else _outside
+
+
+_blocks: dict = {}      # the backend() blocks running, in the order they were entered: name
+_blocks_lock = threading.Lock()
+_outside = "auto"       # the choice before the first of them
 
 
 _K = None   # normbook.kernels' launchers and ops (a _Kernels), imported on the first kernel call
