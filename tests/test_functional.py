@@ -247,6 +247,9 @@ def test_one_tokens_gradients_are_tensors_of_their_own(dtype, with_weight):
     (lambda: normbook.rms_norm(torch.randn(2, 5), (5,), torch.ones(5, dtype=torch.int32)), TypeError, r"weight: expected a floating-point dtype, got torch.int32"),
     (lambda: normbook.layer_norm(torch.randn(2, 5), (5,), eps="0.1"), TypeError, r"eps: expected a real number or a 0-d tensor, got '0.1'"),
     (lambda: normbook.LayerNorm(5, True)(torch.randn(2, 5)), TypeError, r"eps: expected a real number or a 0-d tensor, got True"),
+    # a bool as a 0-d tensor is a bool too (it was taken as 1.0)
+    (lambda: normbook.layer_norm(torch.randn(2, 5), 5, eps=torch.tensor(True)), TypeError, r"eps: expected a real number or a 0-d tensor, got tensor\(True\)"),
+    (lambda: normbook.rms_norm(torch.randn(2, 5), 5, eps=torch.tensor(False)), TypeError, r"eps: expected a real number or a 0-d tensor, got tensor\(False\)"),
     (lambda: normbook.rms_norm(torch.randn(2, 5), 5, eps=torch.ones(2)), TypeError, r"eps: expected a real number or a 0-d tensor, got tensor"),
     # one element, not 0-d: torch refuses it too
     (lambda: normbook.layer_norm(torch.randn(2, 5), 5, eps=torch.tensor([1e-3])), TypeError, r"eps: expected a real number or a 0-d tensor, got tensor\(\[0.0010\]\)"),
@@ -801,6 +804,24 @@ def test_zero_width_rows_train_like_torch():
     w, b = torch.randn(0, requires_grad=True), torch.randn(0, requires_grad=True)
     normbook.layer_norm(x, 0, w, b).sum().backward()
     assert x.grad.shape == (3, 0) and w.grad.shape == (0,) and b.grad.shape == (0,)
+
+
+def test_zero_width_rows_on_the_kernels_launch_nothing(kernels):
+    """D = 0 on the kernel backend: nothing to compute, so no launch (one divided 0 by 0 for
+    the statistics, which Triton's interpreter warned of: an error where warnings are); the
+    custom op's statistics are torch's (mean 0, rstd NaN), and the gradients are empty."""
+    import warnings
+
+    x = torch.randn(3, 0, requires_grad=True)
+    w, b = torch.randn(0, requires_grad=True), torch.randn(0, requires_grad=True)
+    with warnings.catch_warnings(), normbook.backend("kernels"):
+        warnings.simplefilter("error")
+        normbook.layer_norm(x, 0, w, b).sum().backward()
+        normbook.add_rms_norm(x, x.detach())[0].sum().backward()
+        _, _, stats = torch.ops.normbook.norm_forward(x.detach(), None, None, None, 1e-5, False)
+    assert x.grad.shape == (3, 0) and w.grad.shape == (0,) and b.grad.shape == (0,)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x.detach(), (0,), None, None, 1e-5)
+    assert torch.equal(stats[0], mean.view(3)) and stats[1].isnan().all() and rstd.isnan().all()
 
 
 def test_normalized_shape_of_a_float_does_not_depend_on_the_layout():

@@ -274,3 +274,35 @@ def test_round_xhat_of_half_rows_compiles_whole(backend, request):
         assert torch._dynamo.explain(m)(x).graph_break_count == 0
         torch._dynamo.reset()
         torch.testing.assert_close(torch.compile(m, backend="aot_eager", fullgraph=True)(x), m(x))
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+@pytest.mark.parametrize("shape", [(0, 5, 16), (5, 0, 16), (3, 0), (2, 3, 0)], ids=str)
+def test_empty_inputs_compile_and_export_as_eager_runs_them(shape, backend, request):
+    """An empty batch of several leading dims, (0, 5, 16), made the kernels' custom op view
+    its statistics as (-1, 0, 5), which is ambiguous, and rows of D = 0 made the torch
+    backend's traced rstd take amax over an empty dim: both raised under torch.compile and
+    torch.export where eager gives an empty result. Now the compiled and exported programs
+    give eager's shapes, and the compiled backward runs."""
+    if backend == "kernels":
+        request.getfixturevalue("kernels")
+    D = shape[-1]
+    fns = [lambda x: normbook.layer_norm(x, D), lambda x: normbook.rms_norm(x, D),
+           lambda x: normbook.add_rms_norm(x, x.detach() + 1)[0]]
+    with normbook.backend(backend):
+        for fn in fns:
+            x = torch.randn(shape, requires_grad=True)
+            want = fn(x)
+            got = torch.compile(fn, backend="aot_eager", fullgraph=True)(x)
+            assert got.shape == want.shape
+            got.sum().backward()
+            assert x.grad.shape == x.shape
+
+        class Norm(torch.nn.Module):
+            def forward(self, x):
+                return normbook.rms_norm(x, D)
+
+        x = torch.randn(shape)
+        program = torch.export.export(Norm(), (x,))
+        assert program.module()(x).shape == x.shape
+        assert program.run_decompositions().module()(x).shape == x.shape

@@ -125,6 +125,25 @@ def test_every_entry_point_compiles_whole_on_the_cuda_route(monkeypatch, autocas
 
 
 @pytest.mark.slow
+def test_the_first_compiled_kernel_call_is_compiled_once():
+    """A process whose first kernel call is compiled: that trace loaded the kernel layer and
+    guarded on having found it unloaded (functional._K is None, and the interpreter's flag
+    unknown), so the next call, identical, compiled a second graph; a model compiled with
+    mode="reduce-overhead" would record its CUDA graph twice. Now one graph serves them all."""
+    r = _python(
+        "import torch, normbook\n"
+        "from torch._dynamo.utils import counters\n"
+        "f = torch.compile(lambda x: normbook.rms_norm(x, 16), backend='aot_eager',"
+        " fullgraph=True)\n"
+        "x = torch.randn(4, 16, requires_grad=True)\n"
+        "with normbook.backend('kernels'):\n"
+        "    f(x).sum().backward(); f(x).sum().backward(); f(x)\n"
+        "print(counters['stats']['unique_graphs'])\n", TRITON_INTERPRET="1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["1"]
+
+
+@pytest.mark.slow
 def test_wide_rows_compile_without_tracing_the_plan_builders():
     """Rows wider than the door decides at a glance (D > 8192) ask the plans whether the kernels
     take them. Under torch.compile that answer is a constant (torch.compiler.

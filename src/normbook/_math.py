@@ -40,6 +40,8 @@ def _rsqrt_ms(xc: torch.Tensor, eps) -> torch.Tensor:
         # ranks: 3, 3, 3, 0), and amax refuses an empty dim: a = mean |xc| instead, which
         # any split sums, with |u| <= D (D^3 far from overflowing), a rounding more
         a = (xc.abs() / xc.shape[-1]).sum(-1, keepdim=True).clamp_min(1.0)
+    elif xc.shape[-1] == 0:     # D = 0: amax has no identity; an empty row's ms is NaN
+        return torch.rsqrt(ms + eps)
     else:
         a = xc.abs().amax(-1, keepdim=True).clamp_min(1.0)   # (..., 1)
     u = xc / a                                           # |u| <= 1 (a DTensor's <= D)

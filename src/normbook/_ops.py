@@ -81,7 +81,9 @@ def norm_forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor]
         y, h, stats = _torch_forward(_rows(x), r, weight, bias, eps, is_rms)
         stats = stats.contiguous()        # (as the fake's: the half rows' is a transposed view)
     if len(lead) != 1:
-        y, h, stats = y.view(x.shape), None if h is None else h.view(x.shape), stats.view(-1, *lead)
+        # (k, *lead), k named: an empty batch's -1 would be ambiguous
+        y, h = y.view(x.shape), None if h is None else h.view(x.shape)
+        stats = stats.view(stats.shape[0], *lead)
     return y, x.new_empty((0,)) if h is None else h, stats   # an op returns tensors, never None
 
 

@@ -117,7 +117,8 @@ def as_eps(eps):
     A tensor that requires grad is refused, as torch refuses it (a float eps is a constant:
     no gradient could reach it). Anything else is returned unchanged for :func:`check_eps` to
     reject."""
-    if isinstance(eps, torch.Tensor) and eps.dim() == 0 and not eps.is_complex():
+    if (isinstance(eps, torch.Tensor) and eps.dim() == 0 and not eps.is_complex()
+            and eps.dtype != torch.bool):      # (a bool tensor: refused as a bool is)
         if eps.requires_grad:
             raise TypeError("eps: expected a real number or a 0-d tensor that does not require "
                             "grad (as torch's norms), got a tensor that requires grad")

@@ -136,13 +136,20 @@ class _Kernels(NamedTuple):
 
 def _kernels():
     """The kernel layer (imports triton on first use: ``import normbook`` never does)."""
-    global _K, _READY
-    if _K is None:
-        from normbook.kernels import _backward, _forward, _launch, _ready, _take, ops
+    if _compiling() or _K is None:
+        # (under torch.compile, without reading _K first: a trace that found it None would
+        # guard on that, and the next call, _K set, would compile again)
+        return _load_kernels()
+    return _K
 
-        _READY = _launch.READY
-        _K = _Kernels(_forward.norm_forward, _backward.norm_backward, ops, _take, _ready.ready,
-                      _launch.plain)
+
+def _load_kernels():
+    global _K, _READY
+    from normbook.kernels import _backward, _forward, _launch, _ready, _take, ops
+
+    _READY = _launch.READY
+    _K = _Kernels(_forward.norm_forward, _backward.norm_backward, ops, _take, _ready.ready,
+                  _launch.plain)
     return _K
 
 
@@ -525,9 +532,13 @@ def _check_kernel_args(input, weight, bias, name):
                             f"got {p.dtype}")
     if input.is_cuda:
         return
-    if _INTERPRETED is None:
-        _INTERPRETED = _kernels()[2].interpreted()
-    if input.is_cpu and _INTERPRETED:
+    if _compiling():     # (not read first: a trace that found None would guard on it)
+        interpreted = _kernels()[2].interpreted()
+    else:
+        if _INTERPRETED is None:
+            _INTERPRETED = _kernels()[2].interpreted()
+        interpreted = _INTERPRETED
+    if input.is_cpu and interpreted:
         ops = _kernels().ops   # (_INTERPRETED may be set without them: the stub driver)
         if ops.LATE_INTERPRET:
             raise RuntimeError(f"{name}: {ops.LATE_MESSAGE}")

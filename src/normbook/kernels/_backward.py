@@ -609,7 +609,7 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool, round_xhat
         dbias = None if bias_dtype is None else (
             torch.empty_like(weight) if bias_dtype == weight.dtype
             else torch.empty_like(weight, dtype=bias_dtype))
-    if not M:   # no rows: the sums over rows are zero
+    if not M or not D:   # no rows: the sums over rows are zero (no columns: empty)
         return (dx, None if dweight is None else dweight.zero_(),
                 None if dbias is None else dbias.zero_())
     stride_x = x.stride()[0]                       # stride() then [i]: faster than stride(i)

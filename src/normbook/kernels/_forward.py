@@ -20,6 +20,8 @@ it, the compile report compiles it.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -408,7 +410,11 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool, round_xhat
     else:
         h = hy = torch.empty_like(x)
         r, stride_r = residual, residual.stride()[0]
-    if not M:
+    if not M or not D:   # nothing to launch; rows of no values: torch's mean 0, rstd NaN
+        if M:
+            stats[-1].fill_(math.nan)
+            if not is_rms:
+                stats[0].zero_()
         return y, h, stats
     call = (M, D, device, x.element_size(), is_rms, h is not None, weight is not None,
             bias is not None, (stride_x | stride_r) & 15, round_xhat)
