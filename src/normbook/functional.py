@@ -1170,12 +1170,13 @@ def _round(input, weight, eps: float):
     launchers and makes it ready; later ones launch its kept kernels, checking what the
     signature does not fix (dense rows, 16-byte aligned pointers, the current CUDA device, no
     launch hook), and without the Function when no gradient is wanted."""
+    k = _kernels()
     key = _round_key(input, weight)
     ready = _READY.get(key)
     if ready and not (input.is_contiguous()
                       and not (input.data_ptr() | weight.data_ptr()) & 15
                       and (ready.device < 0 or _current_device() == ready.device)
-                      and _K.plain()):
+                      and k.plain()):
         ready = None
     if ready and not (_grad_enabled() and (input.requires_grad or weight.requires_grad)):
         return ready.forward(input, None, weight, None, eps)[0]    # no gradient: no Function
@@ -1183,8 +1184,8 @@ def _round(input, weight, eps: float):
         y = _round_apply(input, weight, eps, ready)
     except RuntimeError:   # (an inference tensor: see _copy_of_inference)
         y = _round_apply(_copy_of_inference(input, None), weight, eps, ready)
-    if ready is None and key not in _READY and _K.plain():
-        made = _K.ready(input, None, weight, None, True, input.shape[-1], True)
+    if ready is None and key not in _READY and k.plain():
+        made = k.ready(input, None, weight, None, True, input.shape[-1], True)
         if made is not None:       # (None: not yet, this call's layout; False: never)
             _READY[key] = made
     return y
