@@ -534,10 +534,10 @@ def test_launch_takes_a_partial_of_a_module_level_function():
 
 def _unequal_leading_shapes(rank, world, case):
     """layer_norm_sharded / rms_norm_sharded where the ranks' x disagree: the error's text."""
-    shapes = {"rows": [(3, 4), (4, 4)], "order": [(2, 3, 4), (3, 2, 4)],
-              "dtype": [(2, 4), (2, 4)]}[case]
-    dtype = torch.float64 if case == "dtype" and rank == 1 else torch.float32
-    x = torch.randn(shapes[rank], dtype=dtype)
+    shapes = {"rows": [(3, 4), (4, 4)], "order": [(2, 3, 4), (3, 2, 4)]}.get(case, [(2, 4)] * 2)
+    dtype = {"dtype": torch.float64, "half dtypes": torch.bfloat16}.get(case, torch.float32)
+    x = torch.randn(shapes[rank], dtype=dtype if rank == 1 else
+                    (torch.float16 if case == "half dtypes" else torch.float32))
     out = []
     for fn in (nd.layer_norm_sharded, lambda x: nd.rms_norm_sharded(x, eps=1e-6)):
         try:
@@ -548,15 +548,96 @@ def _unequal_leading_shapes(rank, world, case):
     return out
 
 
-@pytest.mark.parametrize("case", ["rows", "order", "dtype"])
+_DIFFER = {"rows": "leading shape (rank order: (3,), (4,))",
+           "order": "leading shape (rank order: (2, 3), (3, 2))",
+           "dtype": "dtype (rank order: torch.float32, torch.float64)",
+           "half dtypes": "dtype (rank order: torch.float16, torch.bfloat16)"}
+
+
+@pytest.mark.parametrize("case", list(_DIFFER))
 def test_ranks_disagreeing_on_x_get_one_error_each(case):
     """Ranks whose x differ in rows, in the order of the leading dims (the same count: tokens
     paired wrongly, without a word) or in dtype (fp32 against fp64: a gather of unequal sizes,
-    which gloo aborted with SIGABRT) each raise the same ValueError naming x, and no rank
-    waits for another."""
+    which gloo aborted with SIGABRT; float16 against bfloat16, which the check took as one
+    dtype, their compute dtype, and computed) each raise the same ValueError naming x, what
+    differs and each rank's value, and no rank waits for another."""
     for out in nd.launch(_unequal_leading_shapes, case, world=2, timeout_s=120):
-        assert all(o.startswith("x: every rank of the group must hold the same leading shape")
-                   for o in out), out
+        assert all(o.startswith("x: every rank of the group must call the same norm on x of the "
+                                "same leading shape and dtype, with the same eps; the ranks "
+                                "differ in " + _DIFFER[case]) for o in out), out
+
+
+def _disagreeing_calls(rank, world, case):
+    """Ranks that call the sharded norms differently, or whose own checks refuse their
+    arguments: each rank's error (type and text), or "no error"."""
+    x, w = torch.randn(2, 4), torch.ones(4 if rank == 0 else 5)
+    call = {"norm": lambda: (nd.layer_norm_sharded(x) if rank == 0 else nd.rms_norm_sharded(x)),
+            "eps": lambda: nd.layer_norm_sharded(x, eps=1e-5 if rank == 0 else 1e-2),
+            "a refused weight": lambda: nd.layer_norm_sharded(x, w),
+            "parameters": lambda: nd.all_reduce_param_grads(
+                torch.nn.LayerNorm(4, bias=rank == 0)),
+            "parameter dtypes": lambda: nd.all_reduce_param_grads(
+                torch.nn.LayerNorm(4, dtype=torch.float32 if rank == 0 else torch.bfloat16))}[case]
+    try:
+        call()
+        return "no error"
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("case, want", [
+    ("norm", ["ValueError: x: every rank", "norm (rank order: layer_norm, rms_norm)"] * 2),
+    ("eps", ["ValueError: x: every rank", "eps (rank order: 1e-05, 0.01)"] * 2),
+    ("a refused weight", ["ValueError: x: rank 1 of the group refused its arguments", "",
+                          "ValueError: weight: expected this rank's slice", "got (5,)"]),
+    ("parameters", ["ValueError: module: every rank", "hold 2, 1 parameters"] * 2),
+    ("parameter dtypes", ["ValueError: module: every rank", "their shapes or dtypes differ"] * 2),
+])
+def test_ranks_that_call_differently_all_raise_at_once(case, want):
+    """Ranks that call different norms (an all-gather met an all-reduce: both waited out the
+    process group's timeout), different eps (computed, each rank's y off the other's), or
+    where one rank's arguments are refused (the others waited for it), and
+    all_reduce_param_grads over modules whose parameters differ in number (a wait for the
+    timeout) or dtype (gloo aborted a rank): every rank raises at once, naming what differs.
+    (The process group's timeout is launch's, 120 s here: a wait would fail the launch.)"""
+    outs = nd.launch(_disagreeing_calls, case, world=2, timeout_s=120)
+    for out, (start, part) in zip(outs, zip(want[::2], want[1::2])):
+        assert out.startswith(start) and part in out, (case, out)
+
+
+def _outside_the_group(rank, world):
+    import torch.distributed as dist
+
+    group = dist.new_group([0, 1])
+    x = torch.randn(2, 4)
+    try:
+        return nd.layer_norm_sharded(x, group=group).shape == x.shape
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_rank_outside_the_group_is_told_so():
+    """A rank calling a sharded norm over a group it is not in raised torch's "stack expects a
+    non-empty TensorList"; it now gets a ValueError naming the group, and the group's ranks
+    compute."""
+    assert nd.launch(_outside_the_group, world=3, timeout_s=120) == [
+        True, True, "group: expected a group this rank belongs to; global rank 2 is not one of "
+                    "its ranks"]
+
+
+def _sharded_eps_like_layer_norm(rank, world):
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    return [torch.equal(nd.layer_norm_sharded(x, eps=torch.tensor(1e-3)),
+                        nd.layer_norm_sharded(x, eps=1e-3)),
+            torch.equal(nd.rms_norm_sharded(x, eps=torch.tensor(1e-3)),
+                        nd.rms_norm_sharded(x, eps=1e-3)),
+            bool(nd.layer_norm_sharded(x, eps=-1e-9).isfinite().all())]
+
+
+def test_sharded_norms_take_eps_as_normbook_layer_norm_does():
+    """eps as a 0-d tensor (refused with a message that said it was allowed) and a negative
+    eps (refused, where normbook.layer_norm and torch take it) are taken, as there."""
+    assert nd.launch(_sharded_eps_like_layer_norm, world=2, timeout_s=120) == [[True] * 3] * 2
 
 
 @pytest.mark.parametrize("call, error, message", [
@@ -567,6 +648,10 @@ def test_ranks_disagreeing_on_x_get_one_error_each(case):
                  r"\(4,\) torch.int64"),
     (lambda: nd.rms_norm_sharded(torch.randn(2, 4), [1.0] * 4), ValueError, r"^weight: .* got list"),
     (lambda: nd.layer_norm_sharded([1.0, 2.0]), TypeError, r"^x: expected a tensor"),
+    # a name where a group goes (an AttributeError of str followed it)
+    (lambda: nd.rms_norm_sharded(torch.randn(2, 4), group="tp"), TypeError,
+     r"^group: expected a torch.distributed.ProcessGroup or None \(the default group\), got str"),
+    (lambda: nd.all_reduce_param_grads(torch.nn.LayerNorm(4), group=3), TypeError, r"^group: "),
 ])
 def test_sharded_norms_name_the_bad_argument(call, error, message):
     """Before any collective (no process group here): LayerNorm's eps=None is refused as

@@ -122,11 +122,85 @@ def _gather(t: torch.Tensor, group) -> torch.Tensor:
 
 
 _DTYPE_CODES = {torch.float16: 16, torch.bfloat16: 17, torch.float32: 32, torch.float64: 64}
+_SHOWN_DIMS = 4     # leading sizes each rank sends for the message (the hash checks them all)
 
 
-def _sharded_stats(xf: torch.Tensor, eps: float, is_rms: bool, group):
+def _check_group(group) -> None:
+    """A ProcessGroup or None, of which this rank is a member (a ValueError or TypeError
+    naming ``group``, before any collective)."""
+    if group is not None and group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", None):
+        # (what new_group returns on the ranks it leaves out)
+        raise ValueError(f"group: expected a group this rank belongs to; global rank "
+                         f"{dist.get_rank()} is not one of its ranks")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        hint = " (a DeviceMesh's: mesh.get_group())" if hasattr(group, "get_group") else ""
+        raise TypeError(f"group: expected a torch.distributed.ProcessGroup or None (the default "
+                        f"group){hint}, got {type(group).__name__}")
+    if group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
+        raise ValueError(f"group: expected a group this rank belongs to; global rank "
+                         f"{dist.get_rank()} is not one of its ranks")
+
+
+def _agreed(x, weight, bias, eps, is_rms: bool, group):
+    """(eps as a float, every rank's feature count) for a sharded norm's call, after its
+    arguments are checked (:func:`_check`) and the ranks agree, in one all-gather of a few
+    numbers each, on what they must share: the leading shape, x's dtype, the norm, eps and
+    whether each rank's arguments passed its checks. A rank whose arguments were refused
+    raises its own error after that gather, and every other rank a ValueError naming it, so
+    that no rank waits for one that left; ranks that differ raise the same ValueError, which
+    names what differs and each rank's value."""
+    _check_group(group)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a tensor of shape (..., D_local), got {type(x).__name__}")
+    try:
+        eps = _check(x, weight, bias, eps, is_rms)
+        refused = None
+    except (TypeError, ValueError) as e:
+        refused = e
+    if refused is not None and not (dist.is_available() and dist.is_initialized()):
+        raise refused       # (no group to tell)
+    lead = x.shape[:-1] if x.dim() else x.shape
+    mixed = sum(s * 1000003 ** i for i, s in enumerate(lead)) % (1 << 50)
+    shown = [float(s) for s in lead[:_SHOWN_DIMS]] + [-1.0] * (_SHOWN_DIMS - len(lead[:_SHOWN_DIMS]))
+    mine = [float(x.shape[-1]) if x.dim() else 0.0, float(refused is not None), float(len(lead)),
+            float(mixed), float(_DTYPE_CODES.get(x.dtype, -1)), float(is_rms),
+            eps if refused is None else 0.0, *shown]
+    out = [torch.empty(len(mine), dtype=torch.float64, device=x.device)
+           for _ in range(dist.get_world_size(group))]
+    with torch.no_grad():
+        dist.all_gather(out, torch.tensor(mine, dtype=torch.float64, device=x.device),
+                        group=group)
+    every = torch.stack(out).cpu()
+    if refused is not None:
+        raise refused
+    bad = every[:, 1].nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"x: rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} of the "
+                         f"group refused {'their' if len(bad) > 1 else 'its'} arguments (its "
+                         f"error says why); this rank's passed")
+    codes = {v: k for k, v in _DTYPE_CODES.items()}
+
+    def shape(row):
+        dims = [int(d) for d in row[7:7 + min(int(row[2]), _SHOWN_DIMS)]]
+        return str(tuple(dims))[:-1] + (", ...)" if row[2] > _SHOWN_DIMS else ")")
+
+    fields = [("leading shape", (2, 3), shape), ("dtype", (4,), lambda r: str(codes.get(int(r[4])))),
+              ("norm", (5,), lambda r: "rms_norm" if r[5] else "layer_norm"),
+              ("eps", (6,), lambda r: repr(float(r[6])))]
+    differ = [(name, show) for name, cols, show in fields
+              if not bool((every[:, list(cols)] == every[:1, list(cols)]).all())]
+    if differ:
+        raise ValueError("x: every rank of the group must call the same norm on x of the same "
+                         "leading shape and dtype, with the same eps; the ranks differ in "
+                         + "; ".join(f"{name} (rank order: {', '.join(show(r) for r in every)})"
+                                     for name, show in differ))
+    return eps, every[:, 0]
+
+
+def _sharded_stats(xf: torch.Tensor, eps: float, is_rms: bool, group, counts: torch.Tensor):
     """(D, mean, rstd) of whole rows split over the ranks: D the row length (a tensor), mean and
-    rstd (...,), the same bits on every rank; mean is None for RMSNorm.
+    rstd (...,), the same bits on every rank; mean is None for RMSNorm. ``counts``: every
+    rank's feature count, in rank order (:func:`_agreed`).
 
     Each rank may hold any number of the features, none included: D is the sum of the ranks'
     counts, never this rank's count times the world size. LayerNorm merges the ranks'
@@ -136,20 +210,7 @@ def _sharded_stats(xf: torch.Tensor, eps: float, is_rms: bool, group):
     recompute these from x when a graph of it is being built.
     """
     d_k = xf.shape[-1]                                     # this rank's feature count
-    # with it, what every rank must agree on: the leading shape (its rank, its size, and a
-    # number that tells (2, 3) from (3, 2)) and the dtype, in float64 whatever x's (a gather
-    # of unequal sizes aborted gloo; unequal leading shapes of one size paired other tokens)
-    lead = xf.shape[:-1]
-    mixed = sum(s * 1000003 ** i for i, s in enumerate(lead)) % (1 << 50)
-    mine = [float(d_k), float(len(lead)), float(lead.numel()), float(mixed),
-            float(_DTYPE_CODES.get(xf.dtype, -1))]
-    every = _gather(torch.tensor(mine, dtype=torch.float64, device=xf.device), group)
-    if not bool((every[:, 1:] == every[:1, 1:]).all()):   # the same answer on every rank
-        raise ValueError(f"x: every rank of the group must hold the same leading shape and "
-                         f"dtype; this rank has {tuple(lead)} {xf.dtype}, and the ranks differ "
-                         f"(rank order: dims {every[:, 1].tolist()}, rows "
-                         f"{every[:, 2].tolist()})")
-    counts = every[:, 0].to(xf.dtype)
+    counts = counts.to(xf.device, xf.dtype)
     D = counts.sum()                                       # (world,) -> the row length
     if is_rms:
         mean = None
@@ -206,10 +267,10 @@ class _ShardedNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, is_rms, group):
+    def forward(ctx, x, weight, bias, eps, is_rms, group, counts):
         cdt = _validate.compute_dtype(x.dtype)
         xf = x.to(cdt)
-        D, mean, rstd = _sharded_stats(xf, eps, is_rms, group)
+        D, mean, rstd = _sharded_stats(xf, eps, is_rms, group, counts)
         xhat = (xf if mean is None else xf - mean[..., None]) * rstd[..., None]
         y = xhat
         if weight is not None:
@@ -218,17 +279,17 @@ class _ShardedNorm(torch.autograd.Function):
             y = y + bias.to(cdt)
         # two scalars per token, not D_local values of xhat
         ctx.save_for_backward(x, weight, rstd, *(() if mean is None else (mean,)))
-        ctx.meta = (is_rms, group, eps, float(D), None if bias is None else bias.dtype)
+        ctx.meta = (is_rms, group, eps, float(D), None if bias is None else bias.dtype, counts)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        is_rms, group, eps, D, bias_dtype = ctx.meta
+        is_rms, group, eps, D, bias_dtype, counts = ctx.meta
         x, weight, rstd, *rest = ctx.saved_tensors
         cdt = _validate.compute_dtype(x.dtype)
         xf, g = x.to(cdt), dy.to(cdt)
         if torch.is_grad_enabled():   # a graph of the backward is being built: stats from x
-            _, mean, rstd = _sharded_stats(xf, eps, is_rms, group)
+            _, mean, rstd = _sharded_stats(xf, eps, is_rms, group, counts)
         else:
             mean = None if is_rms else rest[0]
         xhat = (xf if mean is None else xf - mean[..., None]) * rstd[..., None]
@@ -244,12 +305,12 @@ class _ShardedNorm(torch.autograd.Function):
         # the parameters are split like the features: each rank's slice is whole here
         dweight = None if weight is None else _sum_tokens(g * xhat).to(weight.dtype)
         dbias = None if bias_dtype is None else _sum_tokens(g).to(bias_dtype)   # (ln-dparams)
-        return dx.to(x.dtype), dweight, dbias, None, None, None
+        return dx.to(x.dtype), dweight, dbias, None, None, None, None
 
 
-def _check(x, weight, bias, eps, is_rms):
-    """The sharded norms' arguments, before any collective: a ValueError or TypeError naming
-    the argument, as normbook.layer_norm's checks."""
+def _check(x, weight, bias, eps, is_rms) -> float:
+    """The sharded norms' arguments: a ValueError or TypeError naming the argument, as
+    normbook.layer_norm's checks; eps as a float (a 0-d tensor taken, as there)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a tensor of shape (..., D_local), got {type(x).__name__}")
     if x.dim() < 1:
@@ -264,12 +325,12 @@ def _check(x, weight, bias, eps, is_rms):
     if eps is None and is_rms:   # the default, which default_eps leaves for a non-float x
         raise TypeError(f"eps: None (the default) is the machine epsilon of a floating x, and x "
                         f"is {x.dtype}; expected a floating x, or eps given as a number")
+    eps = _validate.as_eps(eps)     # a 0-d tensor as its value, as normbook.layer_norm's
     _validate.check_eps(eps)        # a real number, not a bool, not NaN (TypeError, ValueError)
-    if not eps >= 0:
-        raise ValueError(f"eps: expected a number >= 0, got {eps}")
     # an integer, bool or complex x, as normbook.layer_norm and torch refuse it (computed, it
     # came back truncated to integers, or without its imaginary part)
     _validate.check_input(x, "x")
+    return float(eps)
 
 
 def layer_norm_sharded(x: torch.Tensor, weight: torch.Tensor | None = None,
@@ -295,8 +356,8 @@ def layer_norm_sharded(x: torch.Tensor, weight: torch.Tensor | None = None,
     Returns:
         (..., D_local): this rank's slice of the output, in x's dtype.
     """
-    _check(x, weight, bias, eps, False)
-    return _ShardedNorm.apply(x, weight, bias, float(eps), False, group)
+    eps, counts = _agreed(x, weight, bias, eps, False, group)
+    return _ShardedNorm.apply(x, weight, bias, eps, False, group, counts)
 
 
 def rms_norm_sharded(x: torch.Tensor, weight: torch.Tensor | None = None,
@@ -312,9 +373,8 @@ def rms_norm_sharded(x: torch.Tensor, weight: torch.Tensor | None = None,
     and torch's, the machine epsilon of x's compute type (fp32's for float16, bfloat16 and
     float32 x, fp64's for float64: ``normbook._validate.default_eps``), so that a model gives
     the same y whether its features are split or not."""
-    eps = _validate.default_eps(x, eps)
-    _check(x, weight, None, eps, True)
-    return _ShardedNorm.apply(x, weight, None, float(eps), True, group)
+    eps, counts = _agreed(x, weight, None, _validate.default_eps(x, eps), True, group)
+    return _ShardedNorm.apply(x, weight, None, eps, True, group, counts)
 
 
 def all_reduce_param_grads(module: torch.nn.Module,
@@ -330,10 +390,31 @@ def all_reduce_param_grads(module: torch.nn.Module,
     one None on every rank stays None. (Ranks skipping their own Nones would pair one rank's
     gradient with another parameter's on another rank: the ranks first agree, in one
     all-reduce of a flag per parameter, which gradients exist anywhere.) Every rank of
-    ``group`` must call it with the same module structure. Returns the number of tensors
-    reduced.
+    ``group`` must call it with the same module structure: the ranks first agree on it, in one
+    all-gather of the number of parameters that want gradients and a hash of their shapes and
+    dtypes, and raise the same ValueError where they differ (their all-reduces of unequal
+    sizes aborted gloo, or waited out its timeout). Returns the number of tensors reduced.
     """
+    _check_group(group)
     params = [p for p in module.parameters() if p.requires_grad]
+    device = params[0].device if params else (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+    layout = 0      # the parameters' shapes and dtypes, as one number (no str hash: a
+    for p in params:  # process's is salted)
+        shape = sum(n * 1000003 ** j for j, n in enumerate(p.shape))
+        layout = (layout * 1000003 + shape * 101 + _DTYPE_CODES.get(p.dtype, 99)) % (1 << 50)
+    mine = torch.tensor([float(len(params)), float(layout)], dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    rows = torch.stack(every).cpu()
+    if not bool((rows == rows[:1]).all()):
+        same = bool((rows[:, 0] == rows[0, 0]).all())
+        raise ValueError(f"module: every rank of the group must hold the same parameters (their "
+                         f"number, shapes and dtypes); the ranks hold "
+                         f"{', '.join(str(int(n)) for n in rows[:, 0])} parameters that want "
+                         f"gradients (rank order)"
+                         + ("; their shapes or dtypes differ" if same else ""))
     if not params:
         return 0
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
