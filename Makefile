@@ -64,7 +64,7 @@ $(TRITON36)/.installed: $(STAMP)
 	touch $@
 
 triton36: $(TRITON36)/.installed
-	env -u TRITON_INTERPRET PYTHONPATH=$(TRITON36) $(PY) -m normbook.kernels.report --json build/report-triton36.json
+	env -u TRITON_INTERPRET PYTHONPATH=$(TRITON36) $(PY) -m normbook.kernels.report --json build/report-triton36.json --force
 	PYTHONPATH=$(TRITON36) $(PY) -m pytest -q -n auto -p no:cacheprovider -W ignore::DeprecationWarning:triton.runtime.interpreter $(KERNEL_TESTS)
 
 ## The declared torch floor (pyproject: torch>=2.11) is tested too: torch 2.11 with Triton 3.6, the

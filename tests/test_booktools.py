@@ -79,6 +79,36 @@ def _nodes(g, weight, x, eps, wrong=False):
     return dict(xhat=d_xhat, r=d_r, v=d_v, xc=d_xc, mu=d_mu, x=d_xc + d_mu / D)
 
 
+def test_check_judges_float32_at_float32_s_tolerances(capsys):
+    """torch's own float32 LayerNorm gradient of 4096-wide rows against float64's: check
+    compared them with allclose's fixed rtol 1e-5 and atol 1e-8, and printed WRONG in about
+    half the seeds (its docstring promised the dtype's tolerances); now close, as check_fn
+    says, with the identities holding; a gradient off by 1e-3 is still WRONG."""
+    import torch
+    import torch.nn.functional as F
+
+    from normbook import booktools
+
+    D = 4096
+    for seed in range(4, 8):
+        g = torch.Generator().manual_seed(seed)
+        x64 = 3 * torch.randn(8, D, generator=g, dtype=torch.float64) + 1
+        w64 = torch.randn(D, generator=g, dtype=torch.float64)
+        dy64 = torch.randn(8, D, generator=g, dtype=torch.float64)
+
+        def dx(dt):
+            x = x64.to(dt).requires_grad_()
+            return torch.autograd.grad(F.layer_norm(x, (D,), w64.to(dt), None, 1e-5), x,
+                                       dy64.to(dt))[0]
+
+        want, got = dx(torch.float64), dx(torch.float32)
+        assert booktools.check("dx", got, want, x=x64.float(), dy=dy64.float(),
+                               weight=w64.float())
+        assert capsys.readouterr().out.startswith("dx: close")
+        assert not booktools.check("dx", got * (1 + 1e-3), want)
+        assert capsys.readouterr().out.startswith("dx: WRONG")
+
+
 def test_check_nodes_says_which_node_is_wrong(capsys):
     """The node-by-node exercise's check: blanks are 'not yet written', a wrong node is WRONG
     (and so is every node it feeds), a right backward matches at every node."""

@@ -146,7 +146,7 @@ def test_assert_rms_norm_identities_catches_a_dropped_c2():
     x, w, dy = torch.randn(5, 32, generator=g, **f64), torch.randn(32, generator=g, **f64), torch.randn(5, 32, generator=g, **f64)
     _, rstd = reference.rms_norm_forward(x, w, 1e-5)
     wrong = dy * w * rstd[:, None]                                      # (rms-dx) without - c2 xhat
-    with pytest.raises(AssertionError, match=r"scale identity sum\(xhat \* dx\) = D c2 eps rstd\^3 fails: worst relative residual .* > 1.4e-14 \(token \d\)"):
+    with pytest.raises(AssertionError, match=r"scale identity sum\(xhat \* dx\) = D c2 eps rstd\^3 fails: worst relative residual .* > 3.6e-15 \(token \d\)"):
         checks.assert_rms_norm_identities(x, dy, w, wrong, 1e-5)
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
         xd, wd, dyd = x.to(dtype), w.to(dtype), dy.to(dtype)
@@ -349,3 +349,90 @@ def test_the_weight_identity_takes_the_centring_into_account():
         w = torch.randn(17, generator=g)
         assert checks.check_norm_backward(
             lambda x, w: torch.nn.functional.layer_norm(x, (17,), w), x, "layer", weight=w)
+
+
+# ------------------------------------------------------------------------------ a reviewer's cases
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind, bug", [(k, b) for k, b, *_ in BUGS if b != "1/(D-1)"],
+                         ids=[f"{k}-{b}" for k, b, *_ in BUGS if b != "1/(D-1)"])
+def test_check_norm_backward_judges_half_precision(kind, bug, dtype):
+    """In bfloat16 and float16 every planted bug passed: the tolerance, 64 machine epsilons
+    (0.5 in bfloat16), was above any relative residual, and a standard normal dy leaves c1 and
+    c2 small beside ghat. With dy's default now carrying a mean and a component along xhat,
+    and 4 machine epsilons in half precision, each bug fails and the correct backward passes
+    (1/(D-1) is a 1/D error: below half precision's rounding at D = 64; float32 sees it)."""
+    g = torch.Generator().manual_seed(11)
+    x = (3 * torch.randn(6, 64, generator=g, **f64) + 1).to(dtype)
+    w = torch.randn(64, generator=g, **f64).to(dtype)
+    fn = buggy_norm(kind, bug, 1e-5)
+    if bug == "none":
+        assert checks.check_norm_backward(fn, x, kind, 1e-5, w)
+        return
+    with pytest.raises(AssertionError, match="identity .* fails"):
+        checks.check_norm_backward(fn, x, kind, 1e-5, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_backward_of_zeros_fails(dtype):
+    """dx = 0, chapter 3's placeholder, satisfies the shift, scale and projection identities
+    up to their eps terms (each is homogeneous in dx), and passed in float32 and bfloat16; the
+    energy identity, sum(ghat * dx) = rstd (sum(ghat^2) - D c1^2 - D c2^2), is not."""
+    x = (torch.randn(4, 64, **f64) + 1).to(dtype)
+    for kind in ("layer", "rms"):
+        with pytest.raises(AssertionError, match="^energy identity"):
+            checks.check_norm_backward(lambda t: 0 * t, x, kind)
+
+
+def test_a_permuted_dweight_fails_with_a_weight_of_ones():
+    """dweight summed over the features instead of the tokens (N = D): with a weight of ones,
+    the modules' initial one, its error is orthogonal to the weight, and the weight identity
+    (the contraction with the weight) passed it; the contraction with a random vector fails."""
+    class WrongAxis(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return F.layer_norm(x, x.shape[-1:], w, None, 1e-5)
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, w = ctx.saved_tensors
+            with torch.enable_grad():
+                xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+                dx, dw = torch.autograd.grad(F.layer_norm(xg, x.shape[-1:], wg, None, 1e-5),
+                                             (xg, wg), dy)
+            _, mean, rstd = reference.layer_norm_forward(x, None, None, 1e-5)
+            return dx, (dy * (x - mean[:, None]) * rstd[:, None]).sum(1)   # over D: wrong
+
+    x = torch.randn(32, 32, **f64)
+    with pytest.raises(AssertionError, match=r"^weight identity sum\(v \* dweight\)"):
+        checks.check_norm_backward(WrongAxis.apply, x, "layer", 1e-5, torch.ones(32, **f64))
+
+
+def test_an_unbiased_variance_fails_in_float32_at_4096():
+    """x.var() (unbiased) in place of LayerNorm's biased variance scales rstd by about
+    1 + 1/(2D): at D = 4096 in float32 it passed the old default, 64 machine epsilons times
+    sqrt(D) / 8, and fails the new one, 16 machine epsilons times the same."""
+    x = torch.randn(4, 4096, generator=torch.Generator().manual_seed(3))
+
+    def unbiased(t):
+        return (t - t.mean(-1, keepdim=True)) / torch.sqrt(t.var(-1, keepdim=True) + 1e-5)
+
+    with pytest.raises(AssertionError, match="identity .* fails"):
+        checks.check_norm_backward(unbiased, x, "layer", 1e-5)
+
+
+def test_the_free_checks_take_float16_rows_whose_sum_overflows():
+    """torch's own float16 LayerNorm of rows near 100 (D = 1024): their sum passes 65504, and
+    assert_layer_norm_identities, computing xhat in float16, took the mean as inf and failed a
+    correct, finite gradient. It computes in float64 now, and a dropped c1 still fails."""
+    g = torch.Generator().manual_seed(5)
+    x = (100 + torch.randn(3, 1024, generator=g, **f64)).half()
+    dy = torch.randn(3, 1024, generator=g, **f64).half()
+    xg = x.clone().requires_grad_()
+    dx = torch.autograd.grad(F.layer_norm(xg, (1024,), None, None, 1e-5), xg, dy)[0]
+    assert dx.isfinite().all()
+    checks.assert_layer_norm_identities(x, dy, None, dx, 1e-5)
+    wrong = dx + (dy.double().mean(-1, keepdim=True) * 0.5).half()     # half of c1 put back
+    with pytest.raises(AssertionError, match="shift identity"):
+        checks.assert_layer_norm_identities(x, dy, None, wrong, 1e-5)

@@ -210,6 +210,20 @@ def test_a_json_it_could_not_write_is_refused_before_compiling(tmp_path, monkeyp
         assert "--json: " in err and words in err, err
 
 
+def test_a_json_that_exists_is_refused_unless_forced(tmp_path, monkeypatch, capsys):
+    """--json onto a file that exists replaced it (a recorded run's report.json, say, with
+    one from this machine's Triton): refused now, before compiling, as normbook-bench refuses
+    its outputs; --force passes that check (here the next refusal, TRITON_INTERPRET, speaks)."""
+    kept = tmp_path / "report.json"
+    kept.write_text('{"precious": 1}')
+    err = _refused(["--quick", "--json", kept], monkeypatch, capsys)
+    assert f"--json: {kept} exists; pass --force to replace it" in err, err
+    assert kept.read_text() == '{"precious": 1}'
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    err = _refused(["--quick", "--json", kept, "--force"], monkeypatch, capsys)
+    assert "--json" not in err and "TRITON_INTERPRET" in err, err
+
+
 # `import triton` fails, as where it is not installed; the console script as installed
 # (pyproject's [project.scripts], through the package's metadata)
 CONSOLE_SCRIPT = """

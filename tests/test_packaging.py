@@ -237,6 +237,36 @@ def test_the_packages_listed_are_the_source_tree_s():
         "benchmarks/results"
 
 
+def test_the_sdist_carries_the_package_and_its_citation_not_the_tests(tmp_path):
+    """setuptools' default put tests/test_*.py in the sdist without conftest.py and helpers.py
+    (and without what they read: the book, the benchmarks), so none of them ran from it;
+    MANIFEST.in leaves the tests out and puts in the changelog and the citation."""
+    setuptools = pytest.importorskip("setuptools")
+    if int(setuptools.__version__.split(".")[0]) < 77:
+        pytest.skip(f"setuptools {setuptools.__version__}: the sdist needs >= 77")
+    source = tmp_path / "source"
+    source.mkdir()
+    for f in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in", "CHANGELOG.md",
+              "CITATION.cff"):
+        shutil.copy(ROOT / f, source / f)
+    shutil.copytree(ROOT / "src", source / "src",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copytree(ROOT / "benchmarks" / "results", source / "benchmarks" / "results")
+    shutil.copytree(ROOT / "tests", source / "tests",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    build = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta;"
+                            " print(build_meta.build_sdist(sys.argv[1]))", tmp_path / "dist"],
+                           capture_output=True, text=True, cwd=source, timeout=300)
+    assert build.returncode == 0, build.stdout + build.stderr
+    import tarfile
+
+    with tarfile.open(tmp_path / "dist" / build.stdout.split()[-1]) as sdist:
+        names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
+    assert {"CHANGELOG.md", "CITATION.cff", "LICENSE", "README.md",
+            "src/normbook/__init__.py"} <= names, sorted(names)
+    assert not any(n.startswith("tests") for n in names), sorted(names)
+
+
 def test_wheel_builds_clean_and_imports_without_triton(tmp_path):
     setuptools = pytest.importorskip("setuptools")
     if int(setuptools.__version__.split(".")[0]) < 77:

@@ -74,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                "exit status: 0 when every configuration compiles without a problem, 1 otherwise,\n"
                "2 for a refusal (one line: an arch, --json, no Triton, TRITON_INTERPRET set)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH "
-                        "(checked before anything is compiled)")
+                        "(checked before anything is compiled; a file that exists is refused "
+                        "unless --force)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace the --json file if it exists (a recorded run's report, "
+                        "from the GPU machine's Triton, cannot be made again here)")
     parser.add_argument("--quick", action="store_true", help="sm_90, bf16, D in (3000, 65536) only, the fused add at 3000")
     parser.add_argument("--archs", help="comma list of compute capabilities, of "
                         f"{','.join(map(str, ARCHS))} (default: all)")
@@ -89,11 +93,12 @@ def main(argv=None) -> int:
     configuration compiles without a problem, 1 otherwise, 2 for a refusal (one line)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    from normbook.bench.cli import BenchError, writable_file
+    from normbook.bench.cli import BenchError, new_file, writable_file
 
     try:   # every refusal before the first compile
         archs = None if args.archs is None else parse_archs(args.archs)
         writable_file("--json", args.json)
+        new_file("--json", args.json, args.force)
         report = can_compile()
     except (Refusal, BenchError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

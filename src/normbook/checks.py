@@ -108,18 +108,22 @@ def assert_layer_norm_identities(
         weight: (D,) or None.
         dx: (..., D) the input gradient under test.
         eps: the eps of the forward.
-        atol: relative tolerance per token; default
-            64 * finfo(dx.dtype).eps.
+        atol: relative tolerance per token; default 64 * finfo(dx.dtype).eps
+            (4 * finfo(dx.dtype).eps for float16 and bfloat16).
     """
     if atol is None:
-        atol = 64 * torch.finfo(dx.dtype).eps
+        atol = 64 * torch.finfo(dx.dtype).eps if dx.dtype not in _HALVES else _default_atol(dx.dtype)
+    # in float64: a half x's own statistics overflow (a float16 row of values near 100 sums
+    # past 65504)
+    x, dy, dx = x.double(), dy.double(), dx.double()
+    weight = None if weight is None else weight.double()
     scale = (
         dx.abs().sum(-1) * (1 + _xhat(x, eps).abs().amax(-1))
         + torch.finfo(dx.dtype).tiny
     )
     shift = shift_identity(dx).abs() / scale
     _fail("shift identity sum(dx) = 0", shift, atol)   # (a NaN fails)
-    resid = scale_identity_residual(x, dy, weight, eps).to(dx.dtype)
+    resid = scale_identity_residual(x, dy, weight, eps)
     scale_err = (scale_identity(x, dx, eps) - resid).abs() / scale
     _fail("scale identity sum(xhat * dx) = D c2 eps rstd^3",
           scale_err, atol)
@@ -187,11 +191,38 @@ def _fail(identity: str, rel: torch.Tensor, atol: float) -> None:
             f"(token {k})")
 
 
-def _default_atol(dtype: torch.dtype, D: int) -> float:
-    """64 machine epsilons of ``dtype`` (``torch.finfo(dtype).eps``, twice the unit roundoff),
-    times sqrt(D) / 8 from D = 64 up: the c1 and c2 sums of a D-wide row carry more roundoff
-    (measured in tests/test_checks.py)."""
-    return 64 * torch.finfo(dtype).eps * max(1.0, D**0.5 / 8)
+_HALVES = (torch.float16, torch.bfloat16)
+
+
+def _default_atol(dtype: torch.dtype, D: int | None = None) -> float:
+    """16 machine epsilons of ``dtype`` (``torch.finfo(dtype).eps``, twice the unit roundoff),
+    times sqrt(D) / 8 from D = 64 up: the c1 and c2 sums of a D-wide row carry more roundoff.
+    Correct float32 backwards (torch's, normbook's, Hugging Face's, one written op by op) left
+    at most 2.5 units of roundoff times that factor, over rows of 2 to 8192 values, means up to
+    1e3 times the spread and eps 0 to 0.1 (tests/test_checks.py); 64 machine epsilons let an
+    unbiased variance pass at D = 4096. For float16 and bfloat16, 4 machine epsilons: their
+    gradients are computed in float32 (torch's norms, normbook's, the Hugging Face ones) or
+    in their own dtype op by op, and carry about their final rounding, which left every
+    identity within one unit of roundoff of their size (measured, tests/test_checks.py); 64
+    machine epsilons of bfloat16, 0.5, passed every planted bug."""
+    if dtype in _HALVES:
+        return 4 * torch.finfo(dtype).eps
+    return 16 * torch.finfo(dtype).eps * max(1.0, (D or 1)**0.5 / 8)
+
+
+def _probe(kind: str, x: torch.Tensor, weight: torch.Tensor | None,
+           eps: float) -> torch.Tensor:
+    """check_norm_backward's default dy, float64 on the CPU: a seeded standard normal plus
+    (1 + xhat) / 2 times the weight's sign. ghat = dy * weight then has a mean c1 and a
+    component c2 along xhat of about mean|weight| / 2; a standard normal alone leaves both
+    about 1 / sqrt(D) of ghat's size, where a wrong c1 or c2 hides in half precision's
+    rounding."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    xd = x.detach().double().cpu()
+    xhat = _xhat(xd, eps) if kind == "layer" else _rms_stats(xd, eps)[0]
+    sign = 1.0 if weight is None else torch.where(weight.detach().double().cpu() < 0, -1.0, 1.0)
+    return z + 0.5 * sign * (1 + xhat)
 
 
 def _identities(
@@ -220,6 +251,7 @@ def _identities(
         m1 = torch.zeros_like(rstd)[..., None]
     r = rstd[..., None]
     c2 = (ghat * xhat).mean(-1)                                           # (...,) (ln-c)
+    c1 = ghat.mean(-1) if kind == "layer" else torch.zeros_like(c2)
     terms = r * (ghat.abs() + m1 + (ghat * xhat).abs().mean(-1, keepdim=True) * xhat.abs())
     found = []
     if kind == "layer":
@@ -230,6 +262,11 @@ def _identities(
     found.append(("projection identity sum(dx * (ghat - dx / rstd)) = D c2^2 eps rstd^3",
                   (dx * (ghat - dx / r)).sum(-1) - D * c2**2 * eps * rstd**3,
                   (terms * (ghat.abs() + 2 * dx.abs() / r)).sum(-1) * cond))
+    # not homogeneous in dx, as the three above are (up to their eps terms): a dx of zeros,
+    # or one off by a common factor, fails it
+    found.append(("energy identity sum(ghat * dx) = rstd (sum(ghat^2) - D c1^2 - D c2^2)",
+                  (ghat * dx).sum(-1) - rstd * ((ghat * ghat).sum(-1) - D * (c1 * c1 + c2 * c2)),
+                  (ghat.abs() * terms).sum(-1) * cond))
     return found
 
 
@@ -252,8 +289,8 @@ def assert_rms_norm_identities(
         weight: (D,) or None.
         dx: (..., D) the input gradient under test.
         eps: the eps of the forward.
-        atol: relative tolerance per token; default 64 * finfo(dx.dtype).eps, times
-            sqrt(D) / 8 when D > 64.
+        atol: relative tolerance per token; default 16 * finfo(dx.dtype).eps, times
+            sqrt(D) / 8 when D > 64 (4 * finfo(dx.dtype).eps for float16 and bfloat16).
     """
     if atol is None:
         atol = _default_atol(dx.dtype, x.shape[-1])
@@ -282,8 +319,13 @@ def check_norm_backward(
       ghat - dx / rstd. At eps > 0, sum_d dx_d (ghat_d - dx_d / rstd) = D c2^2 eps rstd^3. This
       one sees what the two invariances cannot: a wrong factor in place of rstd, or g in place
       of ghat = g * weight.
+    - energy identity, both kinds: sum_d ghat_d dx_d = rstd (sum_d ghat_d^2 - D c1^2 -
+      D c2^2) (no c1 for RMSNorm), from (ln-dx) exactly at any eps. The three above are
+      homogeneous in dx up to their eps terms: a dx of zeros passes them, and fails this one.
     - weight identity, with a weight: sum_d weight_d dweight_d = sum over tokens of D c2, as
-      (ln-dparams) gives dweight = sum over tokens of dy * xhat.
+      (ln-dparams) gives dweight = sum over tokens of dy * xhat; and the same contraction with
+      a seeded random vector v in place of the weight, which a dweight whose error is
+      orthogonal to the weight (a permutation of it, with a weight of ones) does not escape.
 
     Each residual is divided by the size of the terms it sums (see
     :func:`assert_rms_norm_identities`); the first identity whose worst token exceeds ``atol``
@@ -298,9 +340,11 @@ def check_norm_backward(
             kind, 1e-5 for ``"layer"`` (torch.nn.LayerNorm's), None for ``"rms"``
             (torch.nn.RMSNorm's), so that a norm left at its default passes as it is.
         weight: (D,) gamma, or None.
-        dy: (..., D) the gradient arriving at y; default a seeded standard normal.
-        atol: relative tolerance per token; default 64 * finfo(x.dtype).eps, times
-            sqrt(D) / 8 when D > 64.
+        dy: (..., D) the gradient arriving at y; default a seeded standard normal plus
+            (1 + xhat) / 2 times the weight's sign, so that c1 and c2 are not small beside
+            ghat (a wrong c1 or c2 then shows above half precision's rounding).
+        atol: relative tolerance per token; default 16 * finfo(x.dtype).eps, times
+            sqrt(D) / 8 when D > 64 (4 * finfo(x.dtype).eps for float16 and bfloat16).
 
     Returns:
         True (as torch.autograd.gradcheck); every failure raises.
@@ -322,8 +366,7 @@ def check_norm_backward(
     if y.shape != x.shape:
         raise AssertionError(f"fn(x) has shape {tuple(y.shape)}, not x's {tuple(x.shape)}")
     if dy is None:
-        g = torch.Generator().manual_seed(0)
-        dy = torch.randn(x.shape, generator=g, dtype=torch.float64).to(y.dtype).to(y.device)
+        dy = _probe(kind, x, weight, eps).to(y.dtype).to(y.device)
     grads = torch.autograd.grad(y, [xg] if wg is None else [xg, wg], dy, allow_unused=True)
     dx = grads[0]
     if dx is None:
@@ -345,10 +388,16 @@ def check_norm_backward(
             xhat = _rms_stats(xd, eps)[0]
             cond = torch.ones((), dtype=torch.float64)
         terms = (dyd * xhat).reshape(-1, D)                              # (N, D)
-        got = (wd * dweight.double()).sum()
-        want = (terms * wd).sum()                                        # sum_n D c2_n
-        # each token's share, times the centring's conditioning, as the other identities'
-        size = ((terms.abs() * wd.abs()).sum(-1) * cond).sum() + tiny
-        _fail("weight identity sum(weight * dweight) = D sum_n c2",
-              ((got - want).abs() / size).reshape(1), atol)
+        # contracted with the weight, sum_n D c2_n; and with a seeded random vector, which a
+        # dweight whose error is orthogonal to the weight (a permutation, a sum over the wrong
+        # axis, with a weight of ones) does not escape
+        probe = torch.randn(D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        for v, name in ((wd, "weight identity sum(weight * dweight) = D sum_n c2"),
+                        (probe.to(wd.device), "weight identity sum(v * dweight) = "
+                                              "sum_n v . (dy_n * xhat_n), v random")):
+            got = (v * dweight.double()).sum()
+            want = (terms * v).sum()
+            # each token's share, times the centring's conditioning, as the other identities'
+            size = ((terms.abs() * v.abs()).sum(-1) * cond).sum() + tiny
+            _fail(name, ((got - want).abs() / size).reshape(1), atol)
     return True
