@@ -844,3 +844,38 @@ def test_an_output_file_is_opened_for_writing_before_anything_runs(tmp_path):
     assert kept.read_text() == RECORDED
     cli.writable_file("--json", str(tmp_path / "new.json"))
     assert not (tmp_path / "new.json").exists()
+
+
+def test_a_reader_that_stops_reading_ends_the_summary_quietly():
+    """normbook-bench --summary R | head -1: the summary's next write found the pipe closed,
+    and the command printed "error: --summary: [Errno 32] Broken pipe" with status 2 (in two
+    runs of three). The reader here takes one line and closes the pipe; the command ends
+    without an error line, with status 0 or 1 (1 where a write met the closed pipe)."""
+    import os
+
+    run = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "2026-12-04-h200"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-m", "normbook.bench", "--summary", str(run)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        assert proc.stdout.readline()
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        proc.stderr.close()
+        assert proc.wait(timeout=120) in (0, 1)
+        assert "Broken pipe" not in err and "error" not in err, err
+
+
+@pytest.mark.parametrize("module, prog", [("normbook.bench.cpu", "normbook-bench cpu"),
+                                          ("normbook.bench.host", "normbook-bench host"),
+                                          ("normbook._report_cli", "normbook-report")])
+def test_a_mode_run_as_a_module_is_its_command(module, prog):
+    """python -m normbook.bench.cpu (or .host, or normbook._report_cli) ran nothing and
+    exited 0 whatever it was given: they had no __main__ block. Now each is its command: a
+    bad option is its one-line refusal, status 2."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", module, "--bogus"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 2 and f"{prog}: error: unrecognized arguments: --bogus" in r.stderr, r

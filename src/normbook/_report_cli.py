@@ -105,3 +105,7 @@ def main(argv=None) -> int:
         return 2
     return report.print_report(quick=args.quick, archs=archs, json_path=args.json,
                                progress=False if args.no_progress else None)
+
+
+if __name__ == "__main__":   # python -m normbook._report_cli, as normbook-report
+    sys.exit(main())

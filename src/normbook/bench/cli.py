@@ -290,7 +290,11 @@ def _one_line(e: BaseException) -> str:
 
 
 def error(where: str, e: BaseException | str) -> int:
-    """A refusal as one line on stderr, ``normbook-bench: error: WHERE: ...``; exit status 2."""
+    """A refusal as one line on stderr, ``normbook-bench: error: WHERE: ...``; exit status 2.
+    A reader of the output that stopped reading (``| head``) is no refusal: raised again, for
+    :func:`main` to end quietly."""
+    if isinstance(e, BrokenPipeError):
+        raise e
     text = e if isinstance(e, str) else _one_line(e)
     print(f"{PROG}: error: {where + ': ' if where else ''}{text}", file=sys.stderr)
     return 2
@@ -366,7 +370,19 @@ EXPECTED = (BenchError, ValueError, OSError, ImportError)
 
 def main(argv=None) -> int:
     """The command line; returns the exit status: 0; 1 for a goal not met (only with --goal);
-    2 for a refusal (one line on stderr); 130 when interrupted."""
+    2 for a refusal (one line on stderr); 130 when interrupted. Output piped to a reader that
+    stops (``normbook-bench --summary R | head -1``) ends it quietly, with status 1 (Python's
+    advice for SIGPIPE): no error line about a broken pipe."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # what is still buffered for stdout goes nowhere, so that the interpreter's exit does
+        # not fail on it again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in (["host"], ["cpu"], ["plans"], ["step"]):
         mode = importlib.import_module(f"normbook.bench.{argv[0]}")
