@@ -879,3 +879,17 @@ def test_a_mode_run_as_a_module_is_its_command(module, prog):
     r = subprocess.run([sys.executable, "-m", module, "--bogus"], capture_output=True,
                        text=True, env=env, timeout=120)
     assert r.returncode == 2 and f"{prog}: error: unrecognized arguments: --bogus" in r.stderr, r
+
+
+def test_plot_onto_a_file_and_summary_with_out_are_refused_in_a_line(tmp_path):
+    """--plot R --out FILE (a file that exists) failed with a bare "[Errno 17] File exists";
+    --summary R --out DIR printed the summary and ignored DIR. Both are refused, saying why."""
+    run = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "2026-12-04-h200"
+    existing = tmp_path / "figures"
+    existing.write_text("not a folder")
+    rc, out, err = _main(["--plot", run, "--out", existing])
+    assert rc == 2 and out == ""
+    _one_line_error(err, f"--out: {existing} is a file; --plot writes its figures into a folder")
+    rc, out, err = _main(["--summary", run, "--out", tmp_path / "x"])
+    assert rc == 2 and out == "" and "--summary: prints to stdout and writes no file" in err
+    assert not (tmp_path / "x").exists()

@@ -326,3 +326,12 @@ def test_the_python_api_refuses_the_interpreter_as_the_command_line_does():
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_without_triton_the_refusal_says_so_before_the_interpreter(tmp_path):
+    """No Triton, and TRITON_INTERPRET=1 set: the refusal said to unset TRITON_INTERPRET,
+    after which the report would still have had no Triton. It names the missing Triton."""
+    r = _without_triton(tmp_path, "--quick",
+                        code="import os; os.environ['TRITON_INTERPRET'] = '1'\n" + CONSOLE_SCRIPT)
+    assert r.returncode == 2 and "needs Triton" in r.stderr, r.stderr
+    assert "TRITON_INTERPRET" not in r.stderr, r.stderr

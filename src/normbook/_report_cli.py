@@ -40,16 +40,17 @@ def can_compile():
     "" and "0": ``_backward.INTERPRETED``), which makes Triton's interpreter stand in for its
     compiler; or no Triton (``import triton`` fails, or report.py's own imports of Triton's
     compiler do)."""
-    value = os.environ.get("TRITON_INTERPRET", "")
-    if value not in ("", "0"):
-        raise Refusal(f"TRITON_INTERPRET={value!r} is set, so Triton's interpreter stands in "
-                      "for the compiler the report runs (it compiles real GPU code); unset "
-                      "TRITON_INTERPRET (env -u TRITON_INTERPRET normbook-report ...)")
+    # Triton first: without it, unsetting TRITON_INTERPRET would only lead to this refusal
     try:
         import triton  # noqa: F401
     except ImportError as e:
         failed = f"{type(e).__name__}: {e}"
     else:
+        value = os.environ.get("TRITON_INTERPRET", "")
+        if value not in ("", "0"):
+            raise Refusal(f"TRITON_INTERPRET={value!r} is set, so Triton's interpreter stands "
+                          "in for the compiler the report runs (it compiles real GPU code); "
+                          "unset TRITON_INTERPRET (env -u TRITON_INTERPRET normbook-report ...)")
         from normbook.kernels import report
 
         if report.NO_TRITON is None:

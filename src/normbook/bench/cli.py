@@ -437,6 +437,13 @@ def _recorded(args, parser, flag) -> int:
                 "merged JSON", "--plot": "DIR for the figures"}
     if flag in need_out and not args.out:
         parser.error(f"{flag}: also give --out {need_out[flag]}")
+    if flag == "--summary" and args.out and not args.plot:
+        # (it printed the summary and ignored the folder it was given)
+        parser.error("--summary: prints to stdout and writes no file; --out goes with --plot, "
+                     "--merge, --overview or --model-check")
+    if args.plot and args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise BenchError(f"--out: {args.out} is a file; --plot writes its figures into a "
+                         "folder: give a folder's name")
     if flag == "--model-check" and not args.report:
         parser.error("--model-check: also give --report REPORT.json and --out FILE.png")
     if flag == "--overview":
