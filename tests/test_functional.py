@@ -620,6 +620,27 @@ def test_outputs_are_tensors_of_their_own_like_torch(request, backend, shape):
 
 
 @pytest.mark.parametrize("backend", ["torch", "kernels"])
+def test_outputs_over_several_dims_are_tensors_of_their_own_like_torch(request, backend):
+    """normalized_shape of two dims: y came back as a view of the Function's (M, D) output
+    (``_is_view()``, and ``detach_`` raised "Can't detach views in-place"), where torch's is
+    a tensor of its own. It is one now, its gradient torch's; the fused add's h, which backward
+    saved, stays a view of it (its version is the saved h's)."""
+    if backend == "kernels":
+        request.getfixturevalue("kernels")
+    x = torch.randn(3, 2, 4, requires_grad=True)
+    with normbook.backend(backend):
+        outs = [normbook.layer_norm(x, (2, 4)), normbook.rms_norm(x, (2, 4)),
+                normbook.LayerNorm([2, 4])(x), normbook.RMSNorm((2, 4))(x)]
+    for out, torch_norm in zip(outs, [F.layer_norm, F.rms_norm] * 2):
+        want = torch_norm(x, (2, 4))
+        assert out.shape == x.shape and not out._is_view()
+        (got,) = torch.autograd.grad(out, x, torch.ones_like(out))
+        (expected,) = torch.autograd.grad(want, x, torch.ones_like(want))
+        torch.testing.assert_close(got, expected)
+        out.detach_()
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_permuted_inputs_give_contiguous_outputs_like_torch(request, backend, dtype):
     """A transposed or permuted input (ConvNeXt's channels-last norm, say): the output is

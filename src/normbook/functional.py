@@ -122,6 +122,7 @@ _tracing = torch._C._is_tracing              # torch.jit.trace
 # torch.export (a torch without is_exporting exports by the torch.compile route)
 _exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+_unsafe_view = torch.ops.aten._unsafe_view   # a reshape that autograd does not track as a view
 
 
 class _Kernels(NamedTuple):
@@ -638,7 +639,7 @@ def _autocast_fp32(original, input, D, weight, bias, eps, is_rms, residual, name
     with torch.autocast(input.device.type, enabled=False):
         y, _ = _norm(_fp32(h), D, _fp32(weight), _fp32(bias), eps, is_rms, None, name, kernels)
     if y.shape != original.shape:
-        y = y.view(original.shape)
+        y = _unsafe_view(y, original.shape)     # (see _checked)
     return y, None if residual is None else h
 
 
@@ -903,7 +904,10 @@ def _checked(input, normalized_shape, weight, bias, eps, is_rms, residual, name,
         bias = bias.contiguous()
     y, h = _apply(x, r, weight, bias, eps, is_rms, kernels)
     if y.shape != original.shape:       # rows, or trailing dims normalized as one
-        y = y.view(original.shape)
+        # y a tensor of its own in the input's shape, as torch's (a view of the Function's
+        # output could not be detached in place); nothing else holds y's storage, so nothing
+        # needs the version a view shares. h stays a view: backward saved the h it views
+        y = _unsafe_view(y, original.shape)
         h = None if h is None else h.view(original.shape)
     return y, h
 
