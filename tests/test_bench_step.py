@@ -33,7 +33,7 @@ def test_quick_step_runs_every_variant_and_writes_what_it_says(tmp_path, capsys)
     assert found["transformers"] and found["device"] == "cpu"
     printed = capsys.readouterr().out
     assert "liger           not run: Liger-Kernel needs a GPU" in printed
-    assert "normbook_loose" in printed and "x hf's step" in printed
+    assert "normbook_loose" in printed and "x as fast as hf's step" in printed
 
 
 def test_the_goal_is_normbook_strict_over_hf():
