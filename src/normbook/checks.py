@@ -108,13 +108,16 @@ def assert_layer_norm_identities(
         weight: (D,) or None.
         dx: (..., D) the input gradient under test.
         eps: the eps of the forward.
-        atol: relative tolerance per token; default 64 * finfo(dx.dtype).eps
-            (4 * finfo(dx.dtype).eps for float16 and bfloat16).
+        atol: relative tolerance per token; default
+            64 * finfo(dx.dtype).eps (4 * finfo(dx.dtype).eps for
+            float16 and bfloat16).
     """
     if atol is None:
-        atol = 64 * torch.finfo(dx.dtype).eps if dx.dtype not in _HALVES else _default_atol(dx.dtype)
-    # in float64: a half x's own statistics overflow (a float16 row of values near 100 sums
-    # past 65504)
+        atol = 64 * torch.finfo(dx.dtype).eps
+        if dx.dtype in _HALVES:
+            atol = _default_atol(dx.dtype)
+    # in float64: a half x's own statistics overflow (a float16
+    # row of values near 100 sums past 65504)
     x, dy, dx = x.double(), dy.double(), dx.double()
     weight = None if weight is None else weight.double()
     scale = (

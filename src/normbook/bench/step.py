@@ -211,8 +211,8 @@ def main(argv=None) -> int:
                    help=f"comma-separated subset of {','.join(VARIANTS)} (default all)")
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if available")
     p.add_argument("--goal", action="store_true",
-                   help=f"judge normbook (strict) >= {GOAL_SPEEDUP}x as fast as hf's step: exit status 1 "
-                   "if not met")
+                   help=f"judge normbook (strict) >= {GOAL_SPEEDUP}x as fast as hf's step: "
+                   "exit status 1 if not met")
     args = p.parse_args(argv)
     variants = _names(p, "--variants", args.variants, VARIANTS)
     defaults = QUICK if args.quick else dict(hidden=2048, layers=4, heads=16, vocab=32000,
