@@ -6,19 +6,22 @@
 # (Liger-Kernel; `make gpu-wheels` downloads them), into a temporary folder.
 #
 # Steps, in this order (a step's cap in seconds, GPU run / dry run):
-#   env        versions, commit, nvidia-smi                                  30 / 30
-#   wheels     .whl/*.whl -> a temporary site folder first on PYTHONPATH     30 / 30
-#   gpu_tests  pytest -m "gpu or gpu_too" over the kernel and benchmark tests  120 / 60
-#   report     the static compile report, compiled here (Triton of this machine)   120 / 60
+#   env        versions, commit (NORMBOOK_COMMIT where given), GPU and driver, nvidia-smi  30 / 30
+#   wheels     .whl/*.whl -> a temporary site folder on PYTHONPATH (before the    60 / 60
+#              machine's site-packages: the carried versions win)
+#   bench_bf16 4 ops x fwd/bwd, bf16, normbook, torch, liger: the goal's rows      150 / 90
+#   bench_compile  the same, torch.compile's (the goal's third rival)               75 / 60
 #   host       normbook-bench host --goal: host time per call, real launches (the    45 / 45
 #              dry run: the driver stubbed)
 #   plans      normbook-bench plans: the backward of few rows as one program against    45 / 30
 #              the grid and its finish; the forward of short rows on tiles against a row
 #              a program; device time (the dry run: in the interpreter)
+#   gpu_tests  pytest -m "gpu or gpu_too" over the kernel and benchmark tests  120 / 60
+#   report     the static compile report, compiled here (Triton of this machine)   120 / 60
+#   llama      a Llama-shaped bf16 training step, HF's norms against normbook's     90 / 60
 #   chapter    chapter 9 executed here, its tensors on this GPU (book/_ext/notebooks.py --run;
 #              the dry run: in the interpreter)                                     60 / 90
-#   bench_*    bf16: 4 ops x fwd/bwd, normbook, torch, liger; fp32 layer_norm with compile;
-#              bf16 torch.compile in the time left                    150, 60, rest / 90, 40, 60
+#   bench_fp32 layer_norm in fp32 beside its rivals, with what is left              60 / 40
 #   merge, summary, plots, overview (the report predicts no speed since 2026-12-05: see
 #              normbook.bench.model; --model-check reads the recorded predictions)
 #
@@ -70,7 +73,7 @@ BUDGET_S=${BUDGET_S:-480}; whole BUDGET_S "$BUDGET_S"
 RESERVE_S=${RESERVE_S:-20}; whole RESERVE_S "$RESERVE_S"
 KILL_AFTER_S=${KILL_AFTER_S:-5}; whole KILL_AFTER_S "$KILL_AFTER_S"
 MIN_STEP_S=3       # a limit shorter than this is no chance to run: the step is not run
-ALL_STEPS=" env wheels gpu_tests report host plans llama chapter bench_bf16 bench_fp32 bench_compile"
+ALL_STEPS=" env wheels bench_bf16 bench_compile host plans gpu_tests report llama chapter bench_fp32"
 ALL_STEPS+=" merge summary plots overview "
 ONLY=${ONLY:-}
 IFS=, read -ra only_steps <<< "$ONLY"
@@ -217,7 +220,7 @@ write_summary() {
   echo "$1; budget ${BUDGET_S}s${ONLY:+; only the steps $ONLY}"
   echo; echo "== steps (rc 0 = ok, 124 = timed out, 137 = killed after it, none = not run)"
   cat "$LOGS/steps.txt"
-  echo; echo "== versions"; head -n 6 "$LOGS/env.txt" 2>/dev/null
+  echo; echo "== versions"; head -n 7 "$LOGS/env.txt" 2>/dev/null
   echo; echo "== GPU tests"; tail -n 3 "$LOGS/gpu_tests.txt" 2>/dev/null
   echo; echo "== compile report"; tail -n 1 "$LOGS/report.txt" 2>/dev/null
   echo; echo "== host time per call"; cat "$LOGS/host.txt" 2>/dev/null
@@ -273,7 +276,7 @@ else
          --warmup-ms 10 --rep-ms 50 --no-plots --no-progress)
   BF16=(--dtypes bf16 --D 1024,32768,131072,4096,16384,65536,2048,8192)
   FP32=(--dtypes fp32 --D 1024,32768,4096,16384,65536,2048,8192,131072)
-  CAP_TESTS=120; CAP_CHAPTER=60; CAP_REPORT=120; CAP_BF16=150; CAP_FP32=60; CAP_COMPILE=$BUDGET_S; POST_S=60
+  CAP_TESTS=120; CAP_CHAPTER=60; CAP_REPORT=120; CAP_BF16=150; CAP_FP32=60; CAP_COMPILE=75; POST_S=60
   REPORT=()                         # 608 compiles, single-threaded: about a minute
 fi
 OPS=(--ops layer_norm,rms_norm,add_layer_norm,add_rms_norm)
@@ -289,12 +292,19 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch
 print("triton", triton.__version__)
 print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else None)'
 step env 30 bash -c '"$1" -c "$2"; rc=$?
-  git rev-parse HEAD 2>/dev/null || echo "commit unknown"
+  # NORMBOOK_COMMIT: the commit the tree came from (the machine commits its own copy)
+  if [ -n "${NORMBOOK_COMMIT:-}" ]; then echo "commit $NORMBOOK_COMMIT (NORMBOOK_COMMIT)"
+  else echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown) (this checkout)"; fi
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null \
+    | sed "s/^/gpu, driver: /"
   if command -v nvidia-smi >/dev/null; then nvidia-smi 2>&1; else echo "nvidia-smi: none"; fi
   exit $rc' env "$PY" "$ENV_PY"
 
 # Liger-Kernel and transformers travel as wheels in .whl/ (make gpu-wheels); installed apart,
-# never into python3's site, and after it on the path (the machine's own packages win)
+# never into python3's site. A folder on PYTHONPATH comes before site-packages, so the carried
+# wheels win over the machine's own copies of the same packages (transformers at
+# requirements.txt's pin with its dependencies, one consistent set: a pinned transformers beside
+# the machine's older huggingface_hub would not be)
 if ls .whl/*.whl >/dev/null 2>&1; then
   step wheels 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" .whl/*.whl
   export PYTHONPATH="$PYTHONPATH:$WORK/site"
@@ -302,18 +312,31 @@ elif selected wheels; then
   echo "no .whl/ (make gpu-wheels): Liger-Kernel is recorded as not measured" | tee "$LOGS/wheels.txt"
 fi
 
-# only the kernel test files and the benchmark's (its graph timer): the others import test-only
-# packages the GPU machine may lack.
-# Without pytest this fails (No module named pytest): a GPU check without its tests is no pass.
-step gpu_tests "$CAP_TESTS" "$PY" -m pytest -m "gpu or gpu_too" -q -p no:cacheprovider \
-  tests/test_kernels_launchers.py tests/test_kernels_ops.py tests/test_kernels_ops_residual.py tests/test_kernels_gpu.py \
-  tests/test_bench.py
-
 # judged CMD...: CMD --goal, its status 1 (a goal not met) made 0: the verdict is a finding,
 # printed in its log and the summary, not a failed step; any other status stays the step's
 JUDGED='"$@" --goal; rc=$?; [ "$rc" = 1 ] && exit 0; exit "$rc"'
 
-step report "$CAP_REPORT" "$PY" -m normbook.kernels.report "${REPORT[@]}" --json "$WORK/report.json"
+# The benchmarks first, right after the setup: they are what the run is for (the goal check
+# reads bf16's rows beside torch.compile's), and a later step that hangs or runs long must not
+# cut them short; the checks follow, then float32.
+# bench STEP CAP ARGS...: a benchmark step. Its limit keeps POST_S for the steps after the
+# benchmarks; the benchmark's own --time-budget ends it BENCH_SLACK before that limit, with
+# the rows past it recorded as skipped.
+bench() {
+  local name=$1 limit; limit=$(step_limit "$2" "$POST_S"); shift 2
+  step "$name" "$limit" "${BENCH[@]}" "$@" --out "$WORK/bench-${name#bench_}" \
+    --time-budget $(( limit > BENCH_SLACK ? limit - BENCH_SLACK : 1 ))
+}
+bench bench_bf16 "$CAP_BF16" "${OPS[@]}" "${BF16[@]}" --providers normbook,torch,liger,quack "${LIGER[@]}"
+# torch.compile of bf16, the goal's third rival (the goal check reads its rows): a compile
+# takes seconds per shape, so it runs with a cap of its own, and only where 40 s are left
+if [ "$(step_limit "$CAP_COMPILE" "$POST_S")" -ge 40 ]; then
+  bench bench_compile "$CAP_COMPILE" "${OPS[@]}" "${BF16[@]}" --providers compile
+elif selected bench_compile; then
+  echo "only $(budget_left)s left: torch.compile bf16 benchmark not run" | tee -a "$LOGS/steps.txt"
+fi
+
+# the host and the plans next: issue 45's and 46's measurements
 step host 45 bash -c "$JUDGED" judged "$PY" -m normbook.bench host --json "$WORK/host.json"
 # the device time of _config.ONE_PROGRAM_ROWS's choice, the finish's share at large M, and the
 # forward of rows of 1024 and 2048 on tiles against a row a program (_config.ROW_FROM)
@@ -323,6 +346,15 @@ if [ "$DRY" = 1 ]; then
 else
   step plans 45 "$PY" -m normbook.bench plans --json "$WORK/plans.json"
 fi
+
+# only the kernel test files and the benchmark's (its graph timer): the others import test-only
+# packages the GPU machine may lack.
+# Without pytest this fails (No module named pytest): a GPU check without its tests is no pass.
+step gpu_tests "$CAP_TESTS" "$PY" -m pytest -m "gpu or gpu_too" -q -p no:cacheprovider \
+  tests/test_kernels_launchers.py tests/test_kernels_ops.py tests/test_kernels_ops_residual.py tests/test_kernels_gpu.py \
+  tests/test_bench.py
+
+step report "$CAP_REPORT" "$PY" -m normbook.kernels.report "${REPORT[@]}" --json "$WORK/report.json"
 # a Llama-shaped bf16 training step with Hugging Face's norms, normbook's (strict and not) and
 # Liger's (issue 47's goal: normbook strict >= 1.25x hf). transformers travels in .whl/ with
 # Liger (make gpu-wheels) where the machine lacks it; without it the step fails in one line.
@@ -337,24 +369,9 @@ fi
 if [ "$DRY" = 1 ]; then CHAPTER_ENV=(env TRITON_INTERPRET=1 MPLBACKEND=Agg); else CHAPTER_ENV=(env MPLBACKEND=Agg); fi
 step chapter "$CAP_CHAPTER" "${CHAPTER_ENV[@]}" "$PY" book/_ext/notebooks.py --run "$WORK/chapter-claims.json" book/09-kernels.md
 
-# bench STEP CAP ARGS...: a benchmark step. Its limit keeps POST_S for the steps after the
-# benchmarks; the benchmark's own --time-budget ends it BENCH_SLACK before that limit, with
-# the rows past it recorded as skipped.
-bench() {
-  local name=$1 limit; limit=$(step_limit "$2" "$POST_S"); shift 2
-  step "$name" "$limit" "${BENCH[@]}" "$@" --out "$WORK/bench-${name#bench_}" \
-    --time-budget $(( limit > BENCH_SLACK ? limit - BENCH_SLACK : 1 ))
-}
-bench bench_bf16 "$CAP_BF16" "${OPS[@]}" "${BF16[@]}" --providers normbook,torch,liger,quack "${LIGER[@]}"
+# float32 LayerNorm beside its rivals: no goal reads it, so it takes what the budget leaves last
 bench bench_fp32 "$CAP_FP32" --ops layer_norm "${FP32[@]}" \
   --providers normbook,torch,compile,liger "${LIGER[@]}"
-# torch.compile of bf16 in what is left: a compile takes seconds per shape, so it goes last
-# and runs only with time for a few shapes (it is extra: not run is no failure here)
-if [ "$(step_limit "$CAP_COMPILE" "$POST_S")" -ge 40 ]; then
-  bench bench_compile "$CAP_COMPILE" "${OPS[@]}" "${BF16[@]}" --providers compile
-elif selected bench_compile; then
-  echo "only $(budget_left)s left: torch.compile bf16 benchmark not run" | tee -a "$LOGS/steps.txt"
-fi
 
 bench_results
 if [ "${#RESULTS[@]}" -gt 0 ]; then

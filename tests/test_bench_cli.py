@@ -893,3 +893,14 @@ def test_plot_onto_a_file_and_summary_with_out_are_refused_in_a_line(tmp_path):
     rc, out, err = _main(["--summary", run, "--out", tmp_path / "x"])
     assert rc == 2 and out == "" and "--summary: prints to stdout and writes no file" in err
     assert not (tmp_path / "x").exists()
+
+
+def test_provenance_takes_the_commit_it_is_given(monkeypatch):
+    """The GPU machine commits its own copy of the tree, so its git HEAD named no commit of
+    this repository in the recorded run; NORMBOOK_COMMIT, set on the run's command line, is
+    recorded instead, and says where it came from."""
+    monkeypatch.setenv("NORMBOOK_COMMIT", "0123abcd")
+    got = runner.provenance("cpu")
+    assert (got["commit"], got["commit_from"]) == ("0123abcd", "NORMBOOK_COMMIT")
+    monkeypatch.delenv("NORMBOOK_COMMIT")
+    assert runner.provenance("cpu")["commit_from"] == "git"

@@ -109,3 +109,38 @@ def test_the_finish_s_column_width_changes_no_bit():
         got.append((dw, db))
     for dw, db in got[1:]:
         assert torch.equal(dw, got[0][0]) and torch.equal(db, got[0][1])
+
+
+def test_a_row_that_fails_is_recorded_and_the_json_is_written_as_it_goes(tmp_path, monkeypatch):
+    """plans wrote its JSON once, at the end, and a row that raised (a capture refused, a
+    plan not as assumed) ended the command: a run stopped at its limit, or one failure, lost
+    every row. Now each row that raises records its error, the others are measured, and the
+    JSON is written again after every row."""
+    import json
+
+    from normbook.bench.cli import main
+
+    real_case, seen = plans._case, []
+
+    def case(M, D, device, finish_block=0):
+        if M == 4:
+            raise RuntimeError("planted")
+        return real_case(M, D, device, finish_block)
+
+    def bench(fn, device):
+        out = tmp_path / "plans.json"
+        seen.append(len(json.loads(out.read_text())["rows"]) if out.exists() else 0)
+        return (0.001,)
+
+    monkeypatch.setattr(plans, "_case", case)
+    monkeypatch.setattr("normbook.bench.timing.bench", bench)
+    out = tmp_path / "plans.json"
+    assert main(["plans", "--dims", "256", "--rows", "1,4", "--share-rows", "8",
+                 "--forward-dims", "256", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["M"] for r in rows] == [1, 4, 8]
+    assert rows[1]["error"] == "RuntimeError: planted" and "error" not in rows[0]
+    assert rows[2]["grid_us"] == 1.0
+    # the JSON on disk as each timing starts: none yet for M = 1, both rows before it for
+    # M = 8, all three for the forward's two timings
+    assert seen[:3] == [0, 0, 2] and seen[-2:] == [3, 3], seen

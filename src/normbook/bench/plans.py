@@ -84,33 +84,43 @@ def row_from(block_d: int):
             cached.cache_clear()
 
 
-def measure_forward(dims, share_rows, device: str) -> list[dict]:
-    """One dict per (D, M): the forward on the plan in force and as a row a program."""
+def measure_forward(dims, share_rows, device: str, out=None, done=None) -> list[dict]:
+    """One dict per (D, M): the forward on the plan in force and as a row a program. ``out``:
+    the list to append to (each row as it is measured), ``done``: called after each row (the
+    JSON written again); a row whose measurement raised holds its ``error`` instead."""
     from normbook.bench.timing import bench
     from normbook.kernels import _config, _forward
 
-    out = []
+    out = [] if out is None else out
     for D in dims:
         for M in share_rows:
-            g = torch.Generator().manual_seed(M * 5 + D)
-            x = torch.randn(M, D, generator=g).to(device, torch.bfloat16)
-            w, b = (torch.randn(D, generator=g).to(device, torch.bfloat16) for _ in range(2))
-            index = x.get_device()
             row = {"D": D, "M": M}
-            for name, block in (("tiles", _config.ROW_FROM), ("row", 1)):
-                with row_from(block):
-                    def forward():
-                        return _forward.norm_forward(x, None, w, b, 1e-5, False)
+            try:
+                g = torch.Generator().manual_seed(M * 5 + D)
+                x = torch.randn(M, D, generator=g).to(device, torch.bfloat16)
+                w, b = (torch.randn(D, generator=g).to(device, torch.bfloat16)
+                        for _ in range(2))
+                index = x.get_device()
+                for name, block in (("tiles", _config.ROW_FROM), ("row", 1)):
+                    with row_from(block):
+                        def forward():
+                            return _forward.norm_forward(x, None, w, b, 1e-5, False)
 
-                    forward()       # compiled and measured: the plan's final grid
-                    plan = _config.forward_plan(M, D, index, 2, False, False, True, True,
-                                                D & 15)[0]
-                    row[f"{name}_us"] = 1e3 * bench(forward, device)[0]
-                    row[f"{name}_programs"] = plan.grid[0]
+                        forward()       # compiled and measured: the plan's final grid
+                        plan = _config.forward_plan(M, D, index, 2, False, False, True, True,
+                                                    D & 15)[0]
+                        row[f"{name}_us"] = 1e3 * bench(forward, device)[0]
+                        row[f"{name}_programs"] = plan.grid[0]
+                line = (f"forward D {D:6d} M {M:6d}  tiles {row['tiles_us']:8.2f} us "
+                        f"({row['tiles_programs']} programs)  a row a program "
+                        f"{row['row_us']:8.2f} us ({row['row_programs']} programs)")
+            except Exception as e:  # noqa: BLE001 - one row's failure must not lose the rest
+                row["error"] = f"{type(e).__name__}: {e}"
+                line = f"forward D {D:6d} M {M:6d}  failed: {row['error']}"
             out.append(row)
-            print(f"forward D {D:6d} M {M:6d}  tiles {row['tiles_us']:8.2f} us "
-                  f"({row['tiles_programs']} programs)  a row a program {row['row_us']:8.2f} us "
-                  f"({row['row_programs']} programs)", flush=True)
+            print(line, flush=True)
+            if done is not None:
+                done()
     return out
 
 
@@ -146,35 +156,49 @@ def _case(M: int, D: int, device: str, finish_block: int = 0):
     return backward, finish_only, main.grid[0]
 
 
-def measure(dims, rows, share_rows, device: str, finish_blocks=()) -> list[dict]:
-    """One dict per (D, M): see the module docstring."""
-    from normbook.bench.timing import bench
-
-    out = []
+def measure(dims, rows, share_rows, device: str, finish_blocks=(), out=None,
+            done=None) -> list[dict]:
+    """One dict per (D, M): see the module docstring. ``out``, ``done``: as
+    :func:`measure_forward`'s; a row whose measurement raised holds its ``error``."""
+    out = [] if out is None else out
     for D in dims:
         for M in (*rows, *share_rows):
             row = {"D": D, "M": M, "one_us": None}
-            if M in rows:
-                with one_program_rows(M):
-                    fn, _, programs = _case(M, D, device)
-                    assert programs == 1, programs
-                    row["one_us"] = 1e3 * bench(fn, device)[0]
-            with one_program_rows(0):
-                fn, finish, programs = _case(M, D, device)
-                row["grid_us"] = 1e3 * bench(fn, device)[0]
-                row["grid_programs"] = programs
-                row["finish_us"] = None if finish is None else 1e3 * bench(finish, device)[0]
-            row["finish_share"] = (None if row["finish_us"] is None
-                                   else row["finish_us"] / row["grid_us"])
-            if M in share_rows and finish is not None:
-                row["finish_block_us"] = {}
-                with one_program_rows(0):
-                    for block in finish_blocks:
-                        finish = _case(M, D, device, block)[1]
-                        row["finish_block_us"][str(block)] = 1e3 * bench(finish, device)[0]
+            try:
+                _measure_row(row, D, M, rows, share_rows, device, finish_blocks)
+                line = _line(row)
+            except Exception as e:  # noqa: BLE001 - one row's failure must not lose the rest
+                row["error"] = f"{type(e).__name__}: {e}"
+                line = f"D {D:6d} M {M:6d}  failed: {row['error']}"
             out.append(row)
-            print(_line(row), flush=True)
+            print(line, flush=True)
+            if done is not None:
+                done()
     return out
+
+
+def _measure_row(row: dict, D: int, M: int, rows, share_rows, device: str, finish_blocks):
+    """:func:`measure`'s row for (D, M), filled in place."""
+    from normbook.bench.timing import bench
+
+    if M in rows:
+        with one_program_rows(M):
+            fn, _, programs = _case(M, D, device)
+            assert programs == 1, programs
+            row["one_us"] = 1e3 * bench(fn, device)[0]
+    with one_program_rows(0):
+        fn, finish, programs = _case(M, D, device)
+        row["grid_us"] = 1e3 * bench(fn, device)[0]
+        row["grid_programs"] = programs
+        row["finish_us"] = None if finish is None else 1e3 * bench(finish, device)[0]
+    row["finish_share"] = (None if row["finish_us"] is None
+                           else row["finish_us"] / row["grid_us"])
+    if M in share_rows and finish is not None:
+        row["finish_block_us"] = {}
+        with one_program_rows(0):
+            for block in finish_blocks:
+                finish = _case(M, D, device, block)[1]
+                row["finish_block_us"][str(block)] = 1e3 * bench(finish, device)[0]
 
 
 def _line(row: dict) -> str:
@@ -225,15 +249,26 @@ def main(argv=None) -> int:
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise BenchError("no CUDA device: set TRITON_INTERPRET=1 to run it in Triton's "
                          "interpreter (which says only that it runs)")
-    found = measure(dims, rows, share, device, blocks)
-    forward = measure_forward(forward_dims, share, device)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": found, "forward": forward, "device": torch.cuda.get_device_name()
-                       if device == "cuda" else "cpu (Triton's interpreter)",
-                       "torch": torch.__version__, "triton": triton.__version__,
-                       "one_program_rows": _config.ONE_PROGRAM_ROWS,
-                       "row_from": _config.ROW_FROM}, f, indent=1)
+    found: list = []
+    forward: list = []
+    record = {"rows": found, "forward": forward,
+              "device": torch.cuda.get_device_name() if device == "cuda"
+              else "cpu (Triton's interpreter)",
+              "torch": torch.__version__, "triton": triton.__version__,
+              "one_program_rows": _config.ONE_PROGRAM_ROWS, "row_from": _config.ROW_FROM}
+
+    def write():
+        """The JSON so far, after every row (a run stopped at its limit keeps what it
+        measured), replaced whole: written beside it, then renamed."""
+        if args.json:
+            part = f"{args.json}.part"
+            with open(part, "w") as f:
+                json.dump(record, f, indent=1)
+            os.replace(part, args.json)
+
+    measure(dims, rows, share, device, blocks, out=found, done=write)
+    measure_forward(forward_dims, share, device, out=forward, done=write)
+    write()
     return 0
 
 

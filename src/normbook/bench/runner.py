@@ -29,6 +29,7 @@ import gc
 import importlib.metadata
 import json
 import math
+import os
 import platform
 import re
 import subprocess
@@ -103,7 +104,11 @@ def provenance(device, timer: str | None = None) -> dict:
 
     device = torch.device(device)
     timer = timer or timing.default_timer(device)
-    commit = _git("rev-parse", "HEAD") or "unknown"
+    # NORMBOOK_COMMIT: the commit the run's tree was copied from, where the checkout it runs in
+    # is not it (the GPU machine commits its copy of the tree: its HEAD names no commit of
+    # this repository; benchmarks/results/README.md)
+    given = os.environ.get("NORMBOOK_COMMIT", "").strip()
+    commit = given or _git("rev-parse", "HEAD") or "unknown"
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {
         "device": device_name(device),
@@ -112,6 +117,7 @@ def provenance(device, timer: str | None = None) -> dict:
         "triton": _version("triton"),
         "normbook": normbook.__version__,
         "commit": commit,
+        "commit_from": "NORMBOOK_COMMIT" if given else "git",
         "dirty": None if status is None else bool(status),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
