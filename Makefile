@@ -102,10 +102,11 @@ gpu-dry-run: $(STAMP)
 	  && echo "gpu-dry-run: $$(ls | wc -l) files, no folders: what the device tool brings back"
 
 ## Wheels for the GPU machine (Python 3.12, no network), into .whl/ (git-ignored), which the
-## device tool carries along (benchmarks/README.md): Liger-Kernel (pure Python), and transformers
-## at requirements.txt's pin with what it needs, for the Llama step (about 28 MB). numpy is left
-## out: the machine's torch and matplotlib have one, and gpu_check.sh puts .whl's packages after
-## the machine's own on the path, so what it has already wins.
+## device tool carries along (benchmarks/README.md): Liger-Kernel (pure Python), transformers at
+## requirements.txt's pin with what it needs, for the Llama step (about 28 MB), and hypothesis,
+## for README step 5. numpy is left out: the machine's own serves its torch and matplotlib.
+## gpu_check.sh puts .whl's packages on PYTHONPATH, before the machine's site-packages, so the
+## carried versions win over the machine's copies of the same packages.
 GPU_WHEEL_FLAGS := --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl
 gpu-wheels:

@@ -436,3 +436,13 @@ def test_the_free_checks_take_float16_rows_whose_sum_overflows():
     wrong = dx + (dy.double().mean(-1, keepdim=True) * 0.5).half()     # half of c1 put back
     with pytest.raises(AssertionError, match="shift identity"):
         checks.assert_layer_norm_identities(x, dy, None, wrong, 1e-5)
+
+
+def test_the_default_dy_is_not_drawn_from_the_stream_x_may_come_from():
+    """x drawn as torch.manual_seed(0); torch.randn(...): the default dy's normal part was
+    seed 0's same stream, so dy lay in the span of 1 and xhat, where the true dx is zero, and
+    a backward of zeros passed. The default dy has a seed of its own."""
+    torch.manual_seed(0)
+    x = (3 * torch.randn(4, 16, dtype=torch.float64) + 1).float()
+    with pytest.raises(AssertionError, match="^energy identity"):
+        checks.check_norm_backward(lambda t: 0 * t, x, "layer")

@@ -345,7 +345,10 @@ def layer_norm_sharded(x: torch.Tensor, weight: torch.Tensor | None = None,
     c1, c2 of (ln-c) summed across ranks by one all-reduce of two scalars per token; double
     backward (a gradient penalty) differentiates through the collectives.
 
-    Every rank of ``group`` must call it, with tensors of the same leading shape.
+    Every rank of ``group`` must call it. The ranks first agree, in one small all-gather, on
+    the leading shape, x's dtype, the norm and eps, and whether each rank's arguments passed
+    its checks: where they differ, every rank raises a ValueError naming what differs (a rank
+    whose arguments were refused, its own error) instead of waiting for another.
 
     Args:
         x: (..., D_local), this rank's features of every token.

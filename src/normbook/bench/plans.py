@@ -31,8 +31,10 @@ measured faster than the tiles from D = 4096 to 16384 on the H200). Whether rows
 their grids), in the JSON's ``forward``.
 
 Device time: :func:`normbook.bench.timing.bench` (replays of a CUDA graph on a GPU; on a CPU,
-in Triton's interpreter, wall clock, which says only that the code runs). JSON: ``rows``, a
-list of those keys with ``D`` and ``M``, the device, the versions.
+in Triton's interpreter, wall clock, which says only that the code runs). JSON, written again
+after every row: ``rows`` and ``forward``, lists of those keys with ``D`` and ``M`` (a row
+whose measurement raised holds its ``error`` instead, and the command goes on; its exit
+status stays 0), the device, the versions, ``one_program_rows`` and ``row_from``.
 """
 
 from __future__ import annotations

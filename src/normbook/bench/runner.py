@@ -3,8 +3,9 @@
 Output (``results.json`` in the output folder, rewritten after every shape so that a run cut
 short still leaves its rows)::
 
-    {"provenance": {"device", "device_type", "torch", "triton", "normbook", "commit", "dirty",
-                    "date", "python", "platform", "cuda", "timer", "argv"},
+    {"provenance": {"device", "device_type", "torch", "triton", "normbook", "commit",
+                    "commit_from", "dirty", "date", "python", "platform", "cuda",
+                    "cpu_threads", "timer", "argv"},
      "copy_bandwidth_gbps": float,
      "copy": {"gbps", "ms", "bytes", "method"},
      "config": {...},
