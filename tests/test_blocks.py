@@ -115,3 +115,15 @@ def test_a_model_whose_output_does_not_fit_the_teacher_is_refused():
     x, target = blocks.teacher_batch(teacher, 5, 4, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="does the model's d_out match the teacher's"):
         blocks.layer_grad_norms(model, x, target)
+
+
+def test_layer_grad_norms_skips_a_frozen_parameter():
+    """A block's norm weight frozen: its gradient is None, and layer_grad_norms raised
+    AttributeError ('NoneType' has no attribute 'pow'); it counts it as no gradient."""
+    torch.manual_seed(0)
+    model = blocks.ResidualStack(3, 1, 8, 2)
+    x, target = torch.randn(4, 3), torch.randn(4, 1)
+    before = blocks.layer_grad_norms(model, x, target)
+    model.blocks[0].norm.weight.requires_grad_(False)
+    after = blocks.layer_grad_norms(model, x, target)
+    assert after.shape == (2,) and after[0] < before[0] and after[1] == before[1]

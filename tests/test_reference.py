@@ -322,6 +322,44 @@ def test_every_reference_function_names_an_argument_of_the_wrong_shape(case):
         call()
 
 
+def _bad_value_calls():
+    """(call, its error's start): a reviewer's cases, each accepted into a wrong answer or
+    refused with an unnamed message before the reference functions checked them."""
+    from normbook import residual
+    x1, x2 = torch.randn(5, **f64), torch.randn(3, 5, **f64)
+    w = torch.randn(5, **f64)
+    _, m, r = reference.layer_norm_forward(x2, w, w, 1e-5)
+    r_ = reference
+    return [
+        # a number for the statistics of one token is the token functions', not the batch's
+        (lambda: r_.layer_norm_backward(x1, x1, w, 0.0, 1.0), "mean: expected a torch.Tensor"),
+        (lambda: r_.rms_norm_backward(x1, x1, w, 1.0), "rstd: expected a torch.Tensor"),
+        # None where a tensor goes: only weight and bias may be None
+        (lambda: r_.layer_norm_backward(None, x2, w, m, r), "dy: expected a torch.Tensor"),
+        (lambda: residual.residual_tanh_forward(x2, None), "A: expected a torch.Tensor"),
+        # an integer x: the row loop wrote its output into an integer tensor (truncated)
+        (lambda: r_.layer_norm_rows_forward(torch.tensor([[1, 2, 3, 4]]), None, None, 1e-5),
+         "x: expected a real floating-point dtype, got torch.int64"),
+        (lambda: r_.rms_norm_forward(x2.to(torch.complex128), None, 1e-5),
+         "x: expected a real floating-point dtype"),
+        # eps: a vector broadcast over the rows, NaN, None
+        (lambda: r_.layer_norm_forward(x2, None, None, torch.tensor([1e-5, 1.0, 9.0], **f64)),
+         "eps: expected a real number or a 0-d tensor"),
+        (lambda: r_.layer_norm_jacobian(x1, torch.ones(5, **f64)),
+         "eps: expected a real number or a 0-d tensor"),
+        (lambda: r_.layer_norm_forward(x2, None, None, float("nan")),
+         "eps: expected a real number other than NaN"),
+        (lambda: r_.rms_norm_token_forward(x1, None, None), "eps: expected a real number"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_every_reference_function_names_a_bad_value(case):
+    call, message = _bad_value_calls()[case]
+    with pytest.raises((ValueError, TypeError), match="^" + re.escape(message)):
+        call()
+
+
 def test_the_shape_checks_accept_what_the_forwards_return():
     """Statistics flattened to (N,) (as the launchers keep them) or in x's
     leading shape, and plain numbers for one token, all pass."""

@@ -225,7 +225,9 @@ def layer_grad_norms(model: ResidualStack, x: torch.Tensor,
     loss.backward()
     norms = []
     for blk in model.blocks:
-        sq = sum(float(p.grad.pow(2).sum()) for p in blk.parameters())
+        # (a frozen parameter has no gradient: it adds nothing)
+        sq = sum(float(p.grad.pow(2).sum()) for p in blk.parameters()
+                 if p.grad is not None)
         norms.append(math.sqrt(sq))
     model.zero_grad(set_to_none=True)
     return torch.tensor(norms, dtype=torch.float64)

@@ -23,6 +23,8 @@ import math
 import torch
 from torch import Tensor
 
+from normbook import _validate
+
 __all__ = [
     "layer_norm_token_forward",
     "layer_norm_token_backward",
@@ -44,29 +46,35 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _token(x, dy=None, **given):
+_NOT_GIVEN = object()   # an argument the function does not take (dy of a forward)
+
+
+def _token(x, dy=_NOT_GIVEN, **given):
     """D for one token's vector ``x``, after the arguments ``given``
     beside it (see :func:`_against_x`), else a ValueError."""
     _tensor("x", x)
+    _floating(x)
     if x.dim() != 1:
         raise ValueError(f"x: expected a 1-D vector of shape (D,), got shape {tuple(x.shape)}")
-    return _against_x(x, dy=dy, **given)
+    return _against_x(x, dy=dy, numbers=True, **given)
 
 
-def _check_rows(x, dy=None, **given):
+def _check_rows(x, dy=_NOT_GIVEN, **given):
     """(N, D) for rows ``x``, after the arguments ``given`` beside them
     (see :func:`_against_x`), else a ValueError."""
     _tensor("x", x)
+    _floating(x)
     if x.dim() != 2:
         raise ValueError(f"x: expected rows of shape (N, D), got shape {tuple(x.shape)}")
     _against_x(x, dy=dy, **given)
     return x.shape
 
 
-def _batch(x, dy=None, **given):
+def _batch(x, dy=_NOT_GIVEN, **given):
     """D for tokens ``x`` of shape (..., D), after the arguments
     ``given`` beside them (see :func:`_against_x`), else a ValueError."""
     _tensor("x", x)
+    _floating(x)
     if x.dim() == 0:
         raise ValueError("x: expected a tensor of shape (..., D), got a 0-d tensor")
     return _against_x(x, dy=dy, **given)
@@ -77,23 +85,35 @@ def _tensor(name, t):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
 
 
+def _floating(x):
+    """A real floating x: an integer x was computed into an integer output
+    (truncated) by the row loop, and a complex one gave a complex rstd."""
+    if not x.is_floating_point():
+        raise TypeError(f"x: expected a real floating-point dtype, got {x.dtype}")
+
+
 # what each argument's shape must be, by its name, given x (..., D)
 _LIKE_X = ("dy", "t")              # gradients and saved outputs: x's shape
 _VECTORS = ("weight", "bias")      # one value per feature: (D,)
 _PER_TOKEN = ("mean", "rstd")      # one value per token: x's leading shape
 
 
-def _against_x(x, **given):
+def _against_x(x, numbers=False, **given):
     """D = x.shape[-1], once every argument in ``given`` (by name) has
     the shape its name asks for beside x: dy and t x's shape; weight
     and bias (D,), or None; A (D, D); mean and rstd one value per
-    token, x's leading shape or those dims flattened into one (a
-    number for a single token). Else a ValueError naming it, expected
-    against given: the formulas would broadcast a (1,) weight or a
-    scalar rstd over every token and return a wrong answer."""
+    token, x's leading shape or those dims flattened into one (with
+    ``numbers``, the token functions', a number for a single token);
+    eps a real number or a 0-d tensor, not NaN. Else a ValueError or
+    TypeError naming it, expected against given: the formulas would
+    broadcast a (1,) weight or a scalar rstd over every token and
+    return a wrong answer."""
     D, lead = x.shape[-1], tuple(x.shape[:-1])
     for name, t in given.items():
-        if t is None and name not in _PER_TOKEN:
+        if t is _NOT_GIVEN or (t is None and name in _VECTORS):
+            continue
+        if name == "eps":
+            _validate.check_eps(_validate.as_eps(t))
             continue
         if name in _LIKE_X:
             shapes, why = [tuple(x.shape)], " (as x)"
@@ -102,7 +122,8 @@ def _against_x(x, **given):
         elif name == "A":
             shapes, why = [(D, D)], " (D x D, D = x.shape[-1])"
         else:
-            if not lead and isinstance(t, (int, float)) and not isinstance(t, bool):
+            if (numbers and not lead and isinstance(t, (int, float))
+                    and not isinstance(t, bool)):
                 continue
             shapes, why = [lead, (math.prod(lead),)], " (one value per token of x)"
         _tensor(name, t)
@@ -140,7 +161,7 @@ def layer_norm_token_forward(
         y: (D,); mean, rstd: () scalars, all that backward needs
         besides x: two numbers instead of the D values of xhat.
     """
-    D = _token(x, weight=weight, bias=bias)
+    D = _token(x, weight=weight, bias=bias, eps=eps)
     mean = torch.einsum("d->", x) / D           # ()  (ln-mean), sweep 1
     xc = x - mean                               # (D,) centred
     var = torch.einsum("d,d->", xc, xc) / D     # ()  (ln-var), sweep 2
@@ -201,7 +222,7 @@ def rms_norm_token_forward(
     Returns:
         y: (D,); rstd: (), the one scalar that backward needs.
     """
-    D = _token(x, weight=weight)
+    D = _token(x, weight=weight, eps=eps)
     ms = torch.einsum("d,d->", x, x) / D        # ()  (rms-ms): 1 sweep
     rstd = torch.rsqrt(ms + eps)                # ()
     xhat = x * rstd                             # (D,) (rms-xhat)
@@ -258,7 +279,7 @@ def layer_norm_rows_forward(
     Returns:
         y: (N, D); mean, rstd: (N,), two scalars saved per row.
     """
-    N, D = _check_rows(x, weight=weight, bias=bias)
+    N, D = _check_rows(x, weight=weight, bias=bias, eps=eps)
     y = torch.empty_like(x)                     # (N, D)
     mean = x.new_empty(N)                       # (N,)
     rstd = x.new_empty(N)                       # (N,)
@@ -329,7 +350,7 @@ def layer_norm_forward(
         all that backward needs besides x: two scalars per token
         instead of D values of xhat.
     """
-    D = _batch(x, weight=weight, bias=bias)
+    D = _batch(x, weight=weight, bias=bias, eps=eps)
     X = _rows(x)                                # (N, D)
     mean = torch.einsum("nd->n", X) / D         # (N,)  (ln-mean)
     xc = X - mean[:, None]                      # (N, D) centred
@@ -394,7 +415,7 @@ def layer_norm_jacobian(x: Tensor, eps: float) -> Tensor:
     Returns:
         (D, D) matrix, row d = output, column e = input.
     """
-    D = _token(x)
+    D = _token(x, eps=eps)
     _, mean, rstd = layer_norm_token_forward(x, None, None, eps)
     xhat = (x - mean) * rstd                    # (D,)
     eye = torch.eye(D, dtype=x.dtype, device=x.device)  # term 1: direct
@@ -422,7 +443,7 @@ def rms_norm_forward(
         y: (..., D); rstd: (...,), the one scalar per token that
         backward needs.
     """
-    D = _batch(x, weight=weight)
+    D = _batch(x, weight=weight, eps=eps)
     X = _rows(x)                                # (N, D)
     ms = torch.einsum("nd,nd->n", X, X) / D     # (N,)  (rms-ms)
     rstd = torch.rsqrt(ms + eps)                # (N,)
@@ -477,7 +498,7 @@ def rms_norm_jacobian(x: Tensor, eps: float) -> Tensor:
     Returns:
         (D, D) matrix, row d = output, column e = input.
     """
-    D = _token(x)
+    D = _token(x, eps=eps)
     xhat, rstd = rms_norm_token_forward(x, None, eps)  # (D,), ()
     eye = torch.eye(D, dtype=x.dtype, device=x.device)
     return rstd * (eye - torch.outer(xhat, xhat) / D)
