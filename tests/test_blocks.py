@@ -127,3 +127,15 @@ def test_layer_grad_norms_skips_a_frozen_parameter():
     model.blocks[0].norm.weight.requires_grad_(False)
     after = blocks.layer_grad_norms(model, x, target)
     assert after.shape == (2,) and after[0] < before[0] and after[1] == before[1]
+
+
+def test_make_teacher_leaves_the_global_generator_alone():
+    """nn.Linear's own initialization drew from torch's global generator, so a model built
+    after make_teacher(seed=...) differed from one built without it."""
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    teacher = blocks.make_teacher(5, 3, width=8, seed=1)
+    assert torch.equal(torch.get_rng_state(), before)
+    again = blocks.make_teacher(5, 3, width=8, seed=1)
+    for a, b in zip(teacher.parameters(), again.parameters()):
+        assert torch.equal(a, b) and not a.requires_grad

@@ -159,15 +159,18 @@ def make_teacher(d_in: int, d_out: int, width: int = 64, seed: int = 0) -> nn.Se
     """The task: a fixed random two-layer tanh network, x (..., d_in) -> (..., d_out).
 
     Gaussian weights, scaled so that tanh works in its curved range and each output has a
-    variance of order one (about 2): a smooth, learnable regression target.
+    variance of order one (about 2): a smooth, learnable regression target. Its weights come
+    from a generator of its own seeded with ``seed``: building it draws nothing from torch's
+    global random state (a model built after it is the one built without it).
     """
     for name, n in (("d_in", d_in), ("d_out", d_out), ("width", width)):
         _count(name, n)
     g = torch.Generator().manual_seed(seed)
     W1 = torch.randn(width, d_in, generator=g) / math.sqrt(d_in)
     W2 = torch.randn(d_out, width, generator=g) / math.sqrt(width) * 2
-    first = nn.Linear(d_in, width, bias=False)
-    last = nn.Linear(width, d_out, bias=False)
+    # skip_init: nn.Linear's own initialization would draw from the global generator
+    first = nn.utils.skip_init(nn.Linear, d_in, width, bias=False)
+    last = nn.utils.skip_init(nn.Linear, width, d_out, bias=False)
     teacher = nn.Sequential(first, nn.Tanh(), last)
     with torch.no_grad():
         first.weight.copy_(W1)

@@ -92,6 +92,10 @@ def scale_identity_residual(
     return D * c2 * eps * rstd**3
 
 
+IDENTITY_TOLERANCE_EPS = 64   # assert_layer_norm_identities' default in float32 and float64, in
+                              # machine epsilons of dx's dtype (twice that in units of roundoff)
+
+
 def assert_layer_norm_identities(
     x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor | None,
     dx: torch.Tensor, eps: float, atol: float | None = None,
@@ -101,8 +105,8 @@ def assert_layer_norm_identities(
     Raise AssertionError if either fails. Checks (ln-shift-id),
     sum_d dx_d = 0, and (ln-eps-residual), sum_d xhat_d dx_d equal to its
     closed form, each per token within ``atol`` scaled by the size of the
-    terms being summed (default: 64 machine epsilons of dx's dtype, 4 in
-    float16 and bfloat16).
+    terms being summed (default: IDENTITY_TOLERANCE_EPS, 64, machine epsilons
+    of dx's dtype; 4 in float16 and bfloat16).
 
     Args:
         x, dy: (..., D) the forward input and the gradient arriving at y.
@@ -114,7 +118,7 @@ def assert_layer_norm_identities(
             float16 and bfloat16).
     """
     if atol is None:
-        atol = 64 * torch.finfo(dx.dtype).eps
+        atol = IDENTITY_TOLERANCE_EPS * torch.finfo(dx.dtype).eps
         if dx.dtype in _HALVES:
             atol = _default_atol(dx.dtype)
     # in float64: a half x's own statistics overflow (a float16
