@@ -288,8 +288,8 @@ def test_cli_summary_of_recorded_json(tmp_path, capsys):
     assert cli.main(["--summary", str(tmp_path), "--goal"]) == 1    # the whole grid: not met
     out = capsys.readouterr().out
     assert "rms_norm fwd bf16" in out and "goal: not met" in out
-    assert "rms_norm       fwd  D=1024    0.90 of a same-size copy (need 0.85; 0.90 of copy)" in out
-    assert "rms_norm       fwd  D=4096    0.90 of copy (need 0.92)" in out
+    assert "rms_norm       fwd  D=1024    0.900 of a same-size copy (need 0.85; 0.900 of copy)" in out
+    assert "rms_norm       fwd  D=4096    0.900 of copy (need 0.92)" in out
 
 
 def test_recorded_gpu_results_ignores_cpu_and_synthetic_runs(tmp_path):
@@ -318,6 +318,68 @@ def test_newest_gpu_result_is_the_latest_dated_gpu_run(tmp_path):
         (tmp_path / name / "results.json").write_text(json.dumps(
             {"provenance": {"device_type": kind, "date": date}, "copy_bandwidth_gbps": 1.0, "rows": []}))
     assert newest_gpu_result(tmp_path)["provenance"]["date"].startswith("2027-01-02")   # not the CPU run's
+
+
+def test_newest_gpu_result_compares_times_and_refuses_what_it_cannot_order(tmp_path):
+    """Dates were compared as text: a null date ("None") sorted above every ISO date and became
+    the reference, a +09:00 offset was read as UTC, and a tie went to the first folder."""
+    import json
+
+    from normbook.bench.plot import newest_gpu_result
+    from normbook.bench.schema import ResultsError
+
+    def record(name, date):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(
+            {"provenance": {"device_type": "cuda", "date": date, "device": name},
+             "copy_bandwidth_gbps": 1.0, "rows": []}))
+
+    record("utc", "2026-12-04T10:00:00+00:00")
+    record("tokyo", "2026-12-04T18:00:00+09:00")      # 09:00 UTC: the older of the two
+    assert newest_gpu_result(tmp_path)["provenance"]["device"] == "utc"
+    record("same", "2026-12-04T19:00:00+09:00")       # 10:00 UTC, as the first
+    with pytest.raises(ResultsError, match="two recorded GPU runs share the date"):
+        newest_gpu_result(tmp_path)
+    (tmp_path / "same" / "results.json").unlink()
+    record("undated", None)
+    with pytest.raises(ResultsError, match="has no ISO 8601 date: provenance.date = None"):
+        newest_gpu_result(tmp_path)
+
+
+def test_a_gpu_checks_other_files_are_skipped_in_a_folder(tmp_path):
+    """plans.json and llama.json (a GPU check's, each with "rows") made --summary of the run's
+    folder fail: "missing 'provenance'"."""
+    import json
+
+    from normbook.bench.schema import ResultsError
+
+    (tmp_path / "results.json").write_text(json.dumps(_synthetic_result()))
+    (tmp_path / "plans.json").write_text(json.dumps(
+        {"rows": [], "forward": [], "device": "cpu", "one_program_rows": 8, "row_from": 4096}))
+    (tmp_path / "llama.json").write_text(json.dumps(
+        {"rows": [], "shape": [1, 8], "goal_speedup": 1.25, "device": "cpu"}))
+    assert len(plot.load_results(tmp_path)) == 1
+    with pytest.raises(ResultsError, match="plans timings, not a normbook.bench result"):
+        plot.load_results(tmp_path / "plans.json")
+    with pytest.raises(ResultsError, match="training step, not a normbook.bench result"):
+        plot.load_results(tmp_path / "llama.json")
+
+
+def test_model_check_and_figures_keep_runs_apart(tmp_path):
+    """Two runs given to --model-check duplicated every row and joined one run's rows to the
+    other's report; the figures joined two runs of a provider into one line."""
+    import json
+
+    from normbook.bench.plot import _rows_by_run, model_vs_measured
+    from normbook.bench.schema import ResultsError
+
+    a = _synthetic_result()
+    b = json.loads(json.dumps(a))
+    b["provenance"].update(commit="f" * 40, date="2000-02-01")
+    rows, several = _rows_by_run([a, b])
+    assert several and len({r["_run"] for r in rows}) == 2
+    with pytest.raises(ResultsError, match="joins one run's rows .* these are 2 runs"):
+        model_vs_measured([a, b], {"paths": [], "m": 32768})
 
 
 def test_the_recorded_h200_run_is_the_reference():

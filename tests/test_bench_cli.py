@@ -90,6 +90,91 @@ def test_goal_uses_the_timed_row_beside_a_nan_one():
     assert ok and "liger 1.1" in lines[0] and "nan" not in lines[0], lines  # 1.25 ms / 1.11 ms
 
 
+def test_goal_does_not_judge_a_time_the_host_set():
+    """A row timed by do_bench (no timer recorded: the H200's first run) whose host time per
+    call exceeds it measured the host: the goal check credited normbook against such rivals'
+    rows (layer_norm bwd D=2048, "liger 2.33x") and failed normbook's own on them."""
+    res = _result()
+    for r in res["rows"]:
+        if r["provider"] == "liger":
+            del r["timer"]
+            r.update(host_bound=True, host_ms=r["ms"])
+    lines, ok = goal.check_goal([res], **GRID)
+    assert not ok and all(line.endswith("NOT MEASURED") for line in lines), lines
+    assert "liger not measured (host-bound: " in lines[0]
+    # the same rows timed in a CUDA graph are device times, host-bound or not
+    for r in res["rows"]:
+        r["timer"] = "cudagraph"
+    assert goal.check_goal([res], **GRID)[1]
+
+
+def test_goal_excuses_no_such_op_only_where_there_is_none():
+    """Only Liger's fused add + LayerNorm does not exist; an older Liger without its fused add +
+    RMSNorm skips with the same words, and that rival is not measured."""
+    res = _result([r for r in _result()["rows"] if r["provider"] != "liger"])
+    res["skipped"] = [dict(provider="liger", op="rms_norm", mode=m, dtype="bf16", M=32768,
+                           D=1024, reason="no such op: this Liger-Kernel has no fused rms_norm")
+                      for m in ("fwd", "bwd")]
+    lines, ok = goal.check_goal([res], **GRID)
+    assert not ok and all(line.endswith("NOT MEASURED") for line in lines), lines
+    for r in res["rows"] + res["skipped"]:
+        r["op"] = "add_layer_norm"
+    lines, ok = goal.check_goal([res], ops=("add_layer_norm",), Ds=(1024,))
+    assert ok and "liger has no such op" in lines[0], lines
+
+
+def test_goal_prints_the_fraction_it_judged():
+    """0.91999 printed as 0.92 beside "need 0.92 ... FAIL" read as a contradiction."""
+    wide = _result([_row(p, m, D=4096, frac=f) for p, f in (("normbook", 0.91999),
+                                                              ("torch", 0.6), ("compile", 0.6),
+                                                              ("liger", 0.8))
+                    for m in ("fwd", "bwd")])
+    lines, _ = goal.check_goal([wide], ops=("rms_norm",), Ds=(4096,))
+    assert "0.919 of copy (need 0.92)" in lines[0] and lines[0].endswith("FAIL"), lines
+
+
+def test_goal_judges_every_measured_d_in_its_ranges():
+    """The goal holds for every D from 2048 to 32768: a measured D of 6144 had no line."""
+    rows = [_row(p, m, D=D, frac=f) for p, f in (("normbook", 0.95), ("torch", 0.6),
+                                                  ("compile", 0.6), ("liger", 0.8))
+            for m in ("fwd", "bwd") for D in (4096, 6144)]
+    rows = [dict(r, frac_copy=0.30) if (r["provider"], r["D"]) == ("normbook", 6144) else r
+            for r in rows]
+    lines, ok = goal.check_goal([_result(rows)], ops=("rms_norm",), Ds=(4096,))
+    assert not ok and [line.split()[2] for line in lines] == ["D=4096", "D=6144"] * 2, lines
+    assert all(line.endswith("FAIL") for line in lines if "D=6144" in line)
+
+
+def test_goal_judges_each_run_apart(tmp_path):
+    """An older, faster run hid a newer run's regression: the check took the fastest row of
+    any file. The command line now judges each run (device and commit) on its own."""
+    old = _result()
+    old["provenance"].update(commit="a" * 40, date="2026-12-04T00:00:00+00:00")
+    new = json.loads(json.dumps(old))
+    new["provenance"].update(commit="b" * 40, date="2027-01-10T00:00:00+00:00")
+    for r in new["rows"]:
+        if r["provider"] == "normbook":
+            r["ms"] *= 2
+            r["frac_copy"] /= 2
+            r["frac_same_copy"] /= 2
+    assert [label.split(" @ ")[1] for label, _ in goal.runs([old, new])] == [
+        "aaaaaaa, 2026-12-04", "bbbbbbb, 2027-01-10"]
+    for name, res in (("old", old), ("new", new)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(res))
+    rc, out, _ = _main(["--summary", tmp_path, "--goal"])
+    blocks = out.split("\ngoal (bf16, M = 32768) of ")[1:]
+    assert rc == 1 and len(blocks) == 2 and blocks[1].startswith("SYNTHETIC GPU @ bbbbbbb")
+    judged = [[line.split()[-1] for line in b.splitlines() if line.startswith("rms_norm ")
+               and "D=1024" in line] for b in blocks]
+    assert judged == [["PASS", "PASS"], ["FAIL", "FAIL"]], out
+    # files of one run (a GPU check's bf16 and compile benchmarks) are judged together
+    rivals = json.loads(json.dumps(old))
+    old["rows"] = [r for r in old["rows"] if r["provider"] == "normbook"]
+    rivals["rows"] = [r for r in rivals["rows"] if r["provider"] != "normbook"]
+    assert len(goal.runs([old, rivals])) == 1 and goal.check_goal([old, rivals], **GRID)[1]
+
+
 # ---- D = 1024: the goal's yardstick is a copy of the row's own bytes --------------------------
 def _normbook(res, **values):
     for r in res["rows"]:
@@ -105,7 +190,7 @@ def test_goal_at_1024_is_a_fraction_of_a_same_size_copy():
     lines, ok = goal.check_goal([_normbook(_result(), frac_copy=0.80, frac_same_copy=0.80 / 0.86)],
                                 **GRID)
     assert ok and all(line.endswith("PASS") for line in lines), lines
-    assert "0.93 of a same-size copy (need 0.85; 0.80 of copy)" in lines[0]
+    assert "0.930 of a same-size copy (need 0.85; 0.800 of copy)" in lines[0]
     lines, ok = goal.check_goal([_normbook(_result(), frac_copy=0.95, frac_same_copy=0.84)],
                                 **GRID)
     assert not ok and all(line.endswith("FAIL") for line in lines), lines
@@ -136,7 +221,7 @@ def test_goal_at_1024_without_a_same_size_copy_is_not_measured(value, why):
             r["frac_same_copy"] = value
     lines, ok = goal.check_goal([res], **GRID)
     assert not ok and all(line.endswith("NOT MEASURED") for line in lines), lines
-    assert f"normbook 0.90 of copy; {why} (the yardstick at D = 1024)" in lines[0]
+    assert f"normbook 0.900 of copy; {why} (the yardstick at D = 1024)" in lines[0]
 
 
 # a row as the H200 recorded it on 2026-12-04 (measured/2026-12-04-h200/results.json): timed by

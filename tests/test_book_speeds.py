@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted((ROOT / "book").glob("*.md")) + [ROOT / "README.md", ROOT / "benchmarks" / "README.md"]
 SPEED = re.compile(
     r"\d[\d,.]*\s*(?:GB/s|TB/s|GiB/s)"                                     # a bandwidth
-    r"|\b[01]?\.\d+\s+of\s+(?:the\s+)?(?:copy|bandwidth|peak)"             # 0.92 of copy
+    r"|\b[01]?\.\d+\s+of\s+(?:the\s+)?(?:[\w.]+\s+){0,2}(?:copy|bandwidth|peak)"   # 0.92 of (the 1 GiB) copy
     r"|\d+(?:\.\d+)?\s*%\s+of\s+(?:the\s+)?(?:copy|bandwidth|peak)")        # 92% of copy
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.S | re.M)
 
@@ -35,10 +35,11 @@ def typed_speeds(text: str) -> list[tuple[int, str]]:
 def test_the_rule_catches_typed_speeds():
     page = ("The kernel reaches 0.92 of copy.\nIt moves 3,900 GB/s.\n"
             "It reaches 93% of the bandwidth.\nHBM: 4.8 TB/s {cite}`nvidia2024h200`.\n"
+            "A small one reached 0.86 of the 1 GiB copy.\n"
             "It reaches {glue}`frac` of copy.\n```python\nprint('0.5 of copy')\n```\n"
             "The goal: >= 0.92 of copy, at least 0.85 of a copy.\n")
     assert typed_speeds(page) == [(1, "0.92 of copy"), (2, "3,900 GB/s"),
-                                  (3, "93% of the bandwidth")]
+                                  (3, "93% of the bandwidth"), (5, "0.86 of the 1 GiB copy")]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)

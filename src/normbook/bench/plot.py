@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from normbook.bench.schema import check_report, load_results, read_json
+from normbook.bench.schema import ResultsError, check_report, load_results, read_json
 
 __all__ = ["load_results", "plot_results", "plot_overview", "provenance_line", "recorded_rows",
            "model_vs_measured", "model_table", "plot_model_vs_measured", "figure_path",
@@ -52,10 +52,34 @@ def recorded_gpu_results(folder=None) -> list[dict]:
 
 def newest_gpu_result(folder=None) -> dict | None:
     """The reference run: the newest of :func:`recorded_gpu_results` by its provenance's date
-    (ISO 8601, so that text order is time order), or None when no GPU run is recorded. Every
-    later GPU run is recorded beside the first; the book and README quote this one."""
+    (ISO 8601, compared as times: an offset of +09:00 is nine hours before UTC), or None when
+    no GPU run is recorded. Every later GPU run is recorded beside the first; the book and
+    README quote this one. A run without a readable date cannot be ordered, nor can two runs of
+    the same time: both raise :class:`normbook.bench.schema.ResultsError`, naming them."""
     runs = recorded_gpu_results(folder)
-    return max(runs, key=lambda r: str(r["provenance"].get("date", ""))) if runs else None
+    if not runs:
+        return None
+    dated = sorted(((_when(r), n) for n, r in enumerate(runs)), reverse=True)
+    newest, second = runs[dated[0][1]], runs[dated[-1 if len(dated) == 1 else 1][1]]
+    if newest is not second and dated[0][0] == dated[1][0]:
+        raise ResultsError(f"two recorded GPU runs share the date "
+                           f"{newest['provenance']['date']!r} ({provenance_line(newest)}; "
+                           f"{provenance_line(second)}): which is the reference cannot be told")
+    return newest
+
+
+def _when(result: dict):
+    """A run's provenance date as an aware datetime (a date without a zone is UTC, as the runner
+    writes it), or ResultsError naming the run."""
+    from datetime import datetime, timezone
+
+    date = result["provenance"].get("date")
+    try:
+        when = datetime.fromisoformat(date)
+    except (TypeError, ValueError):
+        raise ResultsError(f"a recorded GPU run ({provenance_line(result)}) has no ISO 8601 "
+                           f"date: provenance.date = {date!r}") from None
+    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
 
 
 def recorded_rows(result: dict, dtype: str = "bf16", M: int | None = None) -> dict:
@@ -93,7 +117,8 @@ def plot_results(sources, out_dir, fmt: str = "png") -> list[Path]:
     """Draw one figure per (op, dtype) from ``sources`` (see
     :func:`normbook.bench.schema.load_results`) into ``out_dir``.
 
-    Lines: one per provider (and per device, when several results are merged); shapes with a
+    Lines: one per provider (and per run, device and commit, when results of several are
+    given: see :func:`normbook.bench.goal.runs`); shapes with a
     different M than the main one (the small-D, many-rows case) are drawn as lone markers.
     Returns the paths written.
     """
@@ -107,8 +132,7 @@ def plot_results(sources, out_dir, fmt: str = "png") -> list[Path]:
     results = load_results(sources)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    devices = list(dict.fromkeys(r["provenance"].get("device", "?") for r in results))
-    rows = [dict(row, _device=r["provenance"].get("device", "?")) for r in results for row in r["rows"]]
+    rows, several = _rows_by_run(results)
     captions = list(dict.fromkeys(provenance_line(r) for r in results))
     written = []
     for op, dtype in dict.fromkeys((r["op"], r["dtype"]) for r in rows):
@@ -117,7 +141,7 @@ def plot_results(sources, out_dir, fmt: str = "png") -> list[Path]:
         fig, axes = plt.subplots(2, len(modes), figsize=(4.6 * len(modes), 7), squeeze=False,
                                  sharex=True)
         for j, mode in enumerate(modes):
-            _panel(axes[0, j], axes[1, j], [r for r in sel if r["mode"] == mode], len(devices) > 1)
+            _panel(axes[0, j], axes[1, j], [r for r in sel if r["mode"] == mode], several)
             axes[0, j].set_title(_MODE_TITLE[mode])
         axes[0, 0].set_ylabel("GB/s (byte model / median time)")
         axes[1, 0].set_ylabel("fraction of copy bandwidth")
@@ -158,19 +182,21 @@ def plot_overview(sources, path, dtype: str = "bf16") -> Path:
     import matplotlib.pyplot as plt
 
     results = load_results(sources)
-    rows = [dict(row, _device=r["provenance"].get("device", "?")) for r in results
-            for row in r["rows"] if row["dtype"] == dtype]
+    rows, several = _rows_by_run(results)
+    rows = [r for r in rows if r["dtype"] == dtype]
     ops = list(dict.fromkeys(r["op"] for r in rows)) or ["(no rows)"]
     fig, axes = plt.subplots(2, len(ops), figsize=(4.2 * len(ops), 6.5), squeeze=False, sharex=True)
     for j, op in enumerate(ops):
         for i, mode in enumerate(("fwd", "bwd")):
             ax = axes[i, j]
             sel = [r for r in rows if r["op"] == op and r["mode"] == mode]
-            for prov in dict.fromkeys(r["provider"] for r in sel):
-                rs = sorted((r for r in sel if r["provider"] == prov), key=lambda r: r["D"])
+            for prov, run in dict.fromkeys((r["provider"], r["_run"]) for r in sel):
+                rs = sorted((r for r in sel if (r["provider"], r["_run"]) == (prov, run)),
+                            key=lambda r: r["D"])
                 color, marker = _STYLE.get(prov, (None, "o"))
                 ax.plot([r["D"] for r in rs], [r["frac_copy"] for r in rs], color=color,
-                        marker=marker, markersize=4, label=prov)
+                        marker=marker, markersize=4,
+                        label=prov + (f" ({run})" if several else ""))
             ax.axhline(1.0, color="k", linewidth=0.8, linestyle="--")
             ax.set_xscale("log", base=2)
             ax.set_ylim(bottom=0)
@@ -192,16 +218,27 @@ def plot_overview(sources, path, dtype: str = "bf16") -> Path:
     return path
 
 
-def _panel(ax_gbps, ax_frac, rows, by_device: bool) -> None:
+def _rows_by_run(results) -> tuple[list[dict], bool]:
+    """Every row of ``results``, each tagged ``_run`` with its run's label (device, commit,
+    date: :func:`normbook.bench.goal.runs`), and whether there are several runs. A line joins
+    the rows of one run only: two runs of one provider drew one zigzag line."""
+    from normbook.bench.goal import runs
+
+    found = runs(results)
+    return ([dict(row, _run=label) for label, files in found for r in files
+             for row in r["rows"]], len(found) > 1)
+
+
+def _panel(ax_gbps, ax_frac, rows, by_run: bool) -> None:
     Ms = [r["M"] for r in rows]
     main_M = max(set(Ms), key=Ms.count)
     series: dict = {}
     for r in rows:
-        series.setdefault((r["provider"], r["_device"], r["M"]), []).append(r)
-    for (prov, dev, M), rs in series.items():
+        series.setdefault((r["provider"], r["_run"], r["M"]), []).append(r)
+    for (prov, run, M), rs in series.items():
         rs.sort(key=lambda r: r["D"])
         color, marker = _STYLE.get(prov, (None, "o"))
-        label = prov + (f" ({dev})" if by_device else "")
+        label = prov + (f" ({run})" if by_run else "")
         D = [r["D"] for r in rs]
         style = dict(color=color, marker=marker, markersize=4)
         if M != main_M:  # the small-D, many-rows case: a hollow marker, no legend entry
@@ -235,8 +272,16 @@ def model_vs_measured(sources, report, arch: str = "sm_90", provider: str = "nor
     predicted = {(p["norm"], p["residual"], p["direction"], p["dtype"], p["D"]): p["predicted_fraction"]
                  for p in rep["paths"]
                  if p["arch"] == arch and "error" not in p and "predicted_fraction" in p}
+    from normbook.bench.goal import runs
+
+    results = load_results(sources)
+    found = runs(results)
+    if len(found) > 1:   # one report belongs to one run's kernels: rows of two came out twice
+        raise ResultsError("sources: --model-check joins one run's rows to the compile report "
+                           f"of its commit; these are {len(found)} runs ("
+                           + "; ".join(label for label, _ in found) + "): give one")
     out = []
-    for result in load_results(sources):
+    for result in results:
         for row in result["rows"]:
             if (row["provider"] != provider or row["op"] not in _OP_PATH or row["mode"] not in ("fwd", "bwd")
                     or row["M"] != rep.get("m", row["M"])):

@@ -18,8 +18,8 @@ short still leaves its rows)::
 GB/s = bytes (from :mod:`normbook.bench.bytemodel`) / median time; frac_copy = GB/s over
 the big copy's bandwidth (1 GiB per tensor, the faster of the run's start and end);
 frac_same_copy = GB/s over copy_same_gbps, a copy of the row's own bytes (within 1/128) timed
-by the same timer: a copy of 134 MB, a D = 1024 problem's size, reached only 0.86 of the big
-copy on the H200. ms is device time (the row's ``timer``: :mod:`normbook.bench.timing`), host_ms
+by the same timer: a copy of 134 MB, a D = 1024 problem's size, runs slower than the big one
+(on the H200, by that session's notes, not its recorded results). ms is device time (the row's ``timer``: :mod:`normbook.bench.timing`), host_ms
 the host's time per call beside it; host_bound says the host's is the longer.
 """
 

@@ -15,9 +15,11 @@ names the timer that made it (``timer``: ``cudagraph``, ``do_bench`` or ``perf_c
 optional, so results recorded before them (rows timed by do_bench, without a same-size copy)
 still load and merge.
 
-In a folder, two other files that a GPU run leaves beside its results are recognized and
-skipped: the compile report (``report.json``, keys ``paths``) and the host timings
-(``host.json``, keys ``ratios`` and ``goal``). Given by name, they are an error.
+In a folder, the other files that a GPU run leaves beside its results are recognized and
+skipped: the compile report (``report.json``, keys ``paths``), the host timings
+(``host.json``, keys ``ratios`` and ``goal``), the plans' timings (``plans.json``, key
+``one_program_rows``) and the training step's (``llama.json``, key ``goal_speedup``). Given by
+name, they are an error.
 """
 
 from __future__ import annotations
@@ -161,7 +163,9 @@ def check_result(data, where: str = "result") -> dict:
     kind_ = kind(data)
     if kind_ != "result":
         hint = {"compile report": "give it to --model-check --report",
-                "host timings": "what `python -m normbook.bench host --json` writes"}
+                "host timings": "what `python -m normbook.bench host --json` writes",
+                "plans timings": "what `python -m normbook.bench plans --json` writes",
+                "training step": "what `python -m normbook.bench step --json` writes"}
         raise ResultsError(f"{where}: {'a ' if kind_ in hint else ''}{kind_}, not a "
                            f"normbook.bench result ("
                            f"{hint.get(kind_, 'expected an object with provenance and rows')})")
@@ -199,6 +203,10 @@ def kind(data) -> str:
     if isinstance(data, dict):
         if "paths" in data:            # first: a compile report has "rows" (its kernels) too
             return "compile report"
+        if "one_program_rows" in data:   # normbook-bench plans --json: "rows" of plans' timings
+            return "plans timings"
+        if "goal_speedup" in data:       # normbook-bench step --json: "rows" of training steps
+            return "training step"
         if "rows" in data or "provenance" in data:
             return "result"
         if "ratios" in data and "goal" in data:
@@ -231,12 +239,18 @@ def read_json(path) -> object:
         raise ResultsError(f"{path}: not JSON this reader can parse (nested too deeply)") from None
 
 
+# what a GPU check leaves beside its results.json (report.json, host.json, plans.json,
+# llama.json): skipped in a folder, refused by name
+_BESIDE = ("compile report", "host timings", "plans timings", "training step")
+
+
 def load_results(sources) -> list[dict]:
     """Results from JSON files, folders (every ``*.json`` below them), glob patterns or dicts.
 
     Each is checked by :func:`normbook.bench.schema.check_result`. In a folder, compile reports
     and host timings (the other files a GPU run leaves) are skipped; a folder with no result is
-    an error, as is a file given by name that is not a result. Raises
+    an error, as is a file given by name that is not a result. The other files a GPU check
+    leaves (the plans' and the training step's timings) are skipped too. Raises
     :class:`normbook.bench.schema.ResultsError` (a ValueError) or FileNotFoundError, each one
     line that names the file.
     """
@@ -252,7 +266,7 @@ def load_results(sources) -> list[dict]:
             found = []
             for f in sorted(p.rglob("*.json")):
                 data = read_json(f)
-                if kind(data) in ("compile report", "host timings"):
+                if kind(data) in _BESIDE:
                     continue
                 found.append(check_result(data, str(f)))
             if not found:
