@@ -56,7 +56,7 @@ def test_check_says_exact_close_or_wrong_and_names_the_failing_identity(capsys):
     assert not check("dx", dx + 0.1, dx, x=x, dy=dy, weight=w)    # a constant left in
     assert "shift identity" in capsys.readouterr().out
     x, dy, w, dx = _ln_grad("rms")
-    assert check("rms dx", dx, dx.clone(), x=x, dy=dy, weight=w, kind="rms")
+    assert check("rms dx", dx, dx.clone(), x=x, dy=dy, weight=w, eps=1e-5, kind="rms")
     assert "identities hold" in capsys.readouterr().out
     # a wrong shape, or not a tensor: a WRONG line, as check_fn's, not an error in the cell
     assert not check("dx", dx[:2], dx)
@@ -107,6 +107,26 @@ def test_check_judges_float32_at_float32_s_tolerances(capsys):
         assert capsys.readouterr().out.startswith("dx: close")
         assert not booktools.check("dx", got * (1 + 1e-3), want)
         assert capsys.readouterr().out.startswith("dx: WRONG")
+
+
+def test_check_takes_each_kinds_default_eps_and_refuses_another_kind(capsys):
+    """kind="rms" with the old default eps of 1e-5 failed torch's own RMSNorm gradient (eps
+    None there); kind="RMS" quietly ran LayerNorm's identities on it."""
+    import torch
+    import torch.nn.functional as F
+
+    from normbook.booktools import check
+
+    x = torch.randn(4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    dy = torch.randn(4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    xg = x.clone().requires_grad_()
+    dx, = torch.autograd.grad(F.rms_norm(xg, (16,)), xg, dy)
+    assert check("dx", dx, dx.clone(), x=x, dy=dy, kind="rms")
+    assert check("dx", dx, dx.clone(), x=x, dy=dy, eps=None, kind="rms")
+    assert "identities hold" in capsys.readouterr().out
+    for kind in ("RMS", "ln"):
+        with pytest.raises(ValueError, match=f'kind: expected "layer" or "rms", got {kind!r}'):
+            check("dx", dx, dx.clone(), x=x, dy=dy, kind=kind)
 
 
 def test_check_nodes_says_which_node_is_wrong(capsys):

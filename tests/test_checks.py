@@ -446,3 +446,24 @@ def test_the_default_dy_is_not_drawn_from_the_stream_x_may_come_from():
     x = (3 * torch.randn(4, 16, dtype=torch.float64) + 1).float()
     with pytest.raises(AssertionError, match="^energy identity"):
         checks.check_norm_backward(lambda t: 0 * t, x, "layer")
+
+
+def test_the_identities_name_a_wrong_shape_or_dtype():
+    """A (1,) weight or a dx of one token was broadcast over every token: "scale identity
+    fails: worst relative residual 5e+303"; an integer dx raised finfo's bare TypeError."""
+    x, dy = torch.randn(3, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+    dx = torch.randn(3, 8, dtype=torch.float64)
+    for assert_ids in (checks.assert_layer_norm_identities, checks.assert_rms_norm_identities):
+        with pytest.raises(ValueError, match=r"weight: expected shape \(8,\)"):
+            assert_ids(x, dy, torch.ones(1, dtype=torch.float64), dx, 1e-5)
+        with pytest.raises(ValueError, match=r"dx: expected shape \(3, 8\) \(as x\), got shape \(8,\)"):
+            assert_ids(x, dy, None, dx[0], 1e-5)
+        with pytest.raises(TypeError, match="dx: expected a real floating-point dtype, got torch.int64"):
+            assert_ids(x, dy, None, dx.long(), 1e-5)
+    for residual in (checks.scale_identity_residual, checks.rms_scale_identity_residual):
+        with pytest.raises(ValueError, match=r"weight: expected shape \(8,\)"):
+            residual(x, dy, torch.ones(1, dtype=torch.float64), 1e-5)
+    with pytest.raises(TypeError, match="x: expected a real floating-point dtype, got torch.int64"):
+        checks.check_norm_backward(lambda t: t, x.long())
+    with pytest.raises(ValueError, match='kind: expected "layer" or "rms", got \'RMS\''):
+        checks.check_norm_backward(lambda t: t, x, "RMS")

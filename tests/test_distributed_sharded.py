@@ -659,3 +659,17 @@ def test_sharded_norms_name_the_bad_argument(call, error, message):
     an integer weight are refused as normbook.layer_norm refuses them (both were taken)."""
     with pytest.raises(error, match=message):
         call()
+
+
+def test_merge_stats_weighs_integer_counts_in_means_dtype():
+    """int64 counts divided into float32 weights: the float64 mean was off by 2e-8."""
+    g = torch.Generator().manual_seed(0)
+    chunks = torch.split(3 + torch.randn(10, generator=g, dtype=torch.float64), [3, 7])
+    mean = torch.stack([c.mean() for c in chunks])
+    m2 = torch.stack([((c - c.mean()) ** 2).sum() for c in chunks])
+    N, mean_all, m2_all = nd.merge_stats(torch.tensor([3, 7]), mean, m2)
+    want = nd.merge_stats(torch.tensor([3.0, 7.0], dtype=torch.float64), mean, m2)
+    assert N.dtype == torch.int64 and int(N) == 10
+    assert float((mean_all - want[1]).abs()) <= 1e-15 and float((m2_all - want[2]).abs()) <= 1e-14
+    with pytest.raises(TypeError, match="merge_stats: n: expected a tensor, got list"):
+        nd.merge_stats([3, 7], mean, m2)

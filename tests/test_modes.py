@@ -78,6 +78,13 @@ def test_the_modes_are_named_in_repr_and_checked():
         normbook.RMSNorm(8, offset="one")
     with pytest.raises(TypeError, match="round_xhat: expected a bool, got 1"):
         normbook.rms_norm(torch.randn(2, 8), 8, round_xhat=1)
+    # a falsy mode that is not the default was taken (the check ran only when truthy), where
+    # the module refused it
+    for bad, name in ((dict(round_xhat=None), "round_xhat"), (dict(round_xhat=0), "round_xhat"),
+                      (dict(offset=None), "offset")):
+        with pytest.raises(TypeError, match=f"{name}: expected a"):
+            normbook.rms_norm(torch.randn(2, 8), 8, torch.ones(8), **bad)
+    assert torch.equal(normbook.rms_norm(torch.ones(2, 8), 8, offset=0), torch.ones(2, 8))
     with pytest.raises(TypeError, match="offset or round_xhat"):
         torch.jit.script(normbook.RMSNorm(8, round_xhat=True))
     # an offset is added to the weight: without one it would be dropped without a word
@@ -425,3 +432,25 @@ def test_an_offset_must_be_finite(offset):
         normbook.rms_norm(torch.randn(2, 8), 8, torch.ones(8), offset=offset)
     with pytest.raises(ValueError, match="offset: expected a finite number"):
         normbook.RMSNorm(8, offset=offset)
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+@pytest.mark.parametrize("shape", [8.0, (8.0,), True, "tensor"])
+def test_round_xhat_refuses_a_normalized_shape_torch_refuses(backend, shape):
+    """The fused round_xhat path compared normalized_shape with ``in (D, (D,), [D])``: 8.0,
+    (8.0,), tensor(8) and True (D = 1) were taken on the kernels, where torch refuses them."""
+    D = 1 if shape is True else 8
+    shape = torch.tensor(8) if shape == "tensor" else shape
+    x, w = torch.randn(3, D, dtype=torch.float16), torch.ones(D, dtype=torch.float16)
+    with normbook.backend(backend), pytest.raises(TypeError, match="normalized_shape: expected"):
+        normbook.rms_norm(x, shape, w, round_xhat=True)
+
+
+def test_upcast_ops_takes_a_tensor_eps():
+    """eps as a 0-d tensor, which every other upcast takes, was refused with "upcast='ops'":
+    'eps: expected a real number or a 0-d tensor, got tensor(0.0010)'."""
+    x = torch.randn(3, 8)
+    want = normbook.layer_norm(x, 8, eps=1e-3, upcast="ops")
+    assert torch.equal(normbook.layer_norm(x, 8, eps=torch.tensor(1e-3), upcast="ops"), want)
+    assert torch.equal(normbook.LayerNorm(8, eps=torch.tensor(1e-3), upcast="ops")(x),
+                       normbook.LayerNorm(8, eps=1e-3, upcast="ops")(x))

@@ -128,8 +128,8 @@ def why_no_kernels() -> str | None:
     return f"no GPU, and TRITON_INTERPRET={value!r} turns Triton's interpreter off"
 
 
-def check(name: str, yours, reference, *, x=None, dy=None, weight=None, eps: float = 1e-5,
-          kind: str = "layer") -> bool:
+def check(name: str, yours, reference, *, x=None, dy=None, weight=None,
+          eps: float | None | str = "default", kind: str = "layer") -> bool:
     """Compare a gradient you derived with a reference, as a reader checks an exercise.
 
     Prints one line: ``name: exact`` (bitwise equal), ``close`` (within the tolerances
@@ -147,7 +147,12 @@ def check(name: str, yours, reference, *, x=None, dy=None, weight=None, eps: flo
         yours, reference: tensors of one shape (``yours`` is the input gradient dx when x is
             given).
         x, dy: (..., D) the forward's input and the gradient at y, or None for no identities.
-        weight: (D,) or None; eps: the forward's eps; kind: ``"layer"`` or ``"rms"``.
+        weight: (D,) or None.
+        eps: the forward's eps: a number; None, RMSNorm's default (the machine epsilon of
+            the compute dtype); ``"default"``, torch's default of the kind (1e-5 for
+            ``"layer"``, None for ``"rms"``).
+        kind: ``"layer"`` or ``"rms"`` (else a ValueError: any other word ran LayerNorm's
+            identities on an RMSNorm gradient).
 
     Returns:
         True when ``yours`` is exact or close and (with x) the identities hold.
@@ -156,6 +161,7 @@ def check(name: str, yours, reference, *, x=None, dy=None, weight=None, eps: flo
 
     from normbook import checks
 
+    eps = checks._kind_eps(kind, eps, x.dtype if torch.is_tensor(x) else torch.float32)
     if not torch.is_tensor(yours) or tuple(yours.shape) != tuple(reference.shape):
         got = (f"the shape {tuple(yours.shape)}" if torch.is_tensor(yours)
                else f"a {type(yours).__name__}")

@@ -30,6 +30,21 @@ __all__ = [
 ]
 
 
+def _checked(x, **given) -> None:
+    """x and the tensors ``given`` by name (dx, dy, weight; None for no weight), each a real
+    floating tensor of the shape its name asks beside x: dx and dy x's, weight (D,). Else a
+    TypeError or ValueError naming it, expected against given: a (1,) weight or a dx of one
+    token broadcast over every token, and the identities failed with residuals of 1e303."""
+    for name, t in (("x", x), *given.items()):
+        if t is None and name == "weight":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: expected a real floating-point dtype, got {t.dtype}")
+    reference._against_x(x, **given)
+
+
 def _xhat(x: torch.Tensor, eps: float) -> torch.Tensor:
     _, mean, rstd = reference.layer_norm_forward(x, None, None, eps)
     return (x - mean[..., None]) * rstd[..., None]
@@ -44,6 +59,7 @@ def shift_identity(dx: torch.Tensor) -> torch.Tensor:
     Returns:
         (...,) the sum over the last dim, one value per token.
     """
+    _checked(dx)
     return dx.sum(-1)
 
 
@@ -62,6 +78,7 @@ def scale_identity(x: torch.Tensor, dx: torch.Tensor, eps: float) -> torch.Tenso
         Tensor: (...,), one value per token. At eps > 0 it equals
         :func:`scale_identity_residual`.
     """
+    _checked(x, dx=dx)
     return (_xhat(x, eps) * dx).sum(-1)
 
 
@@ -84,6 +101,7 @@ def scale_identity_residual(
     Returns:
         (...,) the predicted residual, one value per token.
     """
+    _checked(x, dy=dy, weight=weight)
     D = x.shape[-1]
     _, mean, rstd = reference.layer_norm_forward(x, None, None, eps)
     xhat = (x - mean[..., None]) * rstd[..., None]
@@ -117,6 +135,7 @@ def assert_layer_norm_identities(
             64 * finfo(dx.dtype).eps (4 * finfo(dx.dtype).eps for
             float16 and bfloat16).
     """
+    _checked(x, dy=dy, weight=weight, dx=dx)
     if atol is None:
         atol = IDENTITY_TOLERANCE_EPS * torch.finfo(dx.dtype).eps
         if dx.dtype in _HALVES:
@@ -159,6 +178,7 @@ def rms_scale_identity(x: torch.Tensor, dx: torch.Tensor, eps: float) -> torch.T
         Tensor: (...,), one value per token. At eps > 0 it equals
         :func:`rms_scale_identity_residual`.
     """
+    _checked(x, dx=dx)
     return (_rms_stats(x, eps)[0] * dx).sum(-1)
 
 
@@ -181,6 +201,7 @@ def rms_scale_identity_residual(
     Returns:
         (...,) the predicted residual, one value per token.
     """
+    _checked(x, dy=dy, weight=weight)
     D = x.shape[-1]
     xhat, rstd = _rms_stats(x, eps)
     ghat = dy * weight if weight is not None else dy
@@ -236,6 +257,22 @@ def _probe(kind: str, x: torch.Tensor, weight: torch.Tensor | None,
     xhat = _xhat(xd, eps) if kind == "layer" else _rms_stats(xd, eps)[0]
     sign = 1.0 if weight is None else torch.where(weight.detach().double().cpu() < 0, -1.0, 1.0)
     return z + 0.5 * sign * (1 + xhat)
+
+
+def _kind_eps(kind: str, eps, dtype: torch.dtype) -> float:
+    """The eps a norm of ``kind`` (``"layer"`` or ``"rms"``, else a ValueError) used, as a
+    number: ``"default"`` is torch's default of the kind (1e-5 for LayerNorm, None for
+    RMSNorm), and None is the machine epsilon of the compute dtype of ``dtype`` (at least
+    float32's), as torch.nn.RMSNorm's."""
+    if kind not in ("layer", "rms"):
+        raise ValueError(f'kind: expected "layer" or "rms", got {kind!r}')
+    if isinstance(eps, str):
+        if eps != "default":
+            raise ValueError(f'eps: expected a number, None or "default", got {eps!r}')
+        eps = 1e-5 if kind == "layer" else None
+    if eps is None:
+        eps = torch.finfo(_validate.compute_dtype(dtype)).eps
+    return eps
 
 
 def _identities(
@@ -305,6 +342,7 @@ def assert_rms_norm_identities(
         atol: relative tolerance per token; default 16 * finfo(dx.dtype).eps, times
             sqrt(D) / 8 when D > 64 (4 * finfo(dx.dtype).eps for float16 and bfloat16).
     """
+    _checked(x, dy=dy, weight=weight, dx=dx)
     if atol is None:
         atol = _default_atol(dx.dtype, x.shape[-1])
     name, residual, size = _identities("rms", x, dy, weight, dx, eps)[0]
@@ -362,14 +400,8 @@ def check_norm_backward(
     Returns:
         True (as torch.autograd.gradcheck); every failure raises.
     """
-    if kind not in ("layer", "rms"):
-        raise ValueError(f'kind must be "layer" or "rms", got {kind!r}')
-    if isinstance(eps, str):
-        if eps != "default":
-            raise ValueError(f'eps must be a number, None or "default", got {eps!r}')
-        eps = 1e-5 if kind == "layer" else None
-    if eps is None:
-        eps = torch.finfo(_validate.compute_dtype(x.dtype)).eps
+    _checked(x, weight=weight, **({} if dy is None else {"dy": dy}))
+    eps = _kind_eps(kind, eps, x.dtype)
     D = x.shape[-1]
     if atol is None:
         atol = _default_atol(x.dtype, D)

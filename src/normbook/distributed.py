@@ -54,18 +54,29 @@ def merge_stats(n: torch.Tensor, mean: torch.Tensor,
     formed, so an empty chunk cannot turn 0 * inf into NaN.
 
     Args:
-        n: (K,) element counts of the chunks.
-        mean, m2: (K, ...) each chunk's mean and sum of squared deviations from it, per token.
+        n: (K,) element counts of the chunks (integer or floating: the merge weighs in mean's
+            dtype either way).
+        mean, m2: (K, ...) floating, each chunk's mean and sum of squared deviations from it,
+            per token.
 
     Returns:
-        (N, mean, m2) of all chunks together: N a scalar tensor, mean and m2 of shape (...).
+        (N, mean, m2) of all chunks together: N a scalar tensor (n's dtype), mean and m2 of
+        shape (...).
     """
+    for name, t in (("n", n), ("mean", mean), ("m2", m2)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"merge_stats: {name}: expected a tensor, got {type(t).__name__}")
+    if not (mean.is_floating_point() and m2.dtype == mean.dtype):
+        raise TypeError(f"merge_stats: mean and m2: expected one floating dtype, got "
+                        f"{mean.dtype} and {m2.dtype}")
     if not (n.dim() == 1 and n.shape[0] >= 1 and mean.shape[:1] == n.shape
             and m2.shape == mean.shape):
         raise ValueError(f"merge_stats: expected n (K,) with K >= 1, mean and m2 (K, ...), got "
                          f"{tuple(n.shape)}, {tuple(mean.shape)}, {tuple(m2.shape)}")
     empty = (n == 0).reshape(-1, *([1] * (mean.dim() - 1)))       # (K, 1, ...)
     mean, m2 = mean.masked_fill(empty, 0), m2.masked_fill(empty, 0)
+    counts = n
+    n = n.to(mean.dtype)          # int64 counts divided in float32: weights off by 2e-8 in fp64
     n_a, mean_a, m2_a = n[0], mean[0], m2[0]
     for k in range(1, n.shape[0]):
         n_b, mean_b, m2_b = n[k], mean[k], m2[k]
@@ -75,7 +86,7 @@ def merge_stats(n: torch.Tensor, mean: torch.Tensor,
         mean_a = mean_a + delta * share_b
         m2_a = m2_a + m2_b + (n_a * share_b) * delta * delta   # the count first: 0 stays 0
         n_a = total
-    return n_a, mean_a, m2_a
+    return counts.sum(), mean_a, m2_a
 
 
 class _SumOverRanks(torch.autograd.Function):

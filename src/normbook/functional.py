@@ -1036,6 +1036,7 @@ def _ln_ops(input, normalized_shape, weight, bias, eps):
     """``layer_norm(..., upcast="ops")`` on the torch backend: (ln-mean) to (ln-y) as separate
     torch ops over a float32 copy (float64 as it is), recorded by autograd, rounded once."""
     params = {"weight": weight, "bias": bias}
+    eps = _ln_eps(eps)            # a 0-d tensor, as the other upcasts take it
     shape = _validate.check_norm_args(input, normalized_shape, params, eps)
     dims = tuple(range(-len(shape), 0))
     h = input if input.dtype in (torch.float32, torch.float64) else input.float()
@@ -1097,8 +1098,10 @@ def rms_norm(input: Tensor, normalized_shape: int | Sequence[int],
     if type(input) is not Tensor and isinstance(input, _Proxy):     # torch.fx.symbolic_trace
         modes = dict(offset=offset, round_xhat=round_xhat) if offset or round_xhat else {}
         return _fx_node(rms_norm, input, normalized_shape, weight, eps, **modes)
-    if offset or round_xhat:
-        return _rms_modes(input, normalized_shape, weight, eps, offset, round_xhat)
+    if round_xhat is not False or type(offset) is not float or offset:
+        # checked whenever not the defaults: a falsy None or 0 was taken where 1 was refused
+        if _validate.check_modes(offset, round_xhat, weight is not None) or round_xhat:
+            return _rms_modes(input, normalized_shape, weight, eps, offset, round_xhat)
     if type(input) is not Tensor:
         if isinstance(input, Tensor) and input.is_nested:
             return _nested(rms_norm, input, normalized_shape, weight, eps)
@@ -1149,7 +1152,7 @@ def _rounds_fused(input, normalized_shape, weight, eps) -> bool:
     AD; anything else (and every refusal) takes the composition."""
     D = input.shape[-1] if input.dim() else 0
     return (type(input) is Tensor and type(weight) in _PLAIN and weight.dtype == input.dtype
-            and 0 < D <= _FUSED_D and normalized_shape in (D, (D,), [D])
+            and 0 < D <= _FUSED_D and _just(normalized_shape, D)
             and weight.shape == (D,) and weight.device == input.device
             and (eps is None or (type(eps) is float and eps == eps))
             and _use_kernels(input)
@@ -1157,6 +1160,14 @@ def _rounds_fused(input, normalized_shape, weight, eps) -> bool:
                      or _fwAD._current_level >= 0)
             # (see _values; after the tracers' test: Dynamo cannot trace is_neg)
             and not (input.is_neg() or weight.is_neg()))
+
+
+def _just(normalized_shape, D: int) -> bool:
+    """Whether ``normalized_shape`` is D or (D,) exactly, in ints: ``in (D, (D,), [D])`` took
+    8.0, (8.0,), True (D = 1) and tensor(8), which torch refuses (the composition checks)."""
+    if type(normalized_shape) in (tuple, list, torch.Size) and len(normalized_shape) == 1:
+        normalized_shape = normalized_shape[0]
+    return type(normalized_shape) is int and normalized_shape == D
 
 
 def _round_key(input, weight) -> tuple:

@@ -93,7 +93,7 @@ def _floating(x):
 
 
 # what each argument's shape must be, by its name, given x (..., D)
-_LIKE_X = ("dy", "t")              # gradients and saved outputs: x's shape
+_LIKE_X = ("dy", "dx", "t")        # gradients and saved outputs: x's shape
 _VECTORS = ("weight", "bias")      # one value per feature: (D,)
 _PER_TOKEN = ("mean", "rstd")      # one value per token: x's leading shape
 
