@@ -375,3 +375,21 @@ def test_the_shape_checks_accept_what_the_forwards_return():
 def test_a_non_tensor_x_is_named():
     with pytest.raises(TypeError, match=r"^x: expected a torch.Tensor, got list$"):
         reference.layer_norm_forward([1.0, 2.0], None, None, 1e-5)
+
+
+def test_rows_of_no_features_and_parameters_of_another_kind():
+    """D = 0 raised "cannot reshape tensor of 0 elements into shape [-1, 0]" (torch's norms
+    take it); a complex weight gave a complex y and an integer one passed."""
+    x, dy = torch.randn(3, 0), torch.randn(3, 0)
+    y, mean, rstd = reference.layer_norm_forward(x, None, None, 1e-5)
+    assert y.shape == (3, 0) and mean.shape == rstd.shape == (3,)
+    dx, dw, db = reference.layer_norm_backward(dy, x, None, mean, rstd)
+    assert dx.shape == (3, 0) and dw is None and db.shape == (0,)
+    y, rstd = reference.rms_norm_forward(x, None, 1e-5)
+    assert y.shape == (3, 0) and reference.rms_norm_backward(dy, x, None, rstd)[0].shape == (3, 0)
+    for bad in (torch.ones(4, dtype=torch.complex64), torch.ones(4, dtype=torch.int64)):
+        with pytest.raises(TypeError, match=f"weight: expected a real floating-point dtype, "
+                                            f"got {bad.dtype}"):
+            reference.layer_norm_forward(torch.randn(2, 4), bad, None, 1e-5)
+        with pytest.raises(TypeError, match=f"bias: expected a real floating-point dtype"):
+            reference.layer_norm_forward(torch.randn(2, 4), None, bad, 1e-5)

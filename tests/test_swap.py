@@ -651,3 +651,19 @@ def test_reset_parameters_of_a_swapped_gemma_norm_is_torchs_and_hugging_faces_in
             continue
         swapped._init_weights(norm)
         assert torch.equal(norm.weight, torch.zeros(32))
+
+
+def test_swap_and_patch_name_a_wrong_argument():
+    """swap_norms(None) raised "'NoneType' object has no attribute 'modules'", patch_hf(123)
+    "'int' object is not iterable", and strict="no" was taken as true."""
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module, got NoneType"):
+        swap.swap_norms(None)
+    with pytest.raises(TypeError, match="strict: expected a bool, got 'no'"):
+        swap.swap_norms(torch.nn.Linear(2, 2), strict="no")
+    with pytest.raises(TypeError, match="families: expected a family's name or an iterable "
+                                        "of names, got 123"):
+        swap.patch_hf(123)
+    with pytest.raises(TypeError, match="strict: expected a bool, got 1"):
+        swap.patch_hf(strict=1)
+    with pytest.raises(ValueError, match="families: expected some of"):
+        swap.patch_hf(f for f in ["no such family"])      # a generator is read once

@@ -57,7 +57,13 @@ class MLP(nn.Module):
 
 
 class PreNormBlock(nn.Module):
-    """Pre-norm residual block, equation (pre-norm): y = x + F(N(x))."""
+    """Pre-norm residual block, equation (pre-norm): y = x + F(N(x)), x and y (..., dim).
+
+    Args:
+        dim: D, the width of the residual stream.
+        hidden: the MLP's hidden width (F = Linear(dim, hidden), GELU, Linear(hidden, dim)).
+        norm: builds N from dim (default normbook's :class:`~normbook.LayerNorm`).
+    """
 
     def __init__(
             self, dim: int, hidden: int,
@@ -73,7 +79,13 @@ class PreNormBlock(nn.Module):
 
 
 class PostNormBlock(nn.Module):
-    """Post-norm residual block, equation (post-norm): y = N(x + F(x))."""
+    """Post-norm residual block, equation (post-norm): y = N(x + F(x)), x and y (..., dim).
+
+    Args:
+        dim: D, the width of the residual stream.
+        hidden: the MLP's hidden width (F as in :class:`PreNormBlock`).
+        norm: builds N from dim (default normbook's :class:`~normbook.LayerNorm`).
+    """
 
     def __init__(
             self, dim: int, hidden: int,

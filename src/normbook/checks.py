@@ -35,13 +35,8 @@ def _checked(x, **given) -> None:
     floating tensor of the shape its name asks beside x: dx and dy x's, weight (D,). Else a
     TypeError or ValueError naming it, expected against given: a (1,) weight or a dx of one
     token broadcast over every token, and the identities failed with residuals of 1e303."""
-    for name, t in (("x", x), *given.items()):
-        if t is None and name == "weight":
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name}: expected a real floating-point dtype, got {t.dtype}")
+    reference._tensor("x", x)
+    reference._floating(x)
     reference._against_x(x, **given)
 
 

@@ -1080,8 +1080,11 @@ def rms_norm(input: Tensor, normalized_shape: int | Sequence[int],
 
     Returns:
         Tensor: of input's shape and dtype (with ``round_xhat``, the promoted dtype of input
-        and weight, see above); under autocast on CUDA or XPU, as torch's, float32 (half
-        inputs cast to float32 first).
+        and weight, see above); under autocast, as torch's: float32 (half inputs cast to
+        float32 first) on the devices whose autocast casts ``F.rms_norm`` in the running
+        torch (CUDA and XPU in torch 2.13; none in torch 2.11, which leaves it in the input's
+        dtype), read from its dispatcher. Contiguous: torch's composed rms_norm keeps a
+        channels-last input's memory format (its values are the same).
 
     Differs from torch on purpose: ``normalized_shape`` may be an int, as in
     :func:`layer_norm`; complex inputs are refused (torch accepts them); the weight
@@ -1296,7 +1299,9 @@ def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None,
     derivative. Under forward-mode AD, h is torch's own ``x + residual`` and y its norm.
 
     Args:
-        x, residual: ``(..., D)``, of one dtype and device.
+        x, residual: ``(..., D)``, of one shape, dtype and device: not broadcast or promoted
+            as ``x + residual`` would be (h is the stream both feed); a mismatch is an error
+            naming residual.
         weight, bias: (D,) or None.
         eps: added to the variance inside the square root.
 
@@ -1317,7 +1322,9 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None,
     :func:`add_layer_norm` without the mean and the bias.
 
     Args:
-        x, residual: ``(..., D)``, of one dtype and device.
+        x, residual: ``(..., D)``, of one shape, dtype and device: not broadcast or promoted
+            as ``x + residual`` would be (h is the stream both feed); a mismatch is an error
+            naming residual.
         weight: (D,) or None.
         eps: added to the mean square inside the square root; None means fp32's machine
             epsilon for half and fp32 inputs (as :func:`rms_norm`).

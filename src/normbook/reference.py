@@ -42,8 +42,9 @@ __all__ = [
 
 
 def _rows(t: Tensor) -> Tensor:
-    """View ``t`` of shape (..., D) as (N, D), N the product of the leading dims."""
-    return t.reshape(-1, t.shape[-1])
+    """View ``t`` of shape (..., D) as (N, D), N the product of the leading dims (not -1: a
+    reshape of 0 elements to (-1, 0) cannot tell N)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 _NOT_GIVEN = object()   # an argument the function does not take (dy of a forward)
@@ -127,6 +128,8 @@ def _against_x(x, numbers=False, **given):
                 continue
             shapes, why = [lead, (math.prod(lead),)], " (one value per token of x)"
         _tensor(name, t)
+        if not t.is_floating_point():   # a complex weight made y complex, an int one passed
+            raise TypeError(f"{name}: expected a real floating-point dtype, got {t.dtype}")
         if tuple(t.shape) not in shapes:
             expected = " or ".join(str(s) for s in dict.fromkeys(shapes))
             raise ValueError(f"{name}: expected shape {expected}{why}, "

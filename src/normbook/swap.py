@@ -243,6 +243,12 @@ def _looks_like_a_norm(cls: type) -> bool:
     return cls.__name__.endswith(("RMSNorm", "LayerNorm"))
 
 
+def _check_strict(strict) -> None:
+    """``strict`` a bool: "no" was taken as true."""
+    if type(strict) is not bool:
+        raise TypeError(f"strict: expected a bool, got {strict!r}")
+
+
 def swap_norms(model: torch.nn.Module, *, strict: bool = True) -> int:
     """Replace the norms of ``model`` in place by normbook's modules; return how many.
 
@@ -289,6 +295,9 @@ def swap_norms(model: torch.nn.Module, *, strict: bool = True) -> int:
     Returns:
         The number of norm modules replaced.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    _check_strict(strict)
     done: dict[int, torch.nn.Module] = {}        # id(old) -> its replacement (a shared norm once)
     left: dict[str, str] = {}                     # class name -> why it was left alone
     for module in list(model.modules()):
@@ -517,11 +526,17 @@ def patch_hf(families: Optional[Union[str, Iterable[str]]] = None, *,
         ValueError: a family :data:`normbook.swap.HF_NORMS` does not know, named.
         ImportError: a family named explicitly whose modeling module transformers lacks.
     """
+    _check_strict(strict)
     known = {_family(e) for e in HF_NORMS}
     if families is None:
         wanted, explicit = known, False
     else:
-        wanted = {families} if isinstance(families, str) else set(families)
+        names = (families,) if isinstance(families, str) else (
+            tuple(families) if isinstance(families, Iterable) else None)
+        if names is None or not all(isinstance(f, str) for f in names):
+            raise TypeError(f"families: expected a family's name or an iterable of names, got "
+                            f"{families!r}")
+        wanted = set(names)
         explicit = True
         unknown = sorted(wanted - known)
         if unknown:
