@@ -60,3 +60,19 @@ def test_the_readmes_measured_times_are_the_recorded_runs():
     assert figures >= {"42", "257", "9.9", "102"}, figures
     for f in figures:
         assert re.search(rf"\b{re.escape(f)} us\b|\b{re.escape(f)} /", recorded), f
+
+
+def test_the_benchmarks_readme_states_the_goal_the_check_judges():
+    """The README cannot glue: its goal sentence must be normbook.bench.goal.GOAL's, figure
+    for figure (the appendix glued D from 1024 while the README said 2048)."""
+    from normbook.bench.goal import GOAL
+
+    text = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
+    (same_d, same_frac), = GOAL["same_size"].items()
+    lo, hi = GOAL["core"]
+    for words in (f">= {GOAL['frac']['fwd']:.2f} of copy bandwidth forward",
+                  f">= {GOAL['frac']['bwd']:.2f} backward for D in {lo}..{hi}",
+                  f">= {GOAL['tail'][2]:.2f} up to {GOAL['tail'][1]}",
+                  f"D = {same_d} >= {same_frac:.2f} of a same-size copy",
+                  f"bf16, M = {GOAL['M']}"):
+        assert words in text, words
