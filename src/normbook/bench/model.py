@@ -7,10 +7,10 @@ and a row step's chain of waits (an assumed 1 us exchange). The first GPU run
 (``benchmarks/results/2026-12-04-h200``: ``summary.txt`` and ``report.json`` hold what it
 predicted, ``results.json`` what was measured) put it off by up to 0.41 of copy: it predicted
 1.00 for every forward, which measured 0.59-0.93. No model of a few constants can meet the
-check it was asked to pass (every bf16 row that is not host-bound within 0.05): at D = 4096
-the backward of LayerNorm measured 0.70 and that of the fused add 0.94, although the second
-moves more bytes with the same programs per SM (the LayerNorm row's host time per call, 0.26
-ms, came close to its timed 0.27 ms, so that row may measure the host in part; the 0.41 of
+check it was asked to pass (every bf16 row that is not host-bound within MODEL_TOLERANCE): at
+D = 4096 the backward of LayerNorm measured 0.70 and that of the fused add 0.94, although the
+second moves more bytes with the same programs per SM (the LayerNorm row's host time per call,
+0.26 ms, came close to its timed 0.27 ms, so that row may measure the host in part; the 0.41 of
 the forwards does not rest on it). So the predictions went, and the report keeps
 what it counts: registers, spills, load widths, bytes moved, programs per SM and the bytes
 they have in flight. ``normbook-bench --model-check`` still reads the recorded predictions
@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["H200", "programs_per_sm", "unshared_reads"]
+__all__ = ["H200", "MODEL_TOLERANCE", "programs_per_sm", "unshared_reads"]
 
 # an H200's SMs, registers, shared memory, warp slots and programs per SM, and the HBM
 # bandwidth of its datasheet (the measured copy is in each run's results.json)
 H200 = dict(sms=132, registers=65536, shared=228 * 1024, warps=64, blocks=32,
             bandwidth=4.8e12)
+
+# the check the retired speed model was asked to pass: its predicted fraction of copy bandwidth
+# within this of the measured one, for every bf16 row of a GPU run that is not host-bound
+MODEL_TOLERANCE = 0.05
 
 
 def programs_per_sm(registers: int, num_warps: int, shared_bytes: int, hw=H200) -> int:
