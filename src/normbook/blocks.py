@@ -57,12 +57,13 @@ class MLP(nn.Module):
 
 
 class PreNormBlock(nn.Module):
-    """Pre-norm residual block, equation (pre-norm): y = x + F(N(x)), x and y (..., dim).
+    """Pre-norm residual block, equation (pre-norm): y = x + F(N(x)),
+    x and y of shape (..., dim).
 
     Args:
         dim: D, the width of the residual stream.
-        hidden: the MLP's hidden width (F = Linear(dim, hidden), GELU, Linear(hidden, dim)).
-        norm: builds N from dim (default normbook's :class:`~normbook.LayerNorm`).
+        hidden: the width of F's hidden layer (F = :class:`MLP`).
+        norm: builds N from dim (default normbook's LayerNorm).
     """
 
     def __init__(
@@ -79,12 +80,13 @@ class PreNormBlock(nn.Module):
 
 
 class PostNormBlock(nn.Module):
-    """Post-norm residual block, equation (post-norm): y = N(x + F(x)), x and y (..., dim).
+    """Post-norm residual block, equation (post-norm): y = N(x + F(x)),
+    x and y of shape (..., dim).
 
     Args:
         dim: D, the width of the residual stream.
-        hidden: the MLP's hidden width (F as in :class:`PreNormBlock`).
-        norm: builds N from dim (default normbook's :class:`~normbook.LayerNorm`).
+        hidden: the width of F's hidden layer (F = :class:`MLP`).
+        norm: builds N from dim (default normbook's LayerNorm).
     """
 
     def __init__(

@@ -118,8 +118,8 @@ def assert_layer_norm_identities(
     Raise AssertionError if either fails. Checks (ln-shift-id),
     sum_d dx_d = 0, and (ln-eps-residual), sum_d xhat_d dx_d equal to its
     closed form, each per token within ``atol`` scaled by the size of the
-    terms being summed (default: IDENTITY_TOLERANCE_EPS, 64, machine epsilons
-    of dx's dtype; 4 in float16 and bfloat16).
+    terms being summed (default: IDENTITY_TOLERANCE_EPS machine
+    epsilons of dx's dtype; 4 in float16 and bfloat16).
 
     Args:
         x, dy: (..., D) the forward input and the gradient arriving at y.
