@@ -989,3 +989,26 @@ def test_provenance_takes_the_commit_it_is_given(monkeypatch):
     assert (got["commit"], got["commit_from"]) == ("0123abcd", "NORMBOOK_COMMIT")
     monkeypatch.delenv("NORMBOOK_COMMIT")
     assert runner.provenance("cpu")["commit_from"] == "git"
+
+
+def test_the_recorded_runs_are_a_source_by_name(tmp_path, monkeypatch):
+    """Outside a clone, benchmarks/results/... does not exist and nothing said where a wheel
+    keeps its copy: 'recorded' names it, and a missing source's error says so."""
+    monkeypatch.chdir(tmp_path)                      # no benchmarks/ here
+    rc, out, err = _main(["--summary", "recorded", "--goal"])
+    assert rc == 1 and "goal (bf16, M = 32768) of NVIDIA H200" in out, err
+    rc, _, err = _main(["--summary", "benchmarks/results/2026-12-04-h200"])
+    _one_line_error(err, "--summary", "no JSON results", "give 'recorded'")
+    (tmp_path / "recorded").mkdir()                  # a folder of that name is the user's
+    rc, _, err = _main(["--summary", "recorded"])
+    _one_line_error(err, "no normbook.bench results in folder 'recorded'")
+
+
+def test_both_command_lines_print_their_version():
+    from normbook import __version__, _report_cli
+
+    rc, out, _ = _main(["--version"])
+    assert rc == 0 and out == f"normbook-bench {__version__}\n"
+    with pytest.raises(SystemExit) as stop, contextlib.redirect_stdout(io.StringIO()) as text:
+        _report_cli.build_parser().parse_args(["--version"])
+    assert stop.value.code == 0 and text.getvalue() == f"normbook-report {__version__}\n"

@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress on stderr (by default a bar on a terminal, else a line "
                         "every tenth of the way)")
+    from normbook import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return parser
 
 

@@ -32,6 +32,7 @@ Examples:
     normbook-bench --ops layer_norm,rms_norm --modes fwd --dtypes bf16 --D 1024..16384 --out r/
     normbook-bench --device cuda --goal --out r/      # the full sweep, judged against the goal
     normbook-bench --summary r/ --goal                # recorded JSON: tables and the goal check
+    normbook-bench --summary recorded --goal          # the GPU runs normbook ships (wheel too)
     normbook-bench --merge r/ r2/ --out all.json      # all.json exists? refused, unless --force
     normbook-bench --plot r/ --out figures/
     normbook-bench host --json host.json              # host time per call, launches stubbed
@@ -113,6 +114,12 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _version() -> str:
+    from normbook import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
@@ -124,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "training step with each provider's norms); each has its --help.",
         epilog="examples:" + __doc__.split("Examples:", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if available")
     p.add_argument("--ops", help=f"comma list of {','.join(bytemodel.OPS)} (default: all)")
     p.add_argument("--modes", help="comma list of fwd,bwd,fwd_bwd (default: all)")
@@ -186,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not run: merge recorded JSON (rows, skips, each run's provenance) "
                    "into one file, --out FILE")
     p.add_argument("--summary", nargs="+", metavar="SRC",
-                   help="do not run: print the tables and the goal check of recorded JSON")
+                   help="do not run: print the tables and the goal check of recorded JSON "
+                   "(files, folders or globs; 'recorded': the GPU runs normbook carries, in a "
+                   "checkout or an installed wheel)")
     p.add_argument("--model-check", nargs="+", metavar="SRC",
                    help="do not run: recorded JSON against the predictions of the retired "
                    "performance model recorded in --report (a compile report's JSON made before "
@@ -364,6 +374,23 @@ def _refuse_replacing(args, flag: str | None) -> None:
         new_file("--out", args.out, args.force)
 
 
+RECORDED = "recorded"   # a source naming the GPU runs normbook carries (checkout or wheel)
+
+
+def _resolve_recorded(args) -> None:
+    """The source ``recorded`` (where no such file or folder exists) as the folder of the GPU
+    runs normbook carries: the checkout's benchmarks/results, or in an installed wheel its
+    copy, normbook/bench/recorded (:func:`normbook.bench.plot.results_folder`). Outside a
+    clone, ``benchmarks/results/...`` does not exist, and nothing said where the copy was."""
+    from normbook.bench.plot import results_folder
+
+    for key in ("overview", "model_check", "merge", "plot", "summary"):
+        sources = getattr(args, key)
+        if sources:
+            setattr(args, key, [str(results_folder()) if s == RECORDED and not Path(s).exists()
+                                else s for s in sources])
+
+
 # expected failures of a command: one line, not a traceback (ResultsError is a ValueError)
 EXPECTED = (BenchError, ValueError, OSError, ImportError)
 
@@ -397,6 +424,7 @@ def _main(argv=None) -> int:
     args = parser.parse_args(argv)
     flag = next((f"--{k.replace('_', '-')}" for k in ("overview", "model_check", "merge", "plot",
                                                        "summary") if getattr(args, k)), None)
+    _resolve_recorded(args)
     if args.goal and flag is not None and not args.summary:
         parser.error("--goal: judges a run or --summary, not " + flag)
     try:
@@ -404,6 +432,11 @@ def _main(argv=None) -> int:
         if flag is not None:
             return _recorded(args, parser, flag)
         cfg = config_from_args(args, parser)
+    except FileNotFoundError as e:
+        if flag is None:
+            return error("", e)
+        return error(flag, f"{_one_line(e)} (the GPU runs normbook carries: give "
+                           f"'{RECORDED}')")
     except EXPECTED as e:
         return error(flag if flag and not isinstance(e, BenchError) else "", e)
     try:   # a bad --out fails here, not after the sweep
