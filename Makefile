@@ -28,8 +28,16 @@ KERNEL_TESTS := tests/test_kernels_launchers.py tests/test_kernels_ops.py tests/
 UV_PIP := $(VENV)/bin/uv pip install --quiet --python $(PY)
 UV_LINKS = $(addprefix --find-links ,$(sort $(shell $(PYTHON) -m pip config list 2>/dev/null \
   | sed -n "s/.*find-links='\(.*\)'/\1/p")))
+## PyPI's torch 2.13.0 is on Linux a CUDA build that pins Triton 3.7.1, and the pins here take
+## Triton 3.9.0: no resolver can install both. Where pip's configuration names no folder holding
+## torch's wheel, torch comes first from PyTorch's CPU index (no Triton pin, and not 5 GB).
+CPU_TORCH = if [ -z "$(strip $(UV_LINKS))" ] && [ "$$(uname)" = Linux ] \
+  && ! $(1)/bin/python -c "import torch" 2>/dev/null; then \
+  echo "torch 2.13.0, CPU build, from download.pytorch.org (PyPI's pins another Triton)"; \
+  $(1)/bin/python -m pip install --quiet torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; fi
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	@$(call CPU_TORCH,$(VENV))
 	$(PY) -m pip install --quiet uv==0.13.9
 	$(UV_PIP) --compile-bytecode $(UV_LINKS) -r requirements.txt
 	$(UV_PIP) --no-deps -e .
@@ -123,6 +131,7 @@ gpu-wheels:
 NB_VENV := build/notebooks-venv
 $(NB_VENV)/.installed: requirements.txt pyproject.toml
 	test -d $(NB_VENV) || $(PYTHON) -m venv $(NB_VENV)
+	@$(call CPU_TORCH,$(NB_VENV))
 	$(NB_VENV)/bin/python -m pip install --quiet -c requirements.txt jupytext nbformat -e ".[book,kernels]"
 	touch $@
 

@@ -496,6 +496,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a built book's jupyter_execute/book folder: take glued values "
                              "from its <stem>.glue.json instead of running the chapters")
     args = parser.parse_args(argv)
+    missing = [str(c) for c in args.chapters if not c.is_file()]
+    if missing:      # (a mistyped chapter ended in a FileNotFoundError's traceback)
+        parser.error(f"chapters: no such file: {', '.join(missing)}")
 
     if args.run:
         claims = {}
