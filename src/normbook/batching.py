@@ -25,7 +25,9 @@ layer_norm_backward_loop = reference.layer_norm_rows_backward
 def rms_norm_backward_loop(
     dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor
 ) -> tuple[Tensor, Tensor | None]:
-    """RMSNorm backward (rms-dx), token by token; the same returns as the batched reference.
+    """RMSNorm backward (rms-dx), token by token; the same returns as the batched reference:
+    ghat = dy * weight, c2 = mean(ghat * xhat), dx = rstd * (ghat - c2 * xhat) with
+    xhat = x * rstd, and dweight = sum over tokens of dy * xhat.
 
     Args:
         dy, x: (N, D). weight: (D,) or None. rstd: (N,) from the forward.

@@ -734,7 +734,17 @@ def sequence_parallel_experiment(rank: int, world: int, n: int = 64,
                                  d: int = 16, steps: int = 20,
                                  lr: float = 0.2) -> dict[str, float]:
     """Tokens split over ranks: local dweight, and SGD with and
-    without the all-reduce (chapter "Norms across devices")."""
+    without the all-reduce (chapter "Norms across devices").
+
+    x and the target t are (n, d) float64, the same on every rank;
+    rank r holds its rows of them. The loss is sum (LN(x) - t)^2 / n,
+    so dweight = sum over tokens of (ln-dparams): the all-reduce
+    (:func:`all_reduce_param_grads`) sums the ranks' shares.
+
+    Returns: relative errors of the local and the reduced dweight
+    against one process (``dweight_err_*``), and after ``steps`` of
+    SGD at ``lr`` the ranks' spread (``drift_*``) and the error
+    against one process (``err_*``), ``local`` and ``synced``."""
     from normbook import LayerNorm
 
     g = torch.Generator().manual_seed(0)     # same data everywhere
@@ -767,7 +777,14 @@ def sequence_parallel_experiment(rank: int, world: int, n: int = 64,
 def feature_parallel_experiment(rank: int, world: int, n: int = 8,
                                 d: int = 64) -> dict[str, float]:
     """Features split over ranks: layer_norm_sharded and
-    rms_norm_sharded against one process, in float64."""
+    rms_norm_sharded against one process, in float64.
+
+    x and dy are (n, d); rank r holds its columns of them and of the
+    (d,) weight and bias, and the statistics are merged over ranks
+    (kern-chan). Returns ``layer_norm_err`` and ``rms_norm_err``, the
+    largest absolute difference over y, dx and the parameters'
+    gradients (this rank's slice) from the reference on the whole
+    row."""
     from normbook import reference
 
     g = torch.Generator().manual_seed(1)
@@ -803,7 +820,12 @@ def feature_parallel_experiment(rank: int, world: int, n: int = 8,
 def dtensor_experiment(rank: int, world: int, n: int = 2, s: int = 8,
                        d: int = 16) -> dict[int, dict[str, Any]]:
     """normbook.kernels.layer_norm on DTensors sharded over the
-    sequence (dim 1) and over the features (dim 2)."""
+    sequence (dim 1) and over the features (dim 2).
+
+    x and dy are (n, s, d); weight and bias (d,), replicated.
+    Returns, per sharded dim: the placements of x, y and dweight,
+    the collectives of the forward, and ``err``, the largest
+    difference of y and the gradients from F.layer_norm's."""
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import (Replicate, Shard,
@@ -845,7 +867,12 @@ def dtensor_experiment(rank: int, world: int, n: int = 2, s: int = 8,
 def fsdp_experiment(rank: int, world: int, n: int = 8,
                     d: int = 16) -> dict[str, Any]:
     """A LayerNorm under FSDP2's fully_shard against one process;
-    each rank runs its own n // world tokens."""
+    each rank runs its own n // world tokens of x, dy (n, d).
+
+    Returns the weight's shape at rest (``at_rest``, (d // world,))
+    and placement, ``y_err`` against one process, and ``grad_err``:
+    FSDP2 averages the ranks' gradients, so world times the average
+    against one process's sum over all n tokens."""
     import warnings
 
     from torch.distributed.device_mesh import init_device_mesh

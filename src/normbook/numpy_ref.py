@@ -44,7 +44,8 @@ def rms_norm(
 
     Args:
         x: (..., D) array. weight: (D,) array. eps: added inside the
-            square root.
+            square root (1e-5 by default, LayerNorm's: not torch's
+            RMSNorm default, the machine epsilon of the compute dtype).
 
     Returns:
         (..., D) array.

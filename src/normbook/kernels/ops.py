@@ -82,12 +82,15 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
 def rms_norm(input, normalized_shape, weight=None, eps=None):
     """(rms-y): :func:`normbook.rms_norm` on the kernel backend, as ``torch.nn.functional.rms_norm``.
 
-    Forward (rms-ms), (rms-y) of "One token's vector"; gradient (rms-dx) of "RMSNorm".
+    Forward (rms-ms), (rms-y) of "One token's vector": y = x / sqrt(mean(x^2) + eps) * weight;
+    gradient (rms-dx) of "RMSNorm". float64 (input or weight) is refused: use
+    :func:`normbook.rms_norm`, whose torch backend computes in it.
 
     Args:
-        input: ``(*, *normalized_shape)`` float16, bfloat16 or float32.
+        input: ``(*, *normalized_shape)`` float16, bfloat16 or float32; CUDA, or CPU under
+            TRITON_INTERPRET=1.
         normalized_shape: int or sequence, the trailing dims to normalize over.
-        weight: optional, of shape ``normalized_shape``.
+        weight: optional, of shape ``normalized_shape``, any of the three dtypes.
         eps: inside the square root; None means fp32's machine epsilon, as torch computes.
 
     Returns:
