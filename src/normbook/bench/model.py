@@ -76,13 +76,13 @@ FIT_TERMS = ("the row's HBM bytes at the copy's bandwidth",
 
 
 def fit(result: dict, report: dict, arch: str = "sm_90") -> dict:
-    """The retired model given every chance: its four terms (:data:`FIT_TERMS`, counted by the
+    """The retired model given every chance: its four terms (``FIT_TERMS``, counted by the
     compile ``report`` recorded with ``result``), each scaled by a constant fitted to the very
     rows it is then judged on: normbook's bf16 rows at the report's M that are not host-bound.
     Predicted time t = sum_k theta_k term_k (theta_k >= 0), predicted fraction = measured
     fraction * measured time / t; the constants minimize the squared misses of the fractions
     (L-BFGS in float64 from theta = 1: deterministic). A model that cannot meet
-    :data:`MODEL_TOLERANCE` on the rows it was fitted to cannot meet it on any others.
+    ``MODEL_TOLERANCE`` on the rows it was fitted to cannot meet it on any others.
 
     Returns a dict: ``constants`` (one per term), ``rows`` (op, mode, D, measured, predicted),
     ``worst`` (the largest miss), ``over`` (rows missed by more than MODEL_TOLERANCE).

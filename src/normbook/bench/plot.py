@@ -118,7 +118,7 @@ def plot_results(sources, out_dir, fmt: str = "png") -> list[Path]:
     :func:`normbook.bench.schema.load_results`) into ``out_dir``.
 
     Lines: one per provider (and per run, device and commit, when results of several are
-    given: see :func:`normbook.bench.goal.runs`); shapes with a
+    given: see ``normbook.bench.goal.runs``); shapes with a
     different M than the main one (the small-D, many-rows case) are drawn as lone markers.
     Returns the paths written.
     """
