@@ -29,8 +29,9 @@ UV_PIP := $(VENV)/bin/uv pip install --quiet --python $(PY)
 UV_LINKS = $(addprefix --find-links ,$(sort $(shell $(PYTHON) -m pip config list 2>/dev/null \
   | sed -n "s/.*find-links='\(.*\)'/\1/p")))
 ## PyPI's torch 2.13.0 is on Linux a CUDA build that pins Triton 3.7.1, and the pins here take
-## Triton 3.9.0: no resolver can install both. Where pip's configuration names no folder holding
-## torch's wheel, torch comes first from PyTorch's CPU index (no Triton pin, and not 5 GB).
+## Triton 3.9.0: no resolver can install both. Where pip's configuration names no find-links
+## folder at all (the machines this is tested on keep torch's CPU wheel in one), torch comes first
+## from PyTorch's CPU index (no Triton pin, and not 5 GB).
 CPU_TORCH = if [ -z "$(strip $(UV_LINKS))" ] && [ "$$(uname)" = Linux ] \
   && ! $(1)/bin/python -c "import torch" 2>/dev/null; then \
   echo "torch 2.13.0, CPU build, from download.pytorch.org (PyPI's pins another Triton)"; \

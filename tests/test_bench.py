@@ -378,7 +378,7 @@ def test_model_check_and_figures_keep_runs_apart(tmp_path):
     b["provenance"].update(commit="f" * 40, date="2000-02-01")
     rows, several = _rows_by_run([a, b])
     assert several and len({r["_run"] for r in rows}) == 2
-    with pytest.raises(ResultsError, match="joins one run's rows .* these are 2 runs"):
+    with pytest.raises(ResultsError, match="joins one run.s rows .* these are several runs"):
         model_vs_measured([a, b], {"paths": [], "m": 32768})
 
 

@@ -1012,3 +1012,50 @@ def test_both_command_lines_print_their_version():
     with pytest.raises(SystemExit) as stop, contextlib.redirect_stdout(io.StringIO()) as text:
         _report_cli.build_parser().parse_args(["--version"])
     assert stop.value.code == 0 and text.getvalue() == f"normbook-report {__version__}\n"
+
+
+def test_runs_are_told_apart_by_time_code_and_merges():
+    """From a review of the grouping: a merged file of two commits was one run (its rows
+    judged together), runs without a commit merged across versions and days, and runs of one
+    day were ordered by text, not time."""
+    def run(commit, date, version="0.1.0", dirty=False):
+        res = _result()
+        res["provenance"].update(commit=commit, date=date, normbook=version, dirty=dirty)
+        return res
+
+    early, late = run("b" * 40, "2026-12-04T08:00:00+00:00"), run("a" * 40, "2026-12-04T18:00:00+00:00")
+    assert [label.split(" @ ")[1][:7] for label, _ in goal.runs([late, early])] == ["bbbbbbb", "aaaaaaa"]
+    wheel = [run("unknown", "2026-12-04T00:00:00+00:00"), run("unknown", "2027-03-01T00:00:00+00:00", "0.2.0")]
+    assert len(goal.runs(wheel)) == 2
+    merged = runner.merge([early, late])
+    (label, _), = goal.runs([merged])
+    assert goal.mixed(label) and "bbbbbbb" in label and "aaaaaaa" in label
+    with pytest.raises(schema.ResultsError, match="these are several runs"):
+        plot.model_vs_measured([merged], {"paths": [], "m": 32768})
+
+
+def test_the_goal_exit_status_is_the_newest_runs(monkeypatch):
+    """Every later run is recorded beside the first: the exit status of --goal followed the
+    worst of them, so `--summary recorded --goal` could never pass again."""
+    old = _result()
+    old["provenance"].update(commit="a" * 40, date="2026-12-04T00:00:00+00:00")
+    new = json.loads(json.dumps(old))
+    new["provenance"].update(commit="b" * 40, date="2027-01-10T00:00:00+00:00")
+    for r in old["rows"]:
+        if r["provider"] == "normbook":
+            r["frac_copy"] = r["frac_same_copy"] = 0.5
+    monkeypatch.setattr(goal.check_goal, "__defaults__", (("rms_norm",), (1024,)))  # GRID
+    assert goal.check_goal([new])[1] and not goal.check_goal([old])[1]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli._goal([old, new]) == 0 and cli._goal([new, old]) == 0
+        assert cli._goal([old]) == 1
+        assert cli._goal([runner.merge([old, new])]) == 1          # not judged
+    assert "not judged: a merged file" in out.getvalue()
+
+
+def test_a_wheels_report_is_named_through_recorded(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _main(["--model-check", "recorded/2026-12-04-h200", "--report",
+                          "recorded/2026-12-04-h200/report.json", "--out", tmp_path / "m.png"])
+    assert rc == 0 and (tmp_path / "m.png").read_bytes()[:8] == PNG, err

@@ -673,3 +673,11 @@ def test_merge_stats_weighs_integer_counts_in_means_dtype():
     assert float((mean_all - want[1]).abs()) <= 1e-15 and float((m2_all - want[2]).abs()) <= 1e-14
     with pytest.raises(TypeError, match="merge_stats: n: expected a tensor, got list"):
         nd.merge_stats([3, 7], mean, m2)
+
+
+def test_merge_stats_counts_past_float16s_range():
+    """Counts cast to float16 means overflowed at 65504: the merged mean was NaN."""
+    N, mean, m2 = nd.merge_stats(torch.tensor([70000, 70000]),
+                                 torch.tensor([[1.0], [3.0]]).half(),
+                                 torch.tensor([[2.0], [2.0]]).half())
+    assert int(N) == 140000 and mean.dtype == torch.float16 and float(mean) == 2.0

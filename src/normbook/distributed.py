@@ -75,8 +75,11 @@ def merge_stats(n: torch.Tensor, mean: torch.Tensor,
                          f"{tuple(n.shape)}, {tuple(mean.shape)}, {tuple(m2.shape)}")
     empty = (n == 0).reshape(-1, *([1] * (mean.dim() - 1)))       # (K, 1, ...)
     mean, m2 = mean.masked_fill(empty, 0), m2.masked_fill(empty, 0)
-    counts = n
-    n = n.to(mean.dtype)          # int64 counts divided in float32: weights off by 2e-8 in fp64
+    counts, dtype = n, mean.dtype
+    # the weights in mean's dtype, at least float32: int64 counts divided in float32 were off by
+    # 2e-8 in float64, and counts past 65504 overflow float16
+    work = torch.promote_types(mean.dtype, torch.float32)
+    n, mean, m2 = n.to(work), mean.to(work), m2.to(work)
     n_a, mean_a, m2_a = n[0], mean[0], m2[0]
     for k in range(1, n.shape[0]):
         n_b, mean_b, m2_b = n[k], mean[k], m2[k]
@@ -86,7 +89,7 @@ def merge_stats(n: torch.Tensor, mean: torch.Tensor,
         mean_a = mean_a + delta * share_b
         m2_a = m2_a + m2_b + (n_a * share_b) * delta * delta   # the count first: 0 stays 0
         n_a = total
-    return counts.sum(), mean_a, m2_a
+    return counts.sum(), mean_a.to(dtype), m2_a.to(dtype)
 
 
 class _SumOverRanks(torch.autograd.Function):

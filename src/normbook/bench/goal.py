@@ -4,8 +4,8 @@ Goal (issue 46, set after the first H200 run), on a Hopper GPU, bf16, M = 32768 
 normbook kernels reach at least 0.92 of the copy bandwidth in forward and 0.85 in backward for
 every D in 2048..32768, at least 0.80 for larger D up to 131072; at D = 1024, forward and backward, at least 0.85 of a copy of the
 row's own bytes (a copy of that size, 134 MB for the forward, runs slower than the big copy:
-the H200 session's notes, ../shared/DESIGN.md, say 0.86 of it; no recorded run holds that copy
-yet, the next records it as ``copy_same_gbps``); and faster than torch eager, torch.compile and Liger at every D.
+the H200 session's notes say 0.86 of it; no recorded run holds that copy yet, the next
+records it as ``copy_same_gbps``); and faster than torch eager, torch.compile and Liger at every D.
 :func:`check_goal` says, per (op, mode, D) of that grid, PASS, FAIL or NOT MEASURED: a row
 that is missing, normbook's or a rival's, is never counted as a pass, nor is a row whose time is
 not a timing (NaN, inf, 0 or negative: ``nan <= 1.0`` is False, so a NaN rival would otherwise
@@ -21,7 +21,7 @@ import math
 
 from normbook.bench.schema import measured
 
-__all__ = ["GOAL", "check_goal", "need", "runs"]
+__all__ = ["GOAL", "check_goal", "need", "runs", "mixed"]
 
 GOAL = {
     "dtype": "bf16",
@@ -105,22 +105,65 @@ def check_goal(results: list[dict], ops=GOAL_OPS, Ds=GOAL_DS) -> tuple[list[str]
 
 
 def runs(results: list[dict]) -> list[tuple[str, list[dict]]]:
-    """``results`` split into runs, oldest first (by the date of a run's first file): the files of one device and one
-    commit (a GPU check's benchmarks write a file each: bf16, then torch.compile's) belong
-    together; a run on another GPU, or of another commit, is judged apart. Returns (label,
-    files) pairs, the label naming device, commit and date."""
+    """``results`` split into runs, oldest first (by the time of a run's first file): the
+    files of one device and one commit (a GPU check's benchmarks write a file each: bf16, then
+    torch.compile's) belong together; a run on another GPU, or of another commit, is judged
+    apart. Where the commit is unknown (a run from a wheel) or the tree was dirty, the normbook
+    version and the day must agree too. A merged file (``--merge``) whose runs differ in these
+    is a run of its own, labelled ``merged:``: its rows carry no run, so it cannot be split,
+    and :func:`mixed` says it cannot be judged. Returns (label, files) pairs, the label naming
+    device, commit and date."""
     groups: dict = {}
     for res in results:
-        p = res.get("provenance", {})
-        key = (p.get("device"), p.get("commit"), bool(p.get("dirty")))
-        groups.setdefault(key, []).append(res)
+        groups.setdefault(_run_key(res), []).append(res)
     out = []
-    for (device, commit, dirty), files in groups.items():
-        dates = sorted(str(f["provenance"].get("date", "?"))[:10] for f in files)
-        commit = str(commit or "unknown")[:7] + ("+dirty" if dirty else "")
-        span = dates[0] if dates[0] == dates[-1] else f"{dates[0]}..{dates[-1]}"
-        out.append((dates[0], f"{device or 'unknown device'} @ {commit}, {span}", files))
+    for key, files in groups.items():
+        when = min(_time(f.get("provenance", {}).get("date")) for f in files)
+        if len(key) > 1:
+            label = "merged: " + "; ".join(_label([k]) for k in key)
+        else:
+            label = _label(key, [f.get("provenance", {}).get("date") for f in files])
+        out.append((when, label, files))
     return [(label, files) for _, label, files in sorted(out, key=lambda run: run[0])]
+
+
+def mixed(label: str) -> bool:
+    """Whether a run of :func:`runs` is a merged file of several runs (not to be judged)."""
+    return label.startswith("merged: ")
+
+
+def _run_key(res: dict) -> tuple:
+    """The runs a file holds, as a sorted tuple of (device, commit, dirty, version, day): one
+    for a run's own file, several for a merged file of runs that differ."""
+    subs = [r.get("provenance") or {} for r in res.get("runs") or []] or [
+        res.get("provenance", {})]
+    return tuple(sorted({_one_key(p) for p in subs}, key=repr))
+
+
+def _one_key(p: dict) -> tuple:
+    commit, dirty = str(p.get("commit") or "unknown"), bool(p.get("dirty"))
+    exact = commit != "unknown" and not dirty        # a commit names the code exactly
+    return (p.get("device"), commit, dirty, None if exact else p.get("normbook"),
+            None if exact else str(p.get("date", ""))[:10])
+
+
+def _label(keys, dates=None) -> str:
+    device, commit, dirty, _, day = keys[0]
+    days = sorted(str(d)[:10] for d in dates or [] if d) or [day or "?"]
+    span = days[0] if days[0] == days[-1] else f"{days[0]}..{days[-1]}"
+    return f"{device or 'unknown device'} @ {commit[:7]}{'+dirty' if dirty else ''}, {span}"
+
+
+def _time(date):
+    """A provenance date as an aware datetime (UTC where it names no zone); the earliest time
+    where it cannot be read, so that an undated run sorts first."""
+    from datetime import datetime, timezone
+
+    try:
+        when = datetime.fromisoformat(str(date))
+    except ValueError:
+        return datetime.min.replace(tzinfo=timezone.utc)
+    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
 
 
 def _in_goal(D: int) -> bool:
@@ -133,8 +176,8 @@ def _host_set(row: dict) -> str | None:
     if row.get("host_bound") and row.get("timer", "do_bench") != "cudagraph":
         host = row.get("host_ms")
         host = f"{host:.4f}" if isinstance(host, (int, float)) else "?"
-        return (f"host-bound: {row['ms']:.4f} ms by do_bench, the host {host} ms a call; the "
-                "kernel's own time is unknown")
+        return (f"host-bound: {row['ms']:.4f} ms by {row.get('timer', 'do_bench')}, the host "
+                f"{host} ms a call; the kernel's own time is unknown")
     return None
 
 

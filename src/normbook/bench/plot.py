@@ -272,13 +272,13 @@ def model_vs_measured(sources, report, arch: str = "sm_90", provider: str = "nor
     predicted = {(p["norm"], p["residual"], p["direction"], p["dtype"], p["D"]): p["predicted_fraction"]
                  for p in rep["paths"]
                  if p["arch"] == arch and "error" not in p and "predicted_fraction" in p}
-    from normbook.bench.goal import runs
+    from normbook.bench.goal import mixed, runs
 
     results = load_results(sources)
     found = runs(results)
-    if len(found) > 1:   # one report belongs to one run's kernels: rows of two came out twice
+    if len(found) > 1 or mixed(found[0][0]):   # one report is one run's: rows came out twice
         raise ResultsError("sources: --model-check joins one run's rows to the compile report "
-                           f"of its commit; these are {len(found)} runs ("
+                           "of its commit; these are several runs ("
                            + "; ".join(label for label, _ in found) + "): give one")
     out = []
     for result in results:

@@ -46,6 +46,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from normbook.bench.model import H200 as _H200
+
 
 # the forward ------------------------------------------------------------------------------------
 
@@ -125,7 +127,8 @@ FINISH_WARPS = 4
 # the hardware, the interpreter ------------------------------------------------------------------
 
 MAX_WARPS = 32            # 1024 threads, the most a program can have
-MAX_REGISTERS = 255       # the most registers a thread can have (sm_80, sm_90)
+MAX_REGISTERS = _H200["thread_registers"]   # the most registers a thread can have (255:
+                                            # sm_80, sm_90)
 CPU_PROGRAMS = 4          # persistent grid size in the interpreter (any fixed number is deterministic)
 
 
@@ -323,7 +326,7 @@ def _tiles(M: int, block_d: int, elems: int) -> Config:
 
 
 def maxnreg_for(num_warps: int) -> int:
-    return min(MAX_REGISTERS, 65536 // (32 * num_warps))   # 64K registers per SM
+    return min(MAX_REGISTERS, _H200["registers"] // (32 * num_warps))   # an SM's registers
 
 
 # grids ------------------------------------------------------------------------------------------

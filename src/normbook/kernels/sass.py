@@ -53,8 +53,7 @@ from typing import NamedTuple, Optional
 # Assumed prices of a chain's steps, not measurements: the chain's counts are facts of the
 # code, its microseconds only these assumptions (the H200's run of 2026-12-04 measured the
 # kernels that share a row well below what these prices allowed: benchmarks/results/).
-HBM_LATENCY_S = 1e-6       # a load from HBM under a full memory load
-EXCHANGE_S = 1e-6          # the exchange of a shared row's sums: a store to L2, polls
+from normbook.bench.model import EXCHANGE_S, HBM_LATENCY_S  # noqa: E402,F401  (1 us each)
 L2_LATENCY_S = 0.5e-6      # a load that hits in L2 (weights, slots) under a full memory load
 BARRIER_ROUND_S = 80e-9    # shared-memory store, bar.sync of the block, shared-memory load
 SHUFFLE_ROUND_S = 15e-9    # one butterfly level: a SHFL and the add that waits for it
