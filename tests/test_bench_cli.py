@@ -145,13 +145,17 @@ def test_goal_judges_every_measured_d_in_its_ranges():
     assert all(line.endswith("FAIL") for line in lines if "D=6144" in line)
 
 
+def _dated(commit, date, **provenance):
+    """A synthetic result of one commit and date (and any other provenance given)."""
+    res = _result()
+    res["provenance"].update(commit=commit, date=date, **provenance)
+    return res
+
+
 def test_goal_judges_each_run_apart(tmp_path):
     """An older, faster run hid a newer run's regression: the check took the fastest row of
     any file. The command line now judges each run (device and commit) on its own."""
-    old = _result()
-    old["provenance"].update(commit="a" * 40, date="2026-12-04T00:00:00+00:00")
-    new = json.loads(json.dumps(old))
-    new["provenance"].update(commit="b" * 40, date="2027-01-10T00:00:00+00:00")
+    old, new = _dated("a" * 40, "2026-12-04T00:00:00+00:00"), _dated("b" * 40, "2027-01-10")
     for r in new["rows"]:
         if r["provider"] == "normbook":
             r["ms"] *= 2
@@ -1018,14 +1022,12 @@ def test_runs_are_told_apart_by_time_code_and_merges():
     """From a review of the grouping: a merged file of two commits was one run (its rows
     judged together), runs without a commit merged across versions and days, and runs of one
     day were ordered by text, not time."""
-    def run(commit, date, version="0.1.0", dirty=False):
-        res = _result()
-        res["provenance"].update(commit=commit, date=date, normbook=version, dirty=dirty)
-        return res
-
-    early, late = run("b" * 40, "2026-12-04T08:00:00+00:00"), run("a" * 40, "2026-12-04T18:00:00+00:00")
-    assert [label.split(" @ ")[1][:7] for label, _ in goal.runs([late, early])] == ["bbbbbbb", "aaaaaaa"]
-    wheel = [run("unknown", "2026-12-04T00:00:00+00:00"), run("unknown", "2027-03-01T00:00:00+00:00", "0.2.0")]
+    early = _dated("b" * 40, "2026-12-04T08:00:00+00:00")
+    late = _dated("a" * 40, "2026-12-04T18:00:00+00:00")
+    assert [label.split(" @ ")[1][:7] for label, _ in goal.runs([late, early])] == [
+        "bbbbbbb", "aaaaaaa"]
+    wheel = [_dated("unknown", "2026-12-04", normbook="0.1.0"),
+             _dated("unknown", "2027-03-01", normbook="0.2.0")]
     assert len(goal.runs(wheel)) == 2
     merged = runner.merge([early, late])
     (label, _), = goal.runs([merged])
@@ -1037,10 +1039,7 @@ def test_runs_are_told_apart_by_time_code_and_merges():
 def test_the_goal_exit_status_is_the_newest_runs(monkeypatch):
     """Every later run is recorded beside the first: the exit status of --goal followed the
     worst of them, so `--summary recorded --goal` could never pass again."""
-    old = _result()
-    old["provenance"].update(commit="a" * 40, date="2026-12-04T00:00:00+00:00")
-    new = json.loads(json.dumps(old))
-    new["provenance"].update(commit="b" * 40, date="2027-01-10T00:00:00+00:00")
+    old, new = _dated("a" * 40, "2026-12-04T00:00:00+00:00"), _dated("b" * 40, "2027-01-10")
     for r in old["rows"]:
         if r["provider"] == "normbook":
             r["frac_copy"] = r["frac_same_copy"] = 0.5
