@@ -154,15 +154,16 @@ def _label(keys, dates=None) -> str:
     return f"{device or 'unknown device'} @ {commit[:7]}{'+dirty' if dirty else ''}, {span}"
 
 
-def _time(date):
-    """A provenance date as an aware datetime (UTC where it names no zone); the earliest time
-    where it cannot be read, so that an undated run sorts first."""
+def _time(date, undated=None):
+    """A provenance date as an aware datetime (UTC where it names no zone, as the runner writes
+    it); ``undated`` where it is not an ISO 8601 date, by default the earliest time, so that an
+    undated run sorts first."""
     from datetime import datetime, timezone
 
     try:
-        when = datetime.fromisoformat(str(date))
-    except ValueError:
-        return datetime.min.replace(tzinfo=timezone.utc)
+        when = datetime.fromisoformat(date)
+    except (TypeError, ValueError):
+        return datetime.min.replace(tzinfo=timezone.utc) if undated is None else undated
     return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
 
 

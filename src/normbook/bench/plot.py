@@ -69,17 +69,16 @@ def newest_gpu_result(folder=None) -> dict | None:
 
 
 def _when(result: dict):
-    """A run's provenance date as an aware datetime (a date without a zone is UTC, as the runner
-    writes it), or ResultsError naming the run."""
-    from datetime import datetime, timezone
+    """A run's provenance date as an aware datetime (:func:`normbook.bench.goal._time`), or
+    ResultsError naming the run."""
+    from normbook.bench.goal import _time
 
     date = result["provenance"].get("date")
-    try:
-        when = datetime.fromisoformat(date)
-    except (TypeError, ValueError):
+    when = _time(date, undated=False)
+    if when is False:
         raise ResultsError(f"a recorded GPU run ({provenance_line(result)}) has no ISO 8601 "
-                           f"date: provenance.date = {date!r}") from None
-    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+                           f"date: provenance.date = {date!r}")
+    return when
 
 
 def recorded_rows(result: dict, dtype: str = "bf16", M: int | None = None) -> dict:
