@@ -889,3 +889,86 @@ def test_a_module_s_parameters_take_the_paths_plain_tensors_take(norm, dtype):
     assert torch.equal(y, y_f)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- vmap under forward mode
+
+def _four_norms():
+    """(name, normbook's call, torch's composition) for the two norms and the two fused adds,
+    each (x, r, w, b) -> y or (y, h)."""
+    return [
+        ("layer_norm", lambda x, r, w, b: normbook.layer_norm(x, (8,), w, b),
+         lambda x, r, w, b: F.layer_norm(x, (8,), w, b)),
+        ("rms_norm", lambda x, r, w, b: normbook.rms_norm(x, (8,), w, 1e-5),
+         lambda x, r, w, b: F.rms_norm(x, (8,), w, 1e-5)),
+        ("add_layer_norm", lambda x, r, w, b: normbook.add_layer_norm(x, r, w, b),
+         lambda x, r, w, b: (F.layer_norm(x + r, (8,), w, b), x + r)),
+        ("add_rms_norm", lambda x, r, w, b: normbook.add_rms_norm(x, r, w, 1e-5),
+         lambda x, r, w, b: (F.rms_norm(x + r, (8,), w, 1e-5), x + r)),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+@pytest.mark.parametrize("name", [n for n, _, _ in _four_norms()])
+def test_forward_mode_over_vmap_like_torch(backend, name):
+    """jvp(vmap(f)) and jacfwd(vmap(f)): torch's norms take them. The Function under torch.func
+    raised a pytree ValueError there ("leaves has length 5 but the spec refers to a pytree
+    that holds 10 items": the generated vmap rule's jvp flattened its tuple argument, cfg, to
+    six leaves against one tangent), and, past that, an internal assert of torch's forward-mode
+    AD on the None tangent of its statistics."""
+    if backend == "kernels":
+        pytest.importorskip("triton")
+    from torch.func import jacfwd, jvp, vmap
+
+    ours, theirs = next((o, t) for n, o, t in _four_norms() if n == name)
+    torch.manual_seed(0)
+    x, r, t = torch.randn(4, 3, 8), torch.randn(4, 3, 8), torch.randn(4, 3, 8)
+    w, b, tw = torch.randn(8), torch.randn(8), torch.randn(8)
+
+    def over_x(f):
+        return jvp(lambda a: vmap(f, in_dims=(0, 0, None, None))(a, r, w, b), (x,), (t,))
+
+    def over_w(f):
+        return jvp(lambda v: vmap(f, in_dims=(0, 0, None, None))(x, r, v, b), (w,), (tw,))
+
+    def jac(f):
+        return jacfwd(lambda a: vmap(f, in_dims=(0, 0, None, None))(a, r[:, :1], w, b))(x[:, :1])
+
+    tol = dict(rtol=1e-5, atol=1e-5)
+    with normbook.backend(backend):
+        got = [over_x(ours), over_w(ours), jac(ours)]
+    torch.testing.assert_close(got, [over_x(theirs), over_w(theirs), jac(theirs)], **tol)
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+def test_an_inference_tensor_under_torch_func_and_forward_ad(backend):
+    """x made under torch.inference_mode, a weight that requires grad, differentiated by
+    torch.func.grad (over a module's named_parameters) or carrying a tangent under forward-mode
+    AD: torch.nn.RMSNorm takes both (its composed ops save only what they compute from x); the
+    Function's apply on those routes, unlike the eager one, did not copy the inference tensor
+    it has to save, and raised "Inference tensors cannot be saved for backward"."""
+    if backend == "kernels":
+        pytest.importorskip("triton")
+    import torch.autograd.forward_ad as fwAD
+    from torch.func import functional_call, grad
+
+    with torch.inference_mode():
+        xi = torch.randn(3, 8)
+    ours, theirs = normbook.RMSNorm(8, eps=1e-5), torch.nn.RMSNorm(8, eps=1e-5)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(8))
+        theirs.weight.copy_(ours.weight)
+
+    def by_grad(m):
+        return grad(lambda p: functional_call(m, p, (xi,)).sin().sum())(dict(m.named_parameters()))
+
+    def by_tangent(m):
+        with fwAD.dual_level():
+            y = functional_call(m, {"weight": fwAD.make_dual(m.weight, torch.ones(8))}, (xi,))
+            tangent = fwAD.unpack_dual(y).tangent
+        return tangent, torch.autograd.grad(y.sum(), m.weight)[0]
+
+    with normbook.backend(backend):
+        got = [by_grad(ours), by_tangent(ours)]
+    torch.testing.assert_close(got[0]["weight"], by_grad(theirs)["weight"])
+    torch.testing.assert_close(got[1], by_tangent(theirs))

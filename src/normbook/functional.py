@@ -349,9 +349,9 @@ class _NormFunctionAD(NormFunction):
         saved = (x if residual is None else output[1], weight, stats)
         ctx.save_for_backward(*saved)
         ctx.save_for_forward(*saved)          # the jvp reads them too
-        # stats only: h stays differentiable here, where tangents of x and the residual flow
-        # into it whether or not they require grad (NormFunction marks a constant h)
-        ctx.mark_non_differentiable(stats)
+        # Nothing is marked non-differentiable: h stays differentiable here, where tangents of
+        # x and the residual flow into it whether or not they require grad (NormFunction marks
+        # a constant h); the statistics, which no caller sees, get a zero tangent (see jvp)
         ctx.set_materialize_grads(False)      # no zeros for unused outputs
         ctx.cfg = cfg
 
@@ -372,9 +372,16 @@ class _NormFunctionAD(NormFunction):
         ty = _math.jvp(None if th is None else th.to(ct), None if tweight is None else tweight.to(ct),
                        None if tbias is None else tbias.to(ct), x.to(ct),
                        None if weight is None else weight.to(ct), mean, rstd)
+        # the statistics' tangent: zeros (the door discards them), not None. Marked
+        # non-differentiable, with None here, they broke jvp(vmap(...)) and jacfwd(vmap(...)):
+        # the generated vmap rule's setup_context hands mark_non_differentiable the batched
+        # stats, not the output its Function returns, so they stayed differentiable there, and
+        # torch's forward-mode AD failed an internal assert on the None ("Expected both tensor
+        # and its forward grad to be floating point or complex", torch 2.13)
+        tstats = torch.zeros_like(stats)
         if not has_residual:
-            return ty.to(x.dtype), None
-        return ty.to(x.dtype), torch.zeros_like(x) if th is None else th, None
+            return ty.to(x.dtype), tstats
+        return ty.to(x.dtype), torch.zeros_like(x) if th is None else th, tstats
 
 
 # torch's Function.apply binds its arguments with inspect.signature on every call (about 12 us
@@ -425,8 +432,12 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
         out = NormFunction.apply(*_distinct(x, residual, weight, bias), cfg)
         return (out, None) if residual is None else out
     if torch._C._are_functorch_transforms_active():
-        out = _NormFunctionAD.apply(x, residual, weight, bias,
-                                    _cfg(eps, is_rms, _TORCH, bias, residual))
+        cfg = _Leaf(_cfg(eps, is_rms, _TORCH, bias, residual))
+        try:
+            out = _NormFunctionAD.apply(x, residual, weight, bias, cfg)
+        except RuntimeError:    # (an inference tensor: see _copy_of_inference)
+            out = _NormFunctionAD.apply(_copy_of_inference(x, residual), residual, weight, bias,
+                                        cfg)
         return out[0], None if residual is None else out[1]
     if not kernels and not (_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, residual, weight, bias))) \
@@ -442,8 +453,12 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
         # followed by the norm (one output h of the Function required grad and carried a
         # tangent whenever the weight did, and autograd.grad(y, h) found h unused)
         h = None if residual is None else x + residual
-        y = _ad_apply(x if h is None else h, None, weight, bias,
-                      _cfg(eps, is_rms, route, bias, None))[0]
+        cfg = _cfg(eps, is_rms, route, bias, None)
+        try:
+            y = _ad_apply(x if h is None else h, None, weight, bias, cfg)[0]
+        except RuntimeError:    # (an inference tensor: see _copy_of_inference)
+            y = _ad_apply(_copy_of_inference(x if h is None else h, None), None, weight, bias,
+                          cfg)[0]
         return y, h
     cfg = _cfg(eps, is_rms, route, bias, residual)
     try:
@@ -451,6 +466,17 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
     except RuntimeError:        # (an inference tensor: see _copy_of_inference)
         out = _eager_apply(_copy_of_inference(x, residual), residual, weight, bias, cfg)
     return (out, None) if residual is None else out
+
+
+class _Leaf(tuple):
+    """The Function's ``cfg`` under torch.func: the same tuple, which torch's pytree takes as
+    one leaf (a tuple subclass that is not a namedtuple). The generated vmap rule's jvp pairs
+    the flattened in_dims of the arguments with one tangent per argument
+    (``torch._functorch.autograd_function.get_tangents_in_dims``, torch 2.13), so a plain tuple
+    argument, flattened to its six items, raised a pytree ValueError under ``jvp(vmap(...))``
+    and ``jacfwd(vmap(...))``, where torch's own norms work."""
+
+    __slots__ = ()
 
 
 def _distinct(*tensors) -> list:
