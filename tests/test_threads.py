@@ -42,3 +42,37 @@ def test_two_threads_planning_new_kernels_get_distinct_launch_ids(monkeypatch):
         t.join(10)
     assert len(ids) == 2 and ids["layer"] != ids["rms"], ids
     assert _config._launch_id("layer", {"IS_RMS": False}) == ids["layer"]     # and kept
+
+
+def test_forgetting_the_ready_calls_while_another_thread_makes_one(monkeypatch):
+    """``forget_ready`` (when the kept kernels' table is full: a server seeing many row counts)
+    ran over the ready table while other threads' first calls of a signature added to it:
+    'dictionary changed size during iteration', raised from the launch that filled the
+    table. Every Ready it empties is marked no longer live."""
+    monkeypatch.setattr(_launch, "READY", {})
+    inside, added = threading.Event(), threading.Event()
+
+    class Slow:
+        """A ready call whose truth test (forget_ready's) lets another thread add one."""
+        live = True
+
+        def __bool__(self):
+            inside.set()
+            added.wait(2)
+            return True
+
+    def other():
+        inside.wait(2)
+        _launch.READY["new"] = made     # what functional._slow does, in another thread
+        added.set()
+
+    made = Slow()
+    _launch.READY["old"] = Slow()
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        _launch.forget_ready()
+    finally:
+        added.set()
+        t.join(10)
+    assert not _launch.READY.get("old")
