@@ -516,7 +516,9 @@ TAG_LIMIT = (1 << 31) - 1      # the highest tag a slot's word holds (int32; wor
 MAX_SLOT_BUFFERS = 64          # (device, stream) buffers kept before the table starts again
 # (device, stream) -> [its slot buffer, the highest tag launched into it]
 _slot_buffers: dict = {}
-_slot_lock = threading.Lock()
+# held from a sharing launch's epoch to its launch (norm_backward): reentrant, since a launch
+# measured on its first call plans and launches again inside
+_slot_lock = threading.RLock()
 
 
 def _slots(plan, M: int, x: torch.Tensor, device: int, kept: bool = True) -> tuple:
@@ -528,7 +530,12 @@ def _slots(plan, M: int, x: torch.Tensor, device: int, kept: bool = True) -> tup
     so each finds every word of the previous ones written. Row i of a group is tagged
     epoch + i + 1, and the epoch is the highest tag that any earlier launch into the buffer
     used (the buffer was zeroed when made), so no word left by an earlier launch, whatever its
-    layout, has this launch's tag, and the kernel reads such words as empty. A launch into a
+    layout, has this launch's tag, and the kernel reads such words as empty. That needs the
+    launches to reach the stream in the order of their epochs: :func:`norm_backward` holds
+    ``_slot_lock`` from this call to its launch (two threads on one stream took their epochs
+    and then launched, in either order; a program of the earlier epoch, launched second, read
+    the later one's mark in its own word as "no row left", and skipped the rows whose wait
+    had run out, their dx never written). A launch into a
     CUDA graph being captured gets a new buffer, zeroed in the graph, and epoch 0: replays
     launch with the epoch they captured, so they must start from zeros each time. So does a
     launch of the custom op (``kept`` False: torch.compile's graphs, whose CUDA graph trees
@@ -540,7 +547,9 @@ def _slots(plan, M: int, x: torch.Tensor, device: int, kept: bool = True) -> tup
     if not kept or (device >= 0 and torch.cuda.is_current_stream_capturing()):
         return torch.zeros(words, dtype=torch.int64, device=x.device), 0
     key = device, (_drivers.active.get_current_stream(device) if device >= 0 else 0)
-    with _slot_lock:        # (threads launching on one stream take epochs one after another)
+    # (threads launching on one stream take epochs one after another; the launcher holds the
+    # lock on to its launch, so that they also reach the stream in the order of their epochs)
+    with _slot_lock:
         kept = _slot_buffers.get(key)
         if kept is None or kept[0].numel() < words:
             if len(_slot_buffers) >= MAX_SLOT_BUFFERS:
@@ -660,19 +669,27 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool, round_xhat
         pw, pb = x.new_empty(2, plan.groups, D, dtype=torch.float32)
     kernel = _KERNELS[plan.kernel]
     args = (x, dy, dhp, dx, w, stats, pw, pb, stride_x, stride_dy, stride_dh, M, D)
-    if plan.slices > 1:   # groups of S programs, one per slice of a row, exchanging sums
-        args = (*args[:6], *_slots(plan, M, x, device, kept_slots), *args[6:])
-    if not plan.measured:   # a GPU, the kernel's first launch: size the grid by what it needs
-        if measure(kernel, plan, args, device) and (
-                backward_plan(*call, odd, shared, round_xhat) or (plan,))[0].measured:
-            # the plan again, with the grid the compiled kernel's programs per SM give (no plan
-            # left, or none measured: this one, launched as it is)
-            return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms,
-                                 round_xhat, kept_slots)  # measured
-    if plan.slices > 1:
-        launch_shared(kernel, plan, args, main_key, device)
-    else:
-        launch(kernel, plan.grid, args, plan.flags, main_key, device)
+    sharing = plan.slices > 1
+    if sharing:   # groups of S programs, one per slice of a row, exchanging sums
+        # the slots' epoch taken and the launch put on the stream under one lock (see _slots)
+        _slot_lock.acquire()
+    try:
+        if sharing:
+            args = (*args[:6], *_slots(plan, M, x, device, kept_slots), *args[6:])
+        if not plan.measured:   # a GPU, the kernel's first launch: size the grid by what it needs
+            if measure(kernel, plan, args, device) and (
+                    backward_plan(*call, odd, shared, round_xhat) or (plan,))[0].measured:
+                # the plan again, with the grid the compiled kernel's programs per SM give (no
+                # plan left, or none measured: this one, launched as it is)
+                return norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms,
+                                     round_xhat, kept_slots)  # measured
+        if sharing:
+            launch_shared(kernel, plan, args, main_key, device)
+        else:
+            launch(kernel, plan.grid, args, plan.flags, main_key, device)
+    finally:
+        if sharing:
+            _slot_lock.release()
     if len(plans) > 1:
         # the one small reduction, (groups, D) -> (D,), in a fixed order: deterministic
         finish = plans[1]

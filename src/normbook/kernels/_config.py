@@ -42,6 +42,7 @@ plan's grid first assumes the programs per SM its block shape allows
 from __future__ import annotations
 
 import functools
+import threading
 from typing import NamedTuple, Optional
 
 import torch
@@ -433,12 +434,21 @@ def _plan(kernel: str, grid: int, constexprs: dict, cfg: Config, options: Option
 
 
 _launch_ids: dict = {}
+_launch_ids_lock = threading.Lock()
 
 
 def _launch_id(kernel: str, flags: dict) -> int:
     """One int per distinct (kernel, flags): a launch key that hashes in no time (a tuple of
-    the flags' items would be hashed again, item by item, at every launch)."""
-    return _launch_ids.setdefault((kernel, *flags.items()), len(_launch_ids))
+    the flags' items would be hashed again, item by item, at every launch). A new one is
+    numbered under a lock: two threads planning new kernels at once both read the table's
+    size before either added to it, and took one id for two kernels (whose launches then
+    found each other's kept kernel under one key)."""
+    key = (kernel, *flags.items())
+    found = _launch_ids.get(key)
+    if found is None:
+        with _launch_ids_lock:
+            found = _launch_ids.setdefault(key, len(_launch_ids))
+    return found
 
 
 def _rounding(round_xhat: bool, D: int, widest: int) -> dict:

@@ -66,11 +66,16 @@ READY: dict = {}
 def forget_ready() -> None:
     """Empty :data:`READY`, and mark each Ready it held no longer live: a module keeps the
     ones it launched (``functional._module_norm``), and must not launch their kernels again
-    once they are forgotten (a stub's, say, after it is gone)."""
-    for made in READY.values():
+    once they are forgotten (a stub's, say, after it is gone). Taken out one at a time: other
+    threads' first calls of a signature add to it meanwhile (a loop over the table raised
+    'dictionary changed size during iteration' in the launch that filled the kept kernels)."""
+    while READY:
+        try:
+            made = READY.popitem()[1]
+        except KeyError:        # (another thread emptied it first)
+            break
         if made:
             made.live = False
-    READY.clear()
 
 
 def direct(kernel) -> bool:
