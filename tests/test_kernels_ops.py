@@ -222,6 +222,43 @@ def test_eager_route_is_the_function_and_compile_the_op():
     assert any("normbook.norm_forward" in t for t in seen), seen
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_forward_mode_ad_traced_by_torch_compile_carries_the_tangents(dtype):
+    """func.jvp, a dual_level and jacfwd inside a compiled function, on the kernel backend: the
+    custom op has no forward formula, and the compiled Function's route through it gave zero
+    tangents (and fwAD's tangent None), silently, where torch's norms and the torch backend
+    give the derivative. Under forward-mode AD the compiled call takes the torch backend."""
+    g = torch.Generator().manual_seed(0)
+    x, t = (torch.randn(3, 16, generator=g).to(DEVICE, dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(16, generator=g)).to(DEVICE, dtype)
+    b = (0.1 * torch.randn(16, generator=g)).to(DEVICE, dtype)
+    fwAD = torch.autograd.forward_ad
+    cases = [(lambda a: normbook.layer_norm(a, 16, w, b), lambda a: F.layer_norm(a, (16,), w, b)),
+             (lambda a: normbook.rms_norm(a, 16, w), lambda a: F.rms_norm(a, (16,), w)),
+             (lambda a: normbook.add_rms_norm(a, x, w)[0], lambda a: F.rms_norm(a + x, (16,), w)),
+             (lambda a: normbook.rms_norm(a, 16, w, offset=1.0),
+              lambda a: (F.rms_norm(a.float(), (16,), eps=torch.finfo(torch.float32).eps)
+                         * (1 + w.float())).to(dtype))]
+
+    def dual(f, a, ta):
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(f(fwAD.make_dual(a, ta))).tangent
+
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
+    with normbook.backend("kernels"):
+        for f, ref in cases:
+            want = torch.func.jvp(ref, (x,), (t,))[1]
+            for how in (lambda a, ta: torch.func.jvp(f, (a,), (ta,))[1],
+                        lambda a, ta: dual(f, a, ta)):
+                torch._dynamo.reset()
+                got = torch.compile(how, backend="aot_eager", fullgraph=True)(x, t)
+                assert got is not None
+                torch.testing.assert_close(got, want, **tol)
+            torch._dynamo.reset()
+            jac = torch.compile(torch.func.jacfwd(f), backend="aot_eager", fullgraph=True)(x)
+            torch.testing.assert_close(jac, torch.func.jacfwd(ref)(x), **tol)
+
+
 def test_host_benchmark_writes_every_key(tmp_path):
     """python -m normbook.bench host: every key the issue names, and the ratios."""
     path = tmp_path / "host.json"

@@ -454,3 +454,20 @@ def test_upcast_ops_takes_a_tensor_eps():
     assert torch.equal(normbook.layer_norm(x, 8, eps=torch.tensor(1e-3), upcast="ops"), want)
     assert torch.equal(normbook.LayerNorm(8, eps=torch.tensor(1e-3), upcast="ops")(x),
                        normbook.LayerNorm(8, eps=1e-3, upcast="ops")(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_round_xhat_compiles_whole_with_dynamic_shapes(dtype):
+    """torch.compile(dynamic=True) makes the default offset (0.0) a symbolic float, and the
+    finiteness check took math.isfinite of it, which Dynamo cannot trace: "torch.* op returned
+    non-Tensor" under fullgraph, for rms_norm(..., round_xhat=True) and RMSNorm(round_xhat=True),
+    where torch's own norm compiles. Two batch shapes, one graph, eager's values."""
+    w = torch.randn(D).to(dtype)
+    module = normbook.RMSNorm(D, eps=EPS, round_xhat=True, dtype=dtype)
+    for fn in (lambda t: normbook.rms_norm(t, D, w, EPS, round_xhat=True), module,
+               lambda t: normbook.rms_norm(t, D, w, EPS, offset=1.0, round_xhat=True)):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+        for rows in (3, 5):
+            x = torch.randn(2, rows, D).to(dtype)
+            torch.testing.assert_close(compiled(x), fn(x), rtol=0, atol=0)

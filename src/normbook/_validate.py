@@ -155,7 +155,10 @@ def check_modes(offset, round_xhat, has_weight: bool = True, without: str = "wei
         raise TypeError(f"offset: expected a real number, got {offset!r}")
     if type(round_xhat) is not bool:
         raise TypeError(f"round_xhat: expected a bool, got {round_xhat!r}")
-    if not math.isfinite(offset):     # gamma = offset + weight would be NaN or inf throughout
+    # gamma = offset + weight would be NaN or inf throughout. (Comparisons, not math.isfinite:
+    # under torch.compile(dynamic=True) a default or attribute offset is a symbolic float, and
+    # Dynamo cannot trace math.isfinite of one, a graph break, an error under fullgraph)
+    if not -math.inf < offset < math.inf:
         raise ValueError(f"offset: expected a finite number, got {offset!r}")
     if offset and not has_weight:
         raise ValueError(f"offset: expected a weight to add it to (gamma = offset + weight), "

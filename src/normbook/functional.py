@@ -405,8 +405,9 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
     """:class:`NormFunction` on (M, D) rows by whichever ``apply`` the context needs, and the
     kernels by whichever route (``kernels`` True or False: the backend); returns (y, h), h None
     without a residual. Under torch.compile, torch's apply of the jvp-free class (Dynamo
-    traces the Function) and the kernels' custom ops; under torch.export, no Function (no
-    exported program keeps one): the formulas in torch ops, or the kernels' custom op with
+    traces the Function) and the kernels' custom ops (the torch backend's formulas where
+    forward-mode AD is traced too: the ops have no forward formula); under torch.export, no
+    Function (no exported program keeps one): the formulas in torch ops, or the kernels' custom op with
     its own gradient formula; under torch.func
     transforms (which wrap tensors no kernel can read), torch's apply of
     :class:`_NormFunctionAD` on the torch backend; under forward-mode AD, the C++ apply of
@@ -428,7 +429,11 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
             if kernels:
                 return _forward_rows(x, residual, weight, bias, eps, is_rms, _OPS)[:2]
             return _torch_forward(x, residual, weight, bias, eps, is_rms, False)[:2]
-        cfg = _cfg(eps, is_rms, _OPS if kernels else _TORCH, bias, residual)
+        # forward-mode AD (func.jvp, jacfwd, hessian, a dual_level traced by torch.compile):
+        # the torch backend, whose traced ops carry tangents; the custom op has no forward
+        # formula, and its tangents came out zero (silently wrong, fwAD's None)
+        route = _OPS if kernels and _fwAD._current_level < 0 else _TORCH
+        cfg = _cfg(eps, is_rms, route, bias, residual)
         out = NormFunction.apply(*_distinct(x, residual, weight, bias), cfg)
         return (out, None) if residual is None else out
     if torch._C._are_functorch_transforms_active():
