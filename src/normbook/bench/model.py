@@ -84,8 +84,8 @@ FIT_TERMS = ("the row's HBM bytes at the copy's bandwidth",
 def fit(result: dict, report: dict, arch: str = "sm_90") -> dict:
     """The retired model's ingredients given a chance: four terms (``FIT_TERMS``, counted by
     the compile ``report`` recorded with ``result``), added, each scaled by a constant fitted to
-    the very rows it is then judged on: normbook's bf16 rows at the report's M that are not
-    host-bound.
+    the very rows it is then judged on: normbook's bf16 rows at the report's M whose time is
+    the kernel's (a host time recorded, and not :func:`normbook.bench.goal.host_set`).
     Predicted time t = sum_k theta_k term_k (theta_k >= 0), predicted fraction = measured
     fraction * measured time / t; the constants minimize the squared misses of the fractions
     (L-BFGS in float64 from theta = 1: deterministic). A least-squares fit is not a minimax
@@ -98,6 +98,7 @@ def fit(result: dict, report: dict, arch: str = "sm_90") -> dict:
     import torch
 
     from normbook.bench.plot import _OP_PATH
+    from normbook.bench.goal import host_set
 
     M, sms = report["m"], H200["sms"]
     paths = {(p["norm"], p["residual"], p["direction"], p["D"]): p for p in report["paths"]
@@ -107,7 +108,7 @@ def fit(result: dict, report: dict, arch: str = "sm_90") -> dict:
     for r in result["rows"]:
         p = paths.get((*_OP_PATH.get(r["op"], ()), r["mode"], r["D"]))
         if (p is None or r["provider"] != "normbook" or r["dtype"] != "bf16" or r["M"] != M
-                or r.get("host_bound") is not False):
+                or r.get("host_bound") is None or host_set(r)):
             continue
         rows.append(r)
         terms.append([M * p["hbm_bytes_per_row"] / copy,

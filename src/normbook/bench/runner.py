@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from normbook.bench import bytemodel, providers, timing
+from normbook.bench.goal import HOST_SHARE_DO_BENCH, host_set
 
 __all__ = ["Config", "run", "provenance", "device_name", "default_out_dir", "summary", "merge",
            "write_json"]
@@ -423,7 +424,7 @@ def _bandwidth_cell(r: dict | None) -> str:
         return f"{'-':>22}"
     same = r.get("frac_same_copy")
     fracs = f"{r['frac_copy']:.2f}" + (f", {same:.2f}" if _num(same) else "")
-    flag = "*" if r.get("host_bound") else " "
+    flag = "*" if r.get("host_bound") or host_set(r) else " "
     return f"{r['gbps']:>8.1f}{flag}({fracs})".ljust(22)
 
 
@@ -432,7 +433,7 @@ def _time_cell(r: dict | None) -> str:
     if r is None:
         return f"{'-':>22}"
     host = r.get("host_ms")
-    flag = "*" if r.get("host_bound") else " "
+    flag = "*" if r.get("host_bound") or host_set(r) else " "
     host = f"{host * 1e3:>8.1f}{flag}" if _num(host) else f"{'-':>8} "
     return f"{r['ms'] * 1e3:>11.1f} |{host}"
 
@@ -450,7 +451,8 @@ def summary(result: dict) -> str:
              "(a, b): fraction of that copy, and of a copy of the row's own bytes "
              "(a same-size copy; none in older runs)",
              "* : host time per call exceeds the device time (an eager loop would wait on the "
-             "host, not the kernel)"]
+             f"host, not the kernel), or is at least {HOST_SHARE_DO_BENCH} of a do_bench time "
+             "(do_bench then times the host)"]
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["op"], r["dtype"], r["mode"]), []).append(r)
