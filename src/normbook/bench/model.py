@@ -31,7 +31,8 @@ H200 = dict(sms=132, registers=65536, shared=228 * 1024, warps=64, blocks=32,
 
 # The retired model's assumed prices, not measurements (normbook.kernels.sass prices a chain's
 # steps with them; kept here, where no Triton is needed to read them)
-HBM_LATENCY_S = 1e-6       # a load from HBM under a full memory load
+HBM_LATENCY_S = 1e-6       # a load from HBM: a round figure, never measured (a loaded H200
+                           # took longer: the rows kernels had these bytes in flight, and more)
 EXCHANGE_S = 1e-6          # the exchange of a shared row's sums: a store to L2, polls
 
 # the check the retired speed model was asked to pass: its predicted fraction of copy bandwidth
