@@ -744,10 +744,11 @@ def sequence_parallel_experiment(rank: int, world: int, n: int = 64,
     so dweight = sum over tokens of (ln-dparams): the all-reduce
     (:func:`all_reduce_param_grads`) sums the ranks' shares.
 
-    Returns: relative errors of the local and the reduced dweight
-    against one process (``dweight_err_*``), and after ``steps`` of
-    SGD at ``lr`` the ranks' spread (``drift_*``) and the error
-    against one process (``err_*``), ``local`` and ``synced``."""
+    Returns: relative errors against one process of the local
+    dweight, of world times it and of the reduced one
+    (``dweight_err_*``), and after ``steps`` of SGD at ``lr`` the
+    ranks' spread (``drift_*``) and the error against one process
+    (``err_*``), ``local`` and ``synced``."""
     from normbook import LayerNorm
 
     g = torch.Generator().manual_seed(0)     # same data everywhere
@@ -762,6 +763,8 @@ def sequence_parallel_experiment(rank: int, world: int, n: int = 64,
     dw_local = local.weight.grad.clone()     # (D,) my tokens only
     all_reduce_param_grads(local)            # (D,) every token
     out = {"dweight_err_local": _rel(dw_local, one.weight.grad),
+           "dweight_err_scaled": _rel(world * dw_local,
+                                      one.weight.grad),
            "dweight_err_reduced": _rel(local.weight.grad,
                                        one.weight.grad)}
 
