@@ -972,3 +972,20 @@ def test_an_inference_tensor_under_torch_func_and_forward_ad(backend):
         got = [by_grad(ours), by_tangent(ours)]
     torch.testing.assert_close(got[0]["weight"], by_grad(theirs)["weight"])
     torch.testing.assert_close(got[1], by_tangent(theirs))
+
+
+@pytest.mark.parametrize("recorded", [False, True])
+def test_a_row_of_equal_values_gives_exactly_the_bias_in_float64(recorded):
+    """Chapter 1's edge case, as torch's fused kernel gives it: a row of equal values is
+    centred to exactly zero, so y is exactly the bias. The plain float64 mean of 3.7 three
+    times is not 3.7, and y was -1.4e-13 (a quarter of such rows, D 2..40); with autograd
+    recording too (the formulas' path)."""
+    weight = torch.randn(7, dtype=torch.float64)
+    for D in range(2, 60):
+        for c in (3.7, 0.1, 1 / 3, 2.2, 5.9, 123.456, -7.3):
+            x = torch.full((2, D), c, dtype=torch.float64, requires_grad=recorded)
+            bias = torch.randn(D, dtype=torch.float64)
+            y = normbook.layer_norm(x, (D,), weight.repeat(9)[:D], bias)
+            assert torch.equal(y.detach(), bias.expand(2, D)), (D, c)
+            assert torch.equal(torch.nn.functional.layer_norm(x, (D,), None, bias).detach(),
+                               bias.expand(2, D))

@@ -108,6 +108,12 @@ def stats(x: torch.Tensor, eps, is_rms: bool):
     if is_rms:
         return None, _rsqrt_ms(x, eps)
     mean = x.mean(-1, keepdim=True)
+    # corrected once by the mean of what it leaves: a change within its rounding, except on a
+    # row of equal values, whose plain mean can miss the value (float64: 3.7 three times).
+    # What that mean leaves is then one small multiple of the value's last place throughout,
+    # whose mean is exact, so the corrected mean is the value itself: x - mean is exactly 0
+    # and y exactly the bias, as torch's fused kernel gives
+    mean = mean + (x - mean).mean(-1, keepdim=True)
     return mean, _rsqrt_ms(x - mean, eps)
 
 
