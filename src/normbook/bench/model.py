@@ -86,7 +86,7 @@ def fit(result: dict, report: dict, arch: str = "sm_90") -> dict:
     """The retired model's ingredients given a chance: four terms (``FIT_TERMS``, counted by
     the compile ``report`` recorded with ``result``), added, each scaled by a constant fitted to
     the very rows it is then judged on: normbook's bf16 rows at the report's M whose time is
-    the kernel's (a host time recorded, and not :func:`normbook.bench.goal.host_set`).
+    the kernel's (a host time recorded, and not ``normbook.bench.goal.host_set``).
     Predicted time t = sum_k theta_k term_k (theta_k >= 0), predicted fraction = measured
     fraction * measured time / t; the constants minimize the squared misses of the fractions
     (L-BFGS in float64 from theta = 1: deterministic). A least-squares fit is not a minimax
