@@ -419,6 +419,12 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
         y, h, _ = _torch_forward(x, residual, weight, bias, eps, is_rms, False)
         return y, h
     if torch.compiler.is_compiling():
+        if _fwAD._current_level >= 0:
+            # forward-mode AD (func.jvp, jacfwd, hessian, a dual_level traced by torch.compile):
+            # the formulas in torch ops, whose traced ops carry tangents. The kernels' custom
+            # op has no forward formula: its tangents came out zero, silently (fwAD's None).
+            # (First: torch 2.11's Dynamo answers is_exporting() True under torch.compile too)
+            return _torch_forward(x, residual, weight, bias, eps, is_rms, False)[:2]
         if _exporting():
             # torch.export keeps no autograd.Function that its program can differentiate: strict
             # export ran the Function's forward with grad mode off (the exported outputs had no
@@ -429,11 +435,7 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
             if kernels:
                 return _forward_rows(x, residual, weight, bias, eps, is_rms, _OPS)[:2]
             return _torch_forward(x, residual, weight, bias, eps, is_rms, False)[:2]
-        # forward-mode AD (func.jvp, jacfwd, hessian, a dual_level traced by torch.compile):
-        # the torch backend, whose traced ops carry tangents; the custom op has no forward
-        # formula, and its tangents came out zero (silently wrong, fwAD's None)
-        route = _OPS if kernels and _fwAD._current_level < 0 else _TORCH
-        cfg = _cfg(eps, is_rms, route, bias, residual)
+        cfg = _cfg(eps, is_rms, _OPS if kernels else _TORCH, bias, residual)
         out = NormFunction.apply(*_distinct(x, residual, weight, bias), cfg)
         return (out, None) if residual is None else out
     if torch._C._are_functorch_transforms_active():
