@@ -440,11 +440,7 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
         return (out, None) if residual is None else out
     if torch._C._are_functorch_transforms_active():
         cfg = _Leaf(_cfg(eps, is_rms, _TORCH, bias, residual))
-        try:
-            out = _NormFunctionAD.apply(x, residual, weight, bias, cfg)
-        except RuntimeError:    # (an inference tensor: see _copy_of_inference)
-            out = _NormFunctionAD.apply(_copy_of_inference(x, residual), residual, weight, bias,
-                                        cfg)
+        out = _inference_saved(_NormFunctionAD.apply, x, residual, weight, bias, cfg)
         return out[0], None if residual is None else out[1]
     if not kernels and not (_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, residual, weight, bias))) \
@@ -461,18 +457,20 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
         # tangent whenever the weight did, and autograd.grad(y, h) found h unused)
         h = None if residual is None else x + residual
         cfg = _cfg(eps, is_rms, route, bias, None)
-        try:
-            y = _ad_apply(x if h is None else h, None, weight, bias, cfg)[0]
-        except RuntimeError:    # (an inference tensor: see _copy_of_inference)
-            y = _ad_apply(_copy_of_inference(x if h is None else h, None), None, weight, bias,
-                          cfg)[0]
+        y = _inference_saved(_ad_apply, x if h is None else h, None, weight, bias, cfg)[0]
         return y, h
     cfg = _cfg(eps, is_rms, route, bias, residual)
-    try:
-        out = _eager_apply(x, residual, weight, bias, cfg)
-    except RuntimeError:        # (an inference tensor: see _copy_of_inference)
-        out = _eager_apply(_copy_of_inference(x, residual), residual, weight, bias, cfg)
+    out = _inference_saved(_eager_apply, x, residual, weight, bias, cfg)
     return (out, None) if residual is None else out
+
+
+def _inference_saved(apply, x, residual, weight, bias, cfg):
+    """``apply(x, residual, weight, bias, cfg)``; where it raised because x is an inference
+    tensor, which autograd refuses to save, again on a copy of x (see _copy_of_inference)."""
+    try:
+        return apply(x, residual, weight, bias, cfg)
+    except RuntimeError:
+        return apply(_copy_of_inference(x, residual), residual, weight, bias, cfg)
 
 
 class _Leaf(tuple):
