@@ -18,6 +18,9 @@
 #              the grid and its finish; the forward of short rows on tiles against a row
 #              a program; device time (the dry run: in the interpreter)
 #   gpu_tests  pytest -m "gpu or gpu_too" over the kernel and benchmark tests  120 / 60
+#   shapes     normbook-bench shapes: wide rows (D 32768..131072) in candidate block    100 / 40
+#              shapes beside the shape in force, LayerNorm forward and backward, device
+#              time (the dry run: two shapes, in the interpreter)
 #   report     the static compile report, compiled here (Triton of this machine)   120 / 60
 #   llama      a Llama-shaped bf16 training step, HF's norms against normbook's     90 / 60
 #   chapter    chapter 9 executed here, its tensors on this GPU (book/_ext/notebooks.py --run;
@@ -74,7 +77,8 @@ BUDGET_S=${BUDGET_S:-480}; whole BUDGET_S "$BUDGET_S"
 RESERVE_S=${RESERVE_S:-20}; whole RESERVE_S "$RESERVE_S"
 KILL_AFTER_S=${KILL_AFTER_S:-5}; whole KILL_AFTER_S "$KILL_AFTER_S"
 MIN_STEP_S=3       # a limit shorter than this is no chance to run: the step is not run
-ALL_STEPS=" env wheels bench_bf16 bench_compile host plans gpu_tests report llama chapter bench_fp32"
+ALL_STEPS=" env wheels bench_bf16 bench_compile host plans gpu_tests shapes report llama chapter"
+ALL_STEPS+=" bench_fp32"
 ALL_STEPS+=" merge summary plots overview "
 ONLY=${ONLY:-}
 IFS=, read -ra only_steps <<< "$ONLY"
@@ -197,7 +201,8 @@ publish() {
     if [ -f "$WORK/$f" ] && [ "$WORK/$f" -nt "$OUT/$f" ]; then copy_in "$WORK/$f"; fi
   done
   # the archive: the pieces that exist, side by side, so that it unpacks into one folder
-  for f in logs plots host.json plans.json llama.json report.json summary.txt "$WORK"/bench-*; do
+  for f in logs plots host.json plans.json shapes.json llama.json report.json summary.txt \
+      "$WORK"/bench-*; do
     [ -e "$WORK/${f#"$WORK"/}" ] && items+=("${f#"$WORK"/}")
   done
   tar -czf "$OUT/logs.tar.gz.part" -C "$WORK" "${items[@]}" 2>> "$LOGS/tar.txt" \
@@ -227,6 +232,8 @@ write_summary() {
   echo; echo "== host time per call"; cat "$LOGS/host.txt" 2>/dev/null
   echo; echo "== the backward of few rows: one program or a grid and its finish"
   cat "$LOGS/plans.txt" 2>/dev/null
+  echo; echo "== wide rows in candidate block shapes (normbook-bench shapes)"
+  cat "$LOGS/shapes.txt" 2>/dev/null
   echo; echo "== a Llama-shaped training step: Hugging Face's norms, normbook's, Liger's"
   cat "$LOGS/llama.txt" 2>/dev/null
   echo; echo "== benchmark"; cat "$LOGS/summary.txt" 2>/dev/null || echo "no summary (yet)"
@@ -356,6 +363,17 @@ fi
 step gpu_tests "$CAP_TESTS" "$PY" -m pytest -m "gpu or gpu_too" -q -p no:cacheprovider \
   tests/test_kernels_launchers.py tests/test_kernels_ops.py tests/test_kernels_ops_residual.py tests/test_kernels_gpu.py \
   tests/test_bench.py
+
+# the wide rows' block shapes, each candidate beside the shape in force (issue 46: the forward
+# above D = 32768, the sharing backward's slice); its own --time-budget ends it inside its limit
+if [ "$DRY" = 1 ]; then
+  step shapes 40 env TRITON_INTERPRET=1 "$PY" -m normbook.bench shapes --dims 20000 --rows 3 \
+    --forward 16384x32x1x1 --backward 16384x16x1 --time-budget 20 --json "$WORK/shapes.json"
+else
+  limit=$(step_limit 100 "$POST_S")     # (POST_S kept for the summary, as a benchmark's)
+  step shapes "$limit" "$PY" -m normbook.bench shapes --json "$WORK/shapes.json" \
+    --time-budget $(( limit > 40 ? limit - 30 : 10 ))
+fi
 
 step report "$CAP_REPORT" "$PY" -m normbook.kernels.report "${REPORT[@]}" --json "$WORK/report.json"
 # a Llama-shaped bf16 training step with Hugging Face's norms, normbook's (strict and not) and

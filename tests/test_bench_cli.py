@@ -602,9 +602,9 @@ def test_a_run_with_force_replaces_the_results(tmp_path):
     assert [r["provider"] for r in res["rows"]] == ["torch"]
 
 
-@pytest.mark.parametrize("mode", ["host", "cpu", "plans", "step"])
+@pytest.mark.parametrize("mode", ["host", "cpu", "plans", "shapes", "step"])
 def test_a_mode_s_existing_json_is_refused_before_measuring(tmp_path, monkeypatch, mode):
-    """host, cpu, plans, step: a --json FILE that exists is one line naming it and --force,
+    """host, cpu, plans, shapes, step: a --json FILE that exists is one line naming it and --force,
     exit 2, before anything is measured (on a GPU each is a measurement of its own), and the
     file is left as it was; with --force the check lets it through."""
     path = tmp_path / f"{mode}.json"

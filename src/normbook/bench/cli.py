@@ -18,7 +18,7 @@ Nothing recorded is replaced unasked. A run whose ``--out`` folder already holds
 exists, are refused before anything is read or measured, unless ``--force`` is given: a GPU
 run's rows cannot be measured again, and a second run would rewrite the first one's
 ``results.json`` after its first shape. So are the ``--json`` files of ``host``, ``cpu``,
-``plans`` and ``step`` (on a GPU each is a measurement of its own). (``--plot`` rewrites only
+``plans``, ``shapes`` and ``step`` (on a GPU each is a measurement of its own). (``--plot`` rewrites only
 its own figures in its folder.)
 
 Goals. The kernels' performance goal (:mod:`normbook.bench.goal`: bf16, M = 32768, a fraction
@@ -38,6 +38,7 @@ Examples:
     normbook-bench host --json host.json              # host time per call, launches stubbed
     normbook-bench cpu --json cpu.json --goal         # the CPU backend against torch
     normbook-bench plans --json plans.json            # the backward's plans for few rows (GPU)
+    normbook-bench shapes --json shapes.json          # wide rows in candidate shapes (GPU)
     normbook-bench step --json step.json              # a Llama training step, HF's norms or ours
 """
 
@@ -124,10 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Benchmark LayerNorm/RMSNorm (and the fused residual adds) in GB/s and as "
-                    "a fraction of the device's copy bandwidth; write JSON and plots. Four more "
+                    "a fraction of the device's copy bandwidth; write JSON and plots. Five more "
                     "commands: 'normbook-bench host' (host time per call), 'normbook-bench "
                     "cpu' (the CPU backend against torch), 'normbook-bench plans' (the "
-                    "backward's plans for few rows) and 'normbook-bench step' (a Llama-shaped "
+                    "backward's plans for few rows), 'normbook-bench shapes' (wide rows in "
+                    "candidate block shapes) and 'normbook-bench step' (a Llama-shaped "
                     "training step with each provider's norms); each has its --help.",
         epilog="examples:" + __doc__.split("Examples:", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -425,7 +427,7 @@ def main(argv=None) -> int:
 
 def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["host"], ["cpu"], ["plans"], ["step"]):
+    if argv[:1] in (["host"], ["cpu"], ["plans"], ["shapes"], ["step"]):
         mode = importlib.import_module(f"normbook.bench.{argv[0]}")
         try:
             return mode.main(argv[1:])

@@ -1,0 +1,141 @@
+"""normbook-bench shapes (normbook.bench.shapes): wide rows timed in candidate block shapes beside
+the shape in force. Here in Triton's interpreter, which times nothing worth keeping: that each
+shape is the plan it names, that the plans in force are restored, that every candidate gives the
+shape in force's answer, and (the interpreter off, in a subprocess) that --compile-only compiles
+them for sm_90 and reads registers and spills."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+from normbook.bench import shapes  # noqa: E402
+from normbook.kernels import _backward, _config  # noqa: E402
+
+H200 = _config.Device(90, 132)
+M = 32768
+
+
+def _fwd(D):
+    return _config.forward_plan(M, D, H200, 2, False, False, True, True, 0)[0]
+
+
+def _bwd(D):
+    return _config.backward_plan(M, D, H200, 2, False, False, True, True, 0, True)[0]
+
+
+def test_shapes_in_force_are_the_ones_the_module_names():
+    """The defaults' comment says which candidates are the shapes in force; in_force reads them
+    off the plans, so that the comment cannot drift from _config."""
+    assert str(shapes.in_force(_fwd(32768), M, 132, 2)) == "8192x16x2xM"
+    assert str(shapes.in_force(_fwd(65536), M, 132, 2)) == "16384x16x2x8"
+    assert str(shapes.in_force(_bwd(65536), M, 132, 2)) == "8192x8x2"
+    assert {"8192x16x2xM", "16384x16x2x8"} <= set(shapes.FORWARD)
+    assert "8192x8x2" in shapes.BACKWARD
+
+
+def test_a_shape_is_the_plan_it_names_and_the_plans_come_back():
+    before = (_fwd(131072), _bwd(131072))
+    loop, coop = shapes.parse("16384x32x1x1", "forward"), shapes.parse("16384X16X1", "backward")
+    with shapes.using(loop, coop):
+        fwd, bwd = _fwd(131072), _bwd(131072)
+        assert fwd.constexprs["BLOCK_D"] == 8192 and fwd.options["num_warps"] == 32
+        assert fwd.options["maxnreg"] == 64 and fwd.grid == (132,)        # one per SM
+        assert bwd.constexprs["BLOCK_D"] == 8192 and bwd.options["num_warps"] == 16
+        assert bwd.options["maxnreg"] == 128 and bwd.slices == 16
+        assert str(shapes.in_force(fwd, M, 132, 2)) == str(loop)
+        assert str(shapes.in_force(bwd, M, 132, 2)) == str(coop)
+        with shapes.using(shapes.parse("8192x16x2xM", "forward")):
+            assert _fwd(131072).grid == (M,)                              # a row a program
+    assert (_fwd(131072), _bwd(131072)) == before
+
+
+@pytest.mark.parametrize("text, kind, says", [
+    ("8192x16x2", "forward", "expected CHUNKxWARPSxRESIDENTxGRID"),
+    ("8192x8x2x4", "backward", "expected SLICExWARPSxRESIDENT"),
+    ("3000x8x2", "backward", "a power of two of at least 256, got 3000"),
+    ("8192x12x2xM", "forward", "warps, a power of two from 1 to 32, got 12"),
+    ("8192x32x4xM", "forward", "4 programs of 32 warps resident"),
+    ("8192x16x8", "backward", "leave 16 registers a thread"),
+    ("8192x16x2xK", "forward", "expected CHUNKxWARPSxRESIDENTxGRID"),
+])
+def test_a_shape_that_cannot_be_is_refused_by_name(text, kind, says):
+    with pytest.raises(ValueError, match=f"--{kind}") as e:
+        shapes.parse(text, kind)
+    assert says in str(e.value) and repr(text) in str(e.value)
+
+
+def test_every_candidate_gives_the_answer_of_the_shape_in_force(tmp_path, capsys):
+    """In the interpreter: both modes of an add op, the candidates that differ from the shape
+    in force timed (one equal to it is not timed twice), each row's outputs within rounding of
+    the shape in force's, the JSON written; a cooperative refusal stays inside its row."""
+    from normbook.bench.cli import main
+
+    out = tmp_path / "shapes.json"
+    was = _backward._cooperation_refused
+    assert main(["shapes", "--dims", "20000", "--rows", "3", "--ops", "add_layer_norm",
+                 "--forward", "8192x16x2xM,16384x32x1x1", "--backward", "16384x16x1",
+                 "--json", str(out)]) == 0
+    assert _backward._cooperation_refused == was
+    found = json.loads(out.read_text())
+    rows = found["rows"]
+    assert [(r["mode"], r["shape"], r["in_force"]) for r in rows] == [
+        ("fwd", "8192x16x2xM", True), ("fwd", "16384x32x1x1", False),
+        ("bwd", "8192x8x2", True), ("bwd", "16384x16x1", False)]
+    assert all(r["us"] > 0 and r["max_diff"] <= 1e-2 for r in rows), rows
+    assert rows[0]["max_diff"] == 0 and "registers" not in rows[0]      # nothing compiled
+    assert [(b["mode"], b["D"]) for b in found["best"]] == [("fwd", 20000), ("bwd", 20000)]
+    assert found["device"] == "cpu (Triton's interpreter)" and found["copy_gbps"] is None
+    assert "fastest" not in capsys.readouterr().out      # the interpreter times no speed
+
+
+def test_the_time_budget_leaves_the_rest_recorded_as_not_measured(tmp_path):
+    from normbook.bench.cli import main
+
+    out = tmp_path / "shapes.json"
+    assert main(["shapes", "--dims", "20000", "--rows", "2", "--forward", "16384x32x1x1",
+                 "--backward", "16384x16x1", "--time-budget", "0.05", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows if "us" in r] == ["fwd", "fwd"]
+    (late,) = [r for r in rows if r["mode"] == "bwd"]
+    assert late["error"] == "not measured: time budget of 0.05 s spent"
+
+
+def test_refusals_name_the_flag(capsys):
+    from normbook.bench.cli import main
+
+    assert main(["shapes", "--dims", "16384"]) == 2
+    assert "--dims: wide rows, past 16384 values" in capsys.readouterr().err
+    assert main(["shapes", "--compile-only", "--dims", "32768"]) == 2
+    assert "unset TRITON_INTERPRET" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["shapes", "--ops", "batch_norm"])
+    assert "--ops: expected some of layer_norm" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["shapes", "--forward", "8192x16"])
+    assert "--forward: expected CHUNKxWARPSxRESIDENTxGRID" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compile_only_reads_registers_and_spills_for_sm_90(tmp_path):
+    """What the GPU run compiles for its own architecture, here for sm_90 without a GPU: each
+    candidate's plan on an H200 (132 SMs), with its registers and spill bytes."""
+    out = tmp_path / "shapes.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "normbook.bench", "shapes", "--compile-only",
+                          "--dims", "65536", "--ops", "rms_norm", "--forward", "16384x32x1x1",
+                          "--backward", "16384x16x1", "--json", str(out)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["shape"], r["programs"]) for r in rows] == [
+        ("fwd", "16384x16x2x8", 1056), ("fwd", "16384x32x1x1", 132),
+        ("bwd", "8192x8x2", 256), ("bwd", "16384x16x1", 128)]
+    assert all(0 < r["registers"] <= 255 and r["spill_bytes"] == 0 and "us" not in r
+               for r in rows), rows
