@@ -113,7 +113,7 @@ gpu-dry-run: $(STAMP)
 ## Wheels for the GPU machine (Python 3.12, no network), into .whl/ (git-ignored), which the
 ## device tool carries along (benchmarks/README.md): Liger-Kernel (pure Python), transformers at
 ## requirements.txt's pin with what it needs, for the Llama step (about 28 MB), and hypothesis,
-## for README step 5. numpy is left out: the machine's own serves its torch and matplotlib.
+## for README step 6. numpy is left out: the machine's own serves its torch and matplotlib.
 ## gpu_check.sh puts .whl's packages on PYTHONPATH, before the machine's site-packages, so the
 ## carried versions win over the machine's copies of the same packages.
 GPU_WHEEL_FLAGS := --only-binary=:all: --python-version 3.12 --implementation cp \

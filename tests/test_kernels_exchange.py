@@ -13,6 +13,7 @@ no row), captured instead of run.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import time
 
@@ -202,3 +203,106 @@ def test_words_of_an_earlier_launch_are_not_taken(monkeypatch):
         right = all(torch.equal(got, ref) for got, ref in zip((dx, dw, db), want))
         assert right != again, again
         _run(first, polls=1_000_000, delays={})        # the first launch's words again
+
+
+@pytest.fixture
+def one_row_behind(monkeypatch):
+    """Plans whose sharing backward publishes a row ahead of the one it waits for
+    (``_config.EXCHANGE_LAG = 1``: a ring of four rows a group); ``in_force()``, a context in
+    which the plans are those in force (LAG 0), for the answers to compare with."""
+    @contextlib.contextmanager
+    def in_force():
+        monkeypatch.setattr(_config, "EXCHANGE_LAG", 0)
+        _config.backward_plan.cache_clear()
+        yield
+        monkeypatch.setattr(_config, "EXCHANGE_LAG", 1)
+        _config.backward_plan.cache_clear()
+
+    monkeypatch.setattr(_config, "EXCHANGE_LAG", 1)
+    _config.backward_plan.cache_clear()
+    yield in_force
+    _config.backward_plan.cache_clear()
+
+
+def _no_wait_ran_out(seen, groups):
+    """Whether no program of the captured launch left a row for after its loop: each one's own
+    word, past the groups' rings, holds no mark of this launch (epoch + 1 in its high half)."""
+    slots, epoch = seen["args"][6:8]
+    ring_words = groups * seen["flags"]["RING"] * 2 * seen["flags"]["SLICES"]
+    own = slots[ring_words:ring_words + seen["programs"]]
+    return bool(((own >> 32) != epoch + 1).all())
+
+
+def test_one_row_behind_reuses_a_ring_of_four_rows(monkeypatch, one_row_behind):
+    """LAG 1, one group of programs over 8 rows: each publishes row i before it waits for row
+    i - 1, in a ring of four rows (a partner may still read row i - 3), each place used twice.
+    Together: dx bitwise the one-by-one one, no wait ran out, and the last four rows' tags in
+    the places of their tags modulo 4 (dweight and dbias: the plan's groups' partials, which
+    one group running every row does not fill; the late program's test checks them). With one
+    program absent, its partners run out of waiting, publish no more and finish every row in
+    order (the absent one's columns unwritten); launched afterwards, alone, it completes them:
+    bitwise again. The answer to match is LAG 0's: the same sums in the same order, the same
+    bits."""
+    M = 8
+    x, w, b, dy = _inputs(M)
+    _, _, stats = _forward.norm_forward(x, None, w, b, EPS, False)
+    with one_row_behind():                             # (LAG 0: the answer to match)
+        want = _backward.norm_backward(dy, None, x, w, stats, b.dtype, False)
+    plan = _config.backward_plan(M, D, -1, 4, False, False, True, True, 0, True)[0]
+    assert plan.constexprs["LAG"] == 1 and plan.constexprs["RING"] >= 4
+    monkeypatch.setattr(_backward, "_slot_buffers", {})
+    S, block, SLICES = plan.slices, plan.constexprs["BLOCK_D"], plan.constexprs["SLICES"]
+    (dx, _, _), seen = _capture(monkeypatch, _backward, lambda: _backward.norm_backward(
+        dy, None, x, w, stats, b.dtype, False))
+    seen["flags"] = dict(seen["flags"], RING=4)        # the GPU's ring: four rows a group
+    slots, epoch = seen["args"][6:8]
+    one_group = dict(seen, programs=S)
+    dx.fill_(float("nan"))
+    _run(one_group, polls=1_000_000, delays={})
+    assert torch.equal(dx, want[0])
+    assert _no_wait_ran_out(one_group, groups=1)
+    tags = (slots[:8 * SLICES].view(4, 2, SLICES)[:, :, :S] >> 32).tolist()
+    last = sorted(range(epoch + 5, epoch + 9), key=lambda tag: (tag - 1) % 4)
+    assert tags == [[[tag] * S] * 2 for tag in last], (tags, epoch)
+    dx.fill_(float("nan"))
+    slots.zero_()
+    missing = 3
+    _run(one_group, polls=300, delays={}, never={missing})
+    assert not _no_wait_ran_out(one_group, groups=1)   # (the check sees a wait run out)
+    cols = slice(missing * block, (missing + 1) * block)
+    assert torch.isnan(dx[:, cols]).all()
+    rest = torch.ones(D, dtype=torch.bool)
+    rest[cols] = False
+    assert torch.equal(dx[:, rest], want[0][:, rest])
+    _run(one_group, polls=300, delays={}, never=set(range(S)) - {missing})
+    assert torch.equal(dx, want[0])
+
+
+def test_one_row_behind_waits_for_a_late_program(monkeypatch, one_row_behind):
+    """LAG 1, the programs of a row together, one a second late: the others publish the row
+    and wait; nobody's wait runs out (the bound far past a second), and dx, dweight and dbias
+    (one group: it writes them itself) are bitwise the one-by-one ones. Then one group over 3
+    rows with its program 5 late: its partners publish row 1 ahead, wait on row 0 until it
+    comes, and dx is bitwise again, no wait run out."""
+    x, w, b, dy = _inputs(3)
+    _, _, stats = _forward.norm_forward(x, None, w, b, EPS, False)
+    with one_row_behind():                             # (LAG 0: the answers to match)
+        want = _backward.norm_backward(dy, None, x, w, stats, b.dtype, False)
+        first = _backward.norm_backward(dy[:1], None, x[:1], w, stats[:, :1].contiguous(),
+                                        b.dtype, False)
+    (dx, dw, db), seen = _capture(monkeypatch, _backward, lambda: _backward.norm_backward(
+        dy[:1], None, x[:1], w, stats[:, :1].contiguous(), b.dtype, False))
+    assert seen["programs"] == 20                      # one row: one group
+    ends = _run(seen, polls=1_000_000, delays={5: 1.0})
+    assert min(e for p, e in enumerate(ends) if p != 5) > 1.0, ends
+    assert _no_wait_ran_out(seen, groups=1)
+    assert all(torch.equal(got, ref) for got, ref in zip((dx, dw, db), first))
+    monkeypatch.setattr(_backward, "_slot_buffers", {})
+    (dx, _, _), seen = _capture(monkeypatch, _backward, lambda: _backward.norm_backward(
+        dy, None, x, w, stats, b.dtype, False))
+    one_group = dict(seen, programs=20, flags=dict(seen["flags"], RING=4))
+    dx.fill_(float("nan"))
+    ends = _run(one_group, polls=1_000_000, delays={5: 1.0})
+    assert min(e for p, e in enumerate(ends) if p != 5) > 1.0, ends
+    assert _no_wait_ran_out(one_group, groups=1)
+    assert torch.equal(dx, want[0])

@@ -15,9 +15,12 @@ force, on the same GPU in the same process.
 A forward shape is CHUNKxWARPSxRESIDENTxGRID: CHUNK bytes of a row per step of a sweep, WARPS
 warps, registers capped so that RESIDENT programs fit on an SM (65536 / (32 WARPS RESIDENT),
 at most 255), and GRID ``M`` (a program a row) or programs per SM, each looping over rows. A
-backward shape is SLICExWARPSxRESIDENT: SLICE bytes of a row per program (a row of D values
-shared by cdiv(D, SLICE / itemsize) programs), WARPS warps, RESIDENT programs per SM by the
-same register cap (the grid is what the device holds at once, as always for that kernel).
+backward shape is SLICExWARPSxRESIDENT[xLAG]: SLICE bytes of a row per program (a row of D
+values shared by cdiv(D, SLICE / itemsize) programs), WARPS warps, RESIDENT programs per SM by
+the same register cap (the grid is what the device holds at once, as always for that kernel),
+and LAG (0 unless given) the rows a program publishes ahead of the one it waits for
+(``_config.EXCHANGE_LAG``: 1 overlaps the exchange with the next row's loads and sums, and
+gives the same bits).
 
 For each op, mode, D and shape: device time (:func:`normbook.bench.timing.bench`; CUDA graph
 replays on a GPU), GB/s of :func:`normbook.bench.bytemodel.bytes_moved` and its fraction of a
@@ -80,13 +83,15 @@ class CoopShape(NamedTuple):
     slice_bytes: int
     warps: int
     resident: int
+    lag: int = 0
 
     @property
     def maxnreg(self) -> int:
         return _cap(self.warps, self.resident)
 
     def __str__(self) -> str:
-        return f"{self.slice_bytes}x{self.warps}x{self.resident}"
+        return f"{self.slice_bytes}x{self.warps}x{self.resident}" + (
+            f"x{self.lag}" if self.lag else "")
 
 
 # The candidates timed by default, beside the shape in force (a candidate equal to it is not
@@ -96,20 +101,21 @@ class CoopShape(NamedTuple):
 # between the sweeps), and chunks of 32768 bytes. None spills on sm_90 (``--compile-only``:
 # 40-62 registers). Backward: the slice in force (8192 bytes, 8 warps, two per SM) against half
 # of it (twice the slices a row; four per SM) and twice (half the slices: the exchange's cost a
-# row grew with them; 16 warps, one per SM); 16384 bytes on 8 warps spills 976-1768 bytes.
+# row grew with them; 16 warps, one per SM); 16384 bytes on 8 warps spills 976-1768 bytes. And
+# the slice in force one row behind (LAG 1): the exchange overlapped with the next row's work.
 FORWARD = ("8192x16x2xM", "16384x16x2x8", "16384x16x2xM", "8192x16x2x8", "8192x8x4xM",
            "16384x32x1xM", "16384x32x1x1", "32768x32x1xM")
-BACKWARD = ("8192x8x2", "4096x4x4", "16384x16x1")
+BACKWARD = ("8192x8x2", "8192x8x2x1", "4096x4x4", "16384x16x1")
 
 
 def parse(text: str, kind: str):
     """A shape from its text (``kind`` "forward": CHUNKxWARPSxRESIDENTxGRID; "backward":
-    SLICExWARPSxRESIDENT). Raises ValueError naming what it expected."""
-    form = "CHUNKxWARPSxRESIDENTxGRID" if kind == "forward" else "SLICExWARPSxRESIDENT"
+    SLICExWARPSxRESIDENT[xLAG]). Raises ValueError naming what it expected."""
+    form = "CHUNKxWARPSxRESIDENTxGRID" if kind == "forward" else "SLICExWARPSxRESIDENT[xLAG]"
     parts = text.strip().lower().split("x")
-    want = 4 if kind == "forward" else 3
+    want = (4,) if kind == "forward" else (3, 4)
     try:
-        if len(parts) != want:
+        if len(parts) not in want:
             raise ValueError
         if kind == "forward" and parts[3] == "m":
             parts[3] = "0"
@@ -132,12 +138,14 @@ def parse(text: str, kind: str):
             raise ValueError(f"--forward: the grid, M or programs per SM, got {parts[3]} in "
                              f"{text!r}")
         return LoopShape(*values)
+    if len(values) == 4 and values[3] not in (0, 1):
+        raise ValueError(f"--backward: LAG, 0 or 1, got {values[3]} in {text!r}")
     return CoopShape(*values)
 
 
 _LOOP = ("LOOP_CHUNK_BYTES", "LOOP_WIDE_CHUNK_BYTES", "LOOP_WIDE_FROM", "LOOP_PER_SM",
          "LOOP_WARPS", "LOOP_MAXNREG")
-_COOP = ("COOP_BYTES", "COOP_WARPS", "COOP_MAXNREG")
+_COOP = ("COOP_BYTES", "COOP_WARPS", "COOP_MAXNREG", "EXCHANGE_LAG")
 
 
 @contextlib.contextmanager
@@ -158,7 +166,7 @@ def using(loop: LoopShape | None = None, coop: CoopShape | None = None):
         _config.LOOP_WARPS, _config.LOOP_MAXNREG = loop.warps, loop.maxnreg
     if coop is not None:
         _config.COOP_BYTES, _config.COOP_WARPS = coop.slice_bytes, coop.warps
-        _config.COOP_MAXNREG = coop.maxnreg
+        _config.COOP_MAXNREG, _config.EXCHANGE_LAG = coop.maxnreg, coop.lag
     for cached in caches:
         cached.cache_clear()
     try:
@@ -179,7 +187,7 @@ def in_force(plan, M: int, sms: int, itemsize: int):
     if plan.kernel == "norm_fwd_loop_kernel":
         grid = plan.grid[0]
         return LoopShape(size, warps, resident, 0 if grid == M or not sms else grid // sms)
-    return CoopShape(size, warps, resident)
+    return CoopShape(size, warps, resident, plan.constexprs.get("LAG", 0))
 
 
 _OPS = {"layer_norm": (False, False), "rms_norm": (True, False),

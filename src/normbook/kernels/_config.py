@@ -113,7 +113,12 @@ COOP_VALUES_SM80 = 8      # before Hopper, values a thread of it holds: ptxas fo
 EXCHANGE_POLLS = 1 << 16  # bound of a wait for the other slices of a row: about 50 ms of
                           # L2 reads, far past the programs' skew under a cooperative launch
 RING = 2                  # rows of a group whose slots are kept at once: one being read, the
-                          # next being published (the interpreter keeps all of a group's rows)
+                          # next being published (the interpreter keeps all of a group's rows);
+                          # 2 + 2 EXCHANGE_LAG (see the kernel's LAG)
+EXCHANGE_LAG = 0          # rows a program of the sharing backward publishes ahead of the one it
+                          # waits for: 1 overlaps the exchange with the next row's loads and
+                          # sums (issue 46), bitwise the same dx. Not measured yet: the GPU
+                          # check's `shapes` step times it (8192x8x2x1) against 0
 CPU_SLICES = 64           # the interpreter shares a row among up to this many slices (it runs
                           # them one by one: the first program of a row computes every slot)
 CPU_POLLS = 0             # the interpreter's bound of a wait: no read (a program computes and
@@ -256,7 +261,8 @@ def backward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool, has
         return None
     else:   # the next row's x and dy are in flight while a program waits (dh comes after)
         main = _shared("norm_bwd_coop_kernel", M, D, cfg, dev, device_index,
-                       dict(flags, WEIGHT_LOADS=weight_loads(has_dh)), ahead=2, **counts)
+                       dict(flags, WEIGHT_LOADS=weight_loads(has_dh), LAG=EXCHANGE_LAG),
+                       ahead=2, **counts)
         if main is None:
             return None
     if main.groups == 1 or not n_par:      # one group writes dweight and dbias itself
@@ -364,7 +370,8 @@ def _shared(kernel: str, M: int, D: int, cfg: Config, dev: Device, device_index,
     CPU_POLLS reads and a ring that holds every row of a group (see ``_exchange._ring``)."""
     gpu = dev.sms > 0
     constexprs = dict(flags, BLOCK_D=cfg.BLOCK_D, SLICES=cfg.SLICES,
-                      POLLS=EXCHANGE_POLLS if gpu else CPU_POLLS, RING=RING)
+                      POLLS=EXCHANGE_POLLS if gpu else CPU_POLLS,
+                      RING=RING + 2 * flags.get("LAG", 0))
     options = dict(cfg.launch(), launch_cooperative_grid=True) if gpu else cfg.launch()
     per_sm, measured = _resident(kernel, constexprs, cfg, dev, device_index, options)
     slices = -(-D // cfg.BLOCK_D)
@@ -373,7 +380,7 @@ def _shared(kernel: str, M: int, D: int, cfg: Config, dev: Device, device_index,
         return None
     groups = max(1, min(M, capacity // slices if gpu else CPU_PROGRAMS))
     if not gpu:
-        constexprs["RING"] = max(RING, -(-M // groups))
+        constexprs["RING"] = max(constexprs["RING"], -(-M // groups))
     words = groups * (constexprs["RING"] * 2 * cfg.SLICES + slices)
     return _plan(kernel, groups * slices, constexprs, cfg, options, slices=slices, groups=groups,
                  per_sm=per_sm, measured=measured, slot_words=words, **counts)
