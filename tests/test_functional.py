@@ -660,6 +660,58 @@ def test_permuted_inputs_give_contiguous_outputs_like_torch(request, backend, dt
     torch.testing.assert_close(outs[2], F.layer_norm(x4, (16,)))
 
 
+def _kept_for_backward(fn, callers):
+    """(fn(), the bytes of the storages autograd keeps for its backward that are none of the
+    ``callers``' tensors): what the graph alone holds alive."""
+    theirs = {t.untyped_storage().data_ptr() for t in callers}
+    kept = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in theirs:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(kept.values())
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+@pytest.mark.parametrize("layout", ["transposed", "permuted", "sliced"])
+@pytest.mark.parametrize("is_rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_strided_inputs_keep_no_dense_copy_for_backward(request, backend, layout, is_rms):
+    """A strided input is saved for backward as the caller's tensor, not as a dense copy: the
+    copy the rows need is made for the forward and again in backward (as torch's own kernel
+    does), so the graph holds the statistics alone, 4 bytes a row per statistic, as for a
+    dense input. The door's copy was kept: (M, D) values more than torch keeps, for x.t() on
+    both backends and for (..., D) inputs on the torch backend. Gradients as torch's."""
+    if backend == "kernels":
+        request.getfixturevalue("kernels")
+    M, D = 48, 32
+    base = torch.randn({"transposed": (D, M), "permuted": (D, 4, 12),
+                        "sliced": (4, 12, 3 * D)}[layout], requires_grad=True)
+    x = {"transposed": lambda: base.t(), "permuted": lambda: base.movedim(0, -1),
+         "sliced": lambda: base[..., :D]}[layout]()
+    assert not x.is_contiguous()
+    w = torch.randn(D, requires_grad=True)
+    b = None if is_rms else torch.randn(D, requires_grad=True)
+    dy = torch.randn(x.shape)
+    with normbook.backend(backend):
+        norm = (lambda t: normbook.rms_norm(t, D, w, 1e-6)) if is_rms else (
+            lambda t: normbook.layer_norm(t, D, w, b))
+        y, kept = _kept_for_backward(lambda: norm(x), [base, w] + ([] if is_rms else [b]))
+        params = [w] + ([] if is_rms else [b])
+        got = torch.autograd.grad(y, [base, *params], dy)
+    assert y.is_contiguous()
+    assert kept == (1 if is_rms else 2) * M * 4       # the statistics (k, M) in fp32
+    want_y = F.rms_norm(x, (D,), w, 1e-6) if is_rms else F.layer_norm(x, (D,), w, b)
+    want = torch.autograd.grad(want_y, [base, *params], dy)
+    torch.testing.assert_close(y, want_y)
+    for g_got, g_want in zip(got, want):
+        torch.testing.assert_close(g_got, g_want)
+
+
 # ----------------------------------------------------------------------------- autocast
 
 def _under_fake_autocast(device, fn):

@@ -167,6 +167,12 @@ def _torch_forward(x, residual, weight, bias, eps, is_rms, with_stats=True):
     in the compute dtype; returns (y, h, stats), h None without a residual, stats (k, ...)
     (None without ``with_stats``: a call that no backward will follow)."""
     h = x if residual is None else x + residual
+    if not h.is_contiguous() and (h.dim() != 2 or h.stride(1) != 1):
+        # a strided x (transposed, permuted, a slice) comes as the caller gave it, so that the
+        # Function saves that tensor and not a dense copy of it, as torch's kernel saves its
+        # input: the copy lives while y is formed, and y is dense, as torch's. ((M, D) rows
+        # with a unit last stride are read in place: their y is dense without it)
+        h = h.contiguous()
     ct = _validate.compute_dtype(h.dtype)
     if not is_rms and h.dtype in _HALF and h.shape[-1] and _math._eager(h, weight, bias):
         # torch's fused kernel reads bf16/fp16 rows as they are and reduces in fp32, the
@@ -235,7 +241,7 @@ def _forward_rows(x, residual, weight, bias, eps, is_rms, kernels):
 def _launched(x, residual, weight, bias, eps, is_rms):
     """(y, h, stats) from the launchers, which take (M, D) rows: x and the residual (..., D)
     flattened (see :func:`_whole`), y and h given x's shape back, stats (k, M)."""
-    if x.dim() == 2:
+    if x.dim() == 2 and x.stride(1) == 1:
         return _K[0](x, residual, weight, bias, eps, is_rms)
     y, h, stats = _K[0](_rows(x), None if residual is None else _rows(residual), weight, bias,
                         eps, is_rms)
@@ -305,7 +311,7 @@ class NormFunction(torch.autograd.Function):
                 dx = grads[0]
                 return dx, dx if has_residual else None, grads[1], grads[2], None
         shape = None
-        if kernels == _LAUNCH and x.dim() != 2:          # (..., D), see forward
+        if kernels == _LAUNCH and (x.dim() != 2 or x.stride(1) != 1):   # see _launched
             shape = x.shape
             x, dy = _rows(x), _rows(dy)
             dh = None if dh is None else _rows(dh)
@@ -544,8 +550,12 @@ def _whole(input) -> bool:
     received two views of it, which autograd made two leaves' ``.grad`` without a copy: one
     tensor, which the next backward added into twice.) Not for a DTensor, whose leading dims
     the custom ops keep anyway, nor under torch.func transforms (no ``.grad`` there; their
-    generated vmap rule sees (M, D) rows)."""
-    return input.dim() != 2 and not _is_subclass(input) and not _transformed()
+    generated vmap rule sees (M, D) rows). Rows whose last dim is strided (a transposed
+    input) are passed as they are too: the Function saves what it is given, and a dense copy
+    made here would be kept for backward, (M, D) values more than torch keeps; the torch
+    backend and the launchers make theirs inside, for as long as they read it."""
+    return ((input.dim() != 2 or input.stride(1) != 1) and not _is_subclass(input)
+            and not _transformed())
 
 
 _INTERPRETED = None   # whether Triton's interpreter runs the kernels (known on the first kernel call)
@@ -920,12 +930,9 @@ def _checked(input, normalized_shape, weight, bias, eps, is_rms, residual, name,
         if not _compiling():   # (Dynamo cannot trace is_neg; a traced op gets real tensors)
             input, residual, weight, bias = _values(input, residual, weight, bias)
     if _whole(input):
-        x, r = input, residual          # (..., D) as they are (see _whole)
-        if not kernels and not x.is_contiguous():
-            # torch's norms give a contiguous result whatever the input's layout, and the
-            # formulas would keep a permuted one (the launchers' outputs are fresh rows)
-            x = x.contiguous()
-            r = None if r is None else r.contiguous()
+        # (..., D) as they are, strided too (see _whole): the torch backend's forward makes
+        # strided rows dense, for y's layout (see _torch_forward), the launchers for theirs
+        x, r = input, residual
     else:
         x = input if input.ndim == 2 and (input.is_contiguous() or input.stride(1) == 1) else _rows(input)
         r = None if residual is None else _rows(residual)
