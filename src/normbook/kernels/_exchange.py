@@ -16,7 +16,8 @@ import triton.language as tl
 @triton.jit
 def _ring(Slots, first, tag, SLICES: tl.constexpr, RING: tl.constexpr):
     """Where the slots of the row tagged ``tag`` are. A group's slots
-    are a ring of RING rows (2 on a GPU): its i-th row (first + i *
+    are a ring of RING rows (2 on a GPU; 4 one row behind, LAG = 1: see
+    the kernel): its i-th row (first + i *
     groups) is tagged epoch + i + 1 and uses the place of that tag
     modulo RING, so a program can publish row i + 1 while its partners
     still read row i, and row i + 2 only once they all have (while no
