@@ -234,6 +234,78 @@ def _slice_dx(sa, sb, valid, D, x, dy, dh, w, DX, row, c, mask, mean, rstd,
     tl.store(DX + row * D + c, dx.to(DX.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _one_row_behind(Xj, DYj, DHj, DXj, Wj, Stats, Slots, first, groups, j, tag, M, D,
+                    stride_x, stride_dy, stride_dh, cols, mask, t, valid, w, dw, db,
+                    deferred, x_next, dy_next, rstd_next, mean_next, dh,
+                    IS_RMS: tl.constexpr, HAS_DH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, SLICES: tl.constexpr, POLLS: tl.constexpr,
+                    RING: tl.constexpr, WEIGHT_LOADS: tl.constexpr):
+    """The row loop of :func:`norm_bwd_coop_kernel` with LAG = 1 (its arguments as the kernel
+    has them before its loop; returns dw, db and deferred as that loop leaves them)."""
+    # LAG = 1: one row behind. A step publishes its row's sums, then waits for the row
+    # before, whose sums its partners published a step ago, and finishes that one: the
+    # exchange's latency overlaps a step of loads and sums. The row's x and dy are read
+    # again for its dx (from L2: loaded with evict_last a step before), so no more is held
+    # through the wait than with LAG = 0; one step past the last row finishes it. A ring of
+    # 2 + 2 LAG rows (_config._shared): a partner may still read row i - 1 - 2 LAG while
+    # this program publishes row i. (Measured in Triton's interpreter, the programs of one
+    # group in processes of their own over 8 rows, one of them 0-0.6 s late: with a ring
+    # of 4 no wait ran out in 3 runs; of 3, in 1 of 3; of 2, in all 3; dx right in all.)
+    mean_prev = mean_next
+    rstd_prev = rstd_next
+    for step in range(first, M + groups, groups):
+        here = step < M            # a row to publish (not the step past the end)
+        x = x_next
+        dy = dy_next
+        rstd = rstd_next
+        mean = mean_next
+        w_row = w
+        if WEIGHT_LOADS != 0 and HAS_WEIGHT:
+            w_row = tl.load(Wj + cols, mask=mask, other=0.0)
+        xhat, ghat = _slice_terms(x, dy, w_row, mask, mean, rstd,
+                                  IS_RMS, HAS_WEIGHT)
+        tag += 1
+        ring = _ring(Slots, first, tag, SLICES, RING)
+        sums = _slice_sums(xhat, ghat, tag)
+        _publish(ring, SLICES, j, sums, here & (step < deferred), IS_RMS)
+        if HAS_WEIGHT:
+            dw += tl.where(here, dy.to(tl.float32) * xhat, 0.0)
+        if HAS_BIAS:
+            db += tl.where(here, dy.to(tl.float32), 0.0)
+        nxt = tl.minimum(step + groups, M - 1)
+        x_next = tl.load(Xj + nxt * stride_x + cols, mask=mask, other=0.0,
+                         eviction_policy="evict_last")
+        dy_next = tl.load(DYj + nxt * stride_dy + cols, mask=mask,
+                          other=0.0, eviction_policy="evict_last")
+        rstd_next = tl.load(Stats + (0 if IS_RMS else M) + nxt)
+        if not IS_RMS:
+            mean_next = tl.load(Stats + nxt)
+        prev = step - groups
+        if prev >= first:
+            xp = tl.load(Xj + prev * stride_x + cols, mask=mask, other=0.0,
+                         eviction_policy="evict_first")
+            dyp = tl.load(DYj + prev * stride_dy + cols, mask=mask,
+                          other=0.0, eviction_policy="evict_first")
+            if HAS_DH:
+                dh = tl.load(DHj + prev * stride_dh + cols, mask=mask,
+                             other=0.0)
+            ptag = tag - 1
+            pring = _ring(Slots, first, ptag, SLICES, RING)
+            sa, sb, deferred = _exchange(pring, SLICES, t, valid, ptag, prev,
+                                         deferred, M, POLLS, IS_RMS)
+            if prev < deferred:
+                wp = w             # (loaded after the wait: none held through it)
+                if WEIGHT_LOADS != 0 and HAS_WEIGHT:
+                    wp = tl.load(Wj + cols, mask=mask, other=0.0)
+                _slice_dx(sa, sb, valid, D, xp, dyp, dh, wp, DXj, prev, cols,
+                          mask, mean_prev, rstd_prev, IS_RMS, HAS_WEIGHT,
+                          HAS_DH)
+        mean_prev = mean
+        rstd_prev = rstd
+    return dw, db, deferred
+
+
 @triton.jit(do_not_specialize=["epoch"])
 def norm_bwd_coop_kernel(
     X,                       # (M, D) forward input (h when the residual
@@ -276,8 +348,8 @@ def norm_bwd_coop_kernel(
                              # row, held through the wait; 2 twice a row,
                              # before the sums and after the wait, none
                              # held (see _config.weight_loads)
-    LAG: tl.constexpr = 0,   # rows a program publishes ahead of the one it
-                             # waits for: 0 or 1 (see _config.EXCHANGE_LAG)
+    LAG: tl.constexpr = 0,   # rows published ahead of the one waited
+                             # for: 0 or 1 (see _config.EXCHANGE_LAG)
 ):
     """(ln-c), (ln-dx), (rms-dx), (ln-dparams) and (fork-rule) for wide
     rows, reading x and dy once: S programs share each row, a slice of
@@ -347,115 +419,60 @@ def norm_bwd_coop_kernel(
     w = tl.load(Wj + cols, mask=mask, other=0.0) if (
         WEIGHT_LOADS == 0 and HAS_WEIGHT) else 0.0
     dh = dy_next                   # (a value for calls without DH)
-    if LAG == 0:
-        for row in range(first, M, groups):
-            x = x_next                 # this row as loaded (16-bit: compact)
-            dy = dy_next
-            rstd = rstd_next           # its statistics, loaded with it
-            mean = mean_next
-            w_row = w
-            if WEIGHT_LOADS != 0 and HAS_WEIGHT:
-                w_row = tl.load(Wj + cols, mask=mask, other=0.0)
-            xhat, ghat = _slice_terms(x, dy, w_row, mask, mean, rstd,
-                                      IS_RMS, HAS_WEIGHT)
-            # publish: the owner's sums, the bits a program computing them for
-            # a late owner also writes (same code, see the end of the loop)
-            tag += 1                   # this row's: epoch + 1 + its place in
-                                       # the group
-            ring = _ring(Slots, first, tag, SLICES, RING)
-            sums = _slice_sums(xhat, ghat, tag)
-            # (none after a wait ran out: see the end; a branch for RMSNorm
-            # with dh, where the mask alone costs Triton 3.6 8 bytes of spill)
-            if not (IS_RMS and HAS_DH) or row < deferred:
-                _publish(ring, SLICES, j, sums, row < deferred, IS_RMS)
-            # (ln-dparams) before the wait, so dy's fp32 copy can go
-            if HAS_WEIGHT:
-                dw += dy.to(tl.float32) * xhat
-            if HAS_BIAS:
-                db += dy.to(tl.float32)
-            # the next row and its statistics, in flight while we wait (past
-            # the end: the last), so no load from HBM waits in its chain
-            nxt = tl.minimum(row + groups, M - 1)
-            x_next = tl.load(Xj + nxt * stride_x + cols, mask=mask, other=0.0)
-            dy_next = tl.load(DYj + nxt * stride_dy + cols, mask=mask,
-                              other=0.0)
-            rstd_next = tl.load(Stats + (0 if IS_RMS else M) + nxt)
-            if not IS_RMS:
-                mean_next = tl.load(Stats + nxt)
-            if HAS_DH:                 # in flight through the wait
-                dh = tl.load(DHj + row * stride_dh + cols, mask=mask,
-                             other=0.0)
-            # wait for the row's sums; a row whose wait runs out, and every
-            # later one, are finished after the loop, where registers are free
-            sa, sb, deferred = _exchange(ring, SLICES, t, valid, tag, row,
-                                         deferred, M, POLLS, IS_RMS)
-            if row < deferred:
-                if WEIGHT_LOADS == 2:  # again (from L2), rather than held
-                    w_row = tl.load(Wj + cols, mask=mask, other=0.0) if (
-                        HAS_WEIGHT) else 0.0
-                _slice_dx(sa, sb, valid, D, x, dy, dh, w_row, DXj, row, cols,
-                          mask, mean, rstd, IS_RMS, HAS_WEIGHT, HAS_DH)
-    else:
-        # LAG = 1: one row behind. A step publishes its row's sums, then waits for the row
-        # before, whose sums its partners published a step ago, and finishes that one: the
-        # exchange's latency overlaps a step of loads and sums. The row's x and dy are read
-        # again for its dx (from L2: loaded with evict_last a step before), so no more is held
-        # through the wait than with LAG = 0; one step past the last row finishes it. A ring of
-        # 2 + 2 LAG rows (_config._shared): a partner may still read row i - 1 - 2 LAG while
-        # this program publishes row i. (Measured in Triton's interpreter, the programs of one
-        # group in processes of their own over 8 rows, one of them 0-0.6 s late: with a ring
-        # of 4 no wait ran out in 3 runs; of 3, in 1 of 3; of 2, in all 3; dx right in all.)
-        mean_prev = mean_next
-        rstd_prev = rstd_next
-        for step in range(first, M + groups, groups):
-            here = step < M            # a row to publish (not the step past the end)
-            x = x_next
-            dy = dy_next
-            rstd = rstd_next
-            mean = mean_next
-            w_row = w
-            if WEIGHT_LOADS != 0 and HAS_WEIGHT:
-                w_row = tl.load(Wj + cols, mask=mask, other=0.0)
-            xhat, ghat = _slice_terms(x, dy, w_row, mask, mean, rstd,
-                                      IS_RMS, HAS_WEIGHT)
-            tag += 1
-            ring = _ring(Slots, first, tag, SLICES, RING)
-            sums = _slice_sums(xhat, ghat, tag)
-            _publish(ring, SLICES, j, sums, here & (step < deferred), IS_RMS)
-            if HAS_WEIGHT:
-                dw += tl.where(here, dy.to(tl.float32) * xhat, 0.0)
-            if HAS_BIAS:
-                db += tl.where(here, dy.to(tl.float32), 0.0)
-            nxt = tl.minimum(step + groups, M - 1)
-            x_next = tl.load(Xj + nxt * stride_x + cols, mask=mask, other=0.0,
-                             eviction_policy="evict_last")
-            dy_next = tl.load(DYj + nxt * stride_dy + cols, mask=mask,
-                              other=0.0, eviction_policy="evict_last")
-            rstd_next = tl.load(Stats + (0 if IS_RMS else M) + nxt)
-            if not IS_RMS:
-                mean_next = tl.load(Stats + nxt)
-            prev = step - groups
-            if prev >= first:
-                xp = tl.load(Xj + prev * stride_x + cols, mask=mask, other=0.0,
-                             eviction_policy="evict_first")
-                dyp = tl.load(DYj + prev * stride_dy + cols, mask=mask,
-                              other=0.0, eviction_policy="evict_first")
-                if HAS_DH:
-                    dh = tl.load(DHj + prev * stride_dh + cols, mask=mask,
-                                 other=0.0)
-                ptag = tag - 1
-                pring = _ring(Slots, first, ptag, SLICES, RING)
-                sa, sb, deferred = _exchange(pring, SLICES, t, valid, ptag, prev,
-                                             deferred, M, POLLS, IS_RMS)
-                if prev < deferred:
-                    wp = w             # (loaded after the wait: none held through it)
-                    if WEIGHT_LOADS != 0 and HAS_WEIGHT:
-                        wp = tl.load(Wj + cols, mask=mask, other=0.0)
-                    _slice_dx(sa, sb, valid, D, xp, dyp, dh, wp, DXj, prev, cols,
-                              mask, mean_prev, rstd_prev, IS_RMS, HAS_WEIGHT,
-                              HAS_DH)
-            mean_prev = mean
-            rstd_prev = rstd
+    if LAG == 1:   # one row behind: _one_row_behind's loop, not this one
+        dw, db, deferred = _one_row_behind(
+            Xj, DYj, DHj, DXj, Wj, Stats, Slots, first, groups, j, tag,
+            M, D, stride_x, stride_dy, stride_dh, cols, mask, t, valid, w,
+            dw, db, deferred, x_next, dy_next, rstd_next, mean_next, dh,
+            IS_RMS, HAS_DH, HAS_WEIGHT, HAS_BIAS, SLICES, POLLS, RING,
+            WEIGHT_LOADS)
+    for row in range(first, M if LAG == 0 else first, groups):
+        x = x_next                 # this row as loaded (16-bit: compact)
+        dy = dy_next
+        rstd = rstd_next           # its statistics, loaded with it
+        mean = mean_next
+        w_row = w
+        if WEIGHT_LOADS != 0 and HAS_WEIGHT:
+            w_row = tl.load(Wj + cols, mask=mask, other=0.0)
+        xhat, ghat = _slice_terms(x, dy, w_row, mask, mean, rstd,
+                                  IS_RMS, HAS_WEIGHT)
+        # publish: the owner's sums, the bits a program computing them for
+        # a late owner also writes (same code, see the end of the loop)
+        tag += 1                   # this row's: epoch + 1 + its place in
+                                   # the group
+        ring = _ring(Slots, first, tag, SLICES, RING)
+        sums = _slice_sums(xhat, ghat, tag)
+        # (none after a wait ran out: see the end; a branch for RMSNorm
+        # with dh, where the mask alone costs Triton 3.6 8 bytes of spill)
+        if not (IS_RMS and HAS_DH) or row < deferred:
+            _publish(ring, SLICES, j, sums, row < deferred, IS_RMS)
+        # (ln-dparams) before the wait, so dy's fp32 copy can go
+        if HAS_WEIGHT:
+            dw += dy.to(tl.float32) * xhat
+        if HAS_BIAS:
+            db += dy.to(tl.float32)
+        # the next row and its statistics, in flight while we wait (past
+        # the end: the last), so no load from HBM waits in its chain
+        nxt = tl.minimum(row + groups, M - 1)
+        x_next = tl.load(Xj + nxt * stride_x + cols, mask=mask, other=0.0)
+        dy_next = tl.load(DYj + nxt * stride_dy + cols, mask=mask,
+                          other=0.0)
+        rstd_next = tl.load(Stats + (0 if IS_RMS else M) + nxt)
+        if not IS_RMS:
+            mean_next = tl.load(Stats + nxt)
+        if HAS_DH:                 # in flight through the wait
+            dh = tl.load(DHj + row * stride_dh + cols, mask=mask,
+                         other=0.0)
+        # wait for the row's sums; a row whose wait runs out, and every
+        # later one, are finished after the loop, where registers are free
+        sa, sb, deferred = _exchange(ring, SLICES, t, valid, tag, row,
+                                     deferred, M, POLLS, IS_RMS)
+        if row < deferred:
+            if WEIGHT_LOADS == 2:  # again (from L2), rather than held
+                w_row = tl.load(Wj + cols, mask=mask, other=0.0) if (
+                    HAS_WEIGHT) else 0.0
+            _slice_dx(sa, sb, valid, D, x, dy, dh, w_row, DXj, row, cols,
+                      mask, mean, rstd, IS_RMS, HAS_WEIGHT, HAS_DH)
 
     # this group's partial row (int64: groups x D may pass 2^31)
     c = j * BLOCK_D + cols
