@@ -53,23 +53,30 @@ def test_a_shape_is_the_plan_it_names_and_the_plans_come_back():
         assert str(shapes.in_force(bwd, M, 132, 2)) == str(coop)
         with shapes.using(shapes.parse("8192x16x2xM", "forward")):
             assert _fwd(131072).grid == (M,)                              # a row a program
+        with shapes.using(shapes.parse("16384x16x2x8x3", "forward")):
+            staged = _fwd(131072)                 # the sweeps' loads pipelined, 3 stages
+            assert staged.constexprs["STAGES"] == 3 and staged.grid == (8 * 132,)
+            assert str(shapes.in_force(staged, M, 132, 2)) == "16384x16x2x8x3"
         with shapes.using(coop=shapes.parse("8192x8x2x1", "backward")):
             lagged = _bwd(131072)                 # one row behind: a ring of four rows
             assert lagged.constexprs["LAG"] == 1 and lagged.constexprs["RING"] == 4
             assert str(shapes.in_force(lagged, M, 132, 2)) == "8192x8x2x1"
     assert (_fwd(131072), _bwd(131072)) == before
+    assert before[0].constexprs["STAGES"] == 1
     assert before[1].constexprs["LAG"] == 0 and before[1].constexprs["RING"] == 2
 
 
 @pytest.mark.parametrize("text, kind, says", [
-    ("8192x16x2", "forward", "expected CHUNKxWARPSxRESIDENTxGRID"),
+    ("8192x16x2", "forward", "expected CHUNKxWARPSxRESIDENTxGRID[xSTAGES]"),
     ("8192x8x2x1x1", "backward", "expected SLICExWARPSxRESIDENT[xLAG]"),
     ("3000x8x2", "backward", "a power of two of at least 256, got 3000"),
     ("8192x12x2xM", "forward", "warps, a power of two from 1 to 32, got 12"),
     ("8192x32x4xM", "forward", "4 programs of 32 warps resident"),
     ("8192x16x8", "backward", "leave 16 registers a thread"),
-    ("8192x16x2xK", "forward", "expected CHUNKxWARPSxRESIDENTxGRID"),
+    ("8192x16x2xK", "forward", "expected CHUNKxWARPSxRESIDENTxGRID[xSTAGES]"),
     ("8192x8x2x2", "backward", "LAG, 0 or 1, got 2"),
+    ("8192x16x2xMx5", "forward", "STAGES, 1 to 4, got 5"),
+    ("8192x16x2xMx1x1", "forward", "expected CHUNKxWARPSxRESIDENTxGRID[xSTAGES]"),
 ])
 def test_a_shape_that_cannot_be_is_refused_by_name(text, kind, says):
     with pytest.raises(ValueError, match=f"--{kind}") as e:
@@ -125,7 +132,7 @@ def test_refusals_name_the_flag(capsys):
     assert "--ops: expected some of layer_norm" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["shapes", "--forward", "8192x16"])
-    assert "--forward: expected CHUNKxWARPSxRESIDENTxGRID" in capsys.readouterr().err
+    assert "--forward: expected CHUNKxWARPSxRESIDENTxGRID[xSTAGES]" in capsys.readouterr().err
 
 
 @pytest.mark.slow

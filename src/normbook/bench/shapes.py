@@ -12,9 +12,11 @@ H200 measured its exchange at 2-3.8 us a row, growing with the slices a row has.
 either rests on a measurement: this takes one, candidate by candidate, beside the shape in
 force, on the same GPU in the same process.
 
-A forward shape is CHUNKxWARPSxRESIDENTxGRID: CHUNK bytes of a row per step of a sweep, WARPS
-warps, registers capped so that RESIDENT programs fit on an SM (65536 / (32 WARPS RESIDENT),
-at most 255), and GRID ``M`` (a program a row) or programs per SM, each looping over rows. A
+A forward shape is CHUNKxWARPSxRESIDENTxGRID[xSTAGES]: CHUNK bytes of a row per step of a
+sweep, WARPS warps, registers capped so that RESIDENT programs fit on an SM (65536 / (32 WARPS
+RESIDENT), at most 255), GRID ``M`` (a program a row) or programs per SM, each looping over
+rows, and STAGES (1 unless given) the chunks of a sweep in flight (``_config.LOOP_STAGES``:
+2-4 pipeline the loads through shared memory, which may leave fewer programs resident). A
 backward shape is SLICExWARPSxRESIDENT[xLAG]: SLICE bytes of a row per program (a row of D
 values shared by cdiv(D, SLICE / itemsize) programs), WARPS warps, RESIDENT programs per SM by
 the same register cap (the grid is what the device holds at once, as always for that kernel),
@@ -25,7 +27,8 @@ gives the same bits).
 For each op, mode, D and shape: device time (:func:`normbook.bench.timing.bench`; CUDA graph
 replays on a GPU), GB/s of :func:`normbook.bench.bytemodel.bytes_moved` and its fraction of a
 copy timed in the same run, the plan's programs and programs per SM (measured at its first
-launch), the kernel's registers and spill bytes (compiled for this device's architecture by
+launch), the kernel's registers, spill bytes and shared memory (compiled for this device's
+architecture by
 :mod:`normbook.kernels.report`; not in Triton's interpreter), and ``max_diff``, the largest
 difference from the output of the shape in force (other chunks or slices sum in another
 order: rounding, not more; a candidate that differs by more is a defect, not a speed).
@@ -68,13 +71,15 @@ class LoopShape(NamedTuple):
     warps: int
     resident: int
     grid: int
+    stages: int = 1
 
     @property
     def maxnreg(self) -> int:
         return _cap(self.warps, self.resident)
 
     def __str__(self) -> str:
-        return f"{self.chunk_bytes}x{self.warps}x{self.resident}x{self.grid or 'M'}"
+        return f"{self.chunk_bytes}x{self.warps}x{self.resident}x{self.grid or 'M'}" + (
+            f"x{self.stages}" if self.stages > 1 else "")
 
 
 class CoopShape(NamedTuple):
@@ -97,23 +102,25 @@ class CoopShape(NamedTuple):
 # The candidates timed by default, beside the shape in force (a candidate equal to it is not
 # timed twice). Forward: the probe's best shapes (chunks of 8192 bytes, a row a program, up to
 # D = 32768; 16384 bytes and 8 programs per SM past it), each with the other grid; four programs
-# per SM resident (8 warps: more rows in flight) and one (32 warps: fewer, and less of L2 held
-# between the sweeps), and chunks of 32768 bytes. None spills on sm_90 (``--compile-only``:
-# 40-62 registers). Backward: the slice in force (8192 bytes, 8 warps, two per SM) against half
-# of it (twice the slices a row; four per SM) and twice (half the slices: the exchange's cost a
-# row grew with them; 16 warps, one per SM); 16384 bytes on 8 warps spills 976-1768 bytes. And
-# the slice in force one row behind (LAG 1): the exchange overlapped with the next row's work.
-FORWARD = ("8192x16x2xM", "16384x16x2x8", "16384x16x2xM", "8192x16x2x8", "8192x8x4xM",
-           "16384x32x1xM", "16384x32x1x1", "32768x32x1xM")
+# per SM resident (8 warps: more rows in flight) and one (32 warps, one program per SM: fewer,
+# and less of L2 held between the sweeps); chunks of 32768 bytes; and the probe's shapes with
+# their sweeps' loads pipelined (2-3 chunks in flight). None spills on sm_90 (``--compile-only``:
+# 40-63 registers). Backward: the slice in force (8192 bytes, 8 warps, two per SM), the same one
+# row behind (LAG 1: the exchange overlapped with the next row's work), half the slice (twice
+# the slices a row; four per SM) and twice it (half the slices: the exchange's cost a row grew
+# with them; 16 warps, one per SM); 16384 bytes on 8 warps spills 976-1768 bytes.
+FORWARD = ("8192x16x2xM", "16384x16x2x8", "16384x16x2xM", "8192x8x4xM", "16384x32x1x1",
+           "32768x32x1xM", "8192x16x2xMx3", "16384x16x2x8x3", "16384x16x2xMx2")
 BACKWARD = ("8192x8x2", "8192x8x2x1", "4096x4x4", "16384x16x1")
 
 
 def parse(text: str, kind: str):
     """A shape from its text (``kind`` "forward": CHUNKxWARPSxRESIDENTxGRID; "backward":
     SLICExWARPSxRESIDENT[xLAG]). Raises ValueError naming what it expected."""
-    form = "CHUNKxWARPSxRESIDENTxGRID" if kind == "forward" else "SLICExWARPSxRESIDENT[xLAG]"
+    form = ("CHUNKxWARPSxRESIDENTxGRID[xSTAGES]" if kind == "forward"
+            else "SLICExWARPSxRESIDENT[xLAG]")
     parts = text.strip().lower().split("x")
-    want = (4,) if kind == "forward" else (3, 4)
+    want = (4, 5) if kind == "forward" else (3, 4)
     try:
         if len(parts) not in want:
             raise ValueError
@@ -137,6 +144,8 @@ def parse(text: str, kind: str):
         if values[3] < 0:
             raise ValueError(f"--forward: the grid, M or programs per SM, got {parts[3]} in "
                              f"{text!r}")
+        if len(values) == 5 and not 1 <= values[4] <= 4:
+            raise ValueError(f"--forward: STAGES, 1 to 4, got {values[4]} in {text!r}")
         return LoopShape(*values)
     if len(values) == 4 and values[3] not in (0, 1):
         raise ValueError(f"--backward: LAG, 0 or 1, got {values[3]} in {text!r}")
@@ -144,7 +153,7 @@ def parse(text: str, kind: str):
 
 
 _LOOP = ("LOOP_CHUNK_BYTES", "LOOP_WIDE_CHUNK_BYTES", "LOOP_WIDE_FROM", "LOOP_PER_SM",
-         "LOOP_WARPS", "LOOP_MAXNREG")
+         "LOOP_WARPS", "LOOP_MAXNREG", "LOOP_STAGES")
 _COOP = ("COOP_BYTES", "COOP_WARPS", "COOP_MAXNREG", "EXCHANGE_LAG")
 
 
@@ -164,6 +173,7 @@ def using(loop: LoopShape | None = None, coop: CoopShape | None = None):
         _config.LOOP_WIDE_FROM = 1 << 62 if loop.grid == 0 else 0
         _config.LOOP_PER_SM = loop.grid or _config.LOOP_PER_SM
         _config.LOOP_WARPS, _config.LOOP_MAXNREG = loop.warps, loop.maxnreg
+        _config.LOOP_STAGES = loop.stages
     if coop is not None:
         _config.COOP_BYTES, _config.COOP_WARPS = coop.slice_bytes, coop.warps
         _config.COOP_MAXNREG, _config.EXCHANGE_LAG = coop.maxnreg, coop.lag
@@ -186,7 +196,8 @@ def in_force(plan, M: int, sms: int, itemsize: int):
     size = plan.constexprs["BLOCK_D"] * itemsize
     if plan.kernel == "norm_fwd_loop_kernel":
         grid = plan.grid[0]
-        return LoopShape(size, warps, resident, 0 if grid == M or not sms else grid // sms)
+        return LoopShape(size, warps, resident, 0 if grid == M or not sms else grid // sms,
+                         plan.constexprs.get("STAGES", 1))
     return CoopShape(size, warps, resident, plan.constexprs.get("LAG", 0))
 
 
@@ -255,7 +266,8 @@ def _compiled(plan, D: int, arch: int) -> dict:
     if key not in _compiles:
         out = report.compile_one(report.kernel_of(plan), plan.constexprs, plan.options, "bf16",
                                  arch, D, serial=False)
-        _compiles[key] = dict(registers=out["registers"], spill_bytes=out["spill_bytes"])
+        _compiles[key] = dict(registers=out["registers"], spill_bytes=out["spill_bytes"],
+                              shared_bytes=out["shared_bytes"])
     return _compiles[key]
 
 
@@ -311,7 +323,8 @@ def _line(r: dict) -> str:
     head = f"{r['op']:14s} {r['mode']} D {r['D']:6d} M {r['M']:6d}"
     if "error" in r:
         return f"{head}  {r.get('shape', '?')}: {r['error']}"
-    regs = (f", {r['registers']} regs, {r['spill_bytes']} B spilled" if "registers" in r else "")
+    regs = (f", {r['registers']} regs, {r['spill_bytes']} B spilled, "
+            f"{r['shared_bytes'] >> 10} KB shared" if "registers" in r else "")
     timed = (f"  {r['us']:9.1f} us" + (   # (GB/s only where a copy was timed: a GPU)
         f" {r['gbps']:7.1f} GB/s ({r['frac_copy']:.2f} of copy)" if r.get("frac_copy") else "")
         + f", max diff {r['max_diff']:.3g}") if "us" in r else ""

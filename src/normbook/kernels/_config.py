@@ -89,6 +89,10 @@ LOOP_WIDE_FROM = 32768    # rows wider than this: LOOP_PER_SM programs per SM lo
 LOOP_PER_SM = 8           # up to it, one program per row (grid M)
 LOOP_WARPS = 16
 LOOP_MAXNREG = 64         # two programs of 16 warps per SM: half the register file each
+LOOP_STAGES = 1           # chunks of a sweep in flight per program: 1, none ahead (as in the
+                          # probe); 2-4 pipeline the sweeps' loads (async copies, the rows
+                          # kernels' way: 16-147 KB of shared memory). Not measured yet: the
+                          # GPU check's `shapes` step times them
 
 
 # the backward -----------------------------------------------------------------------------------
@@ -228,8 +232,8 @@ def forward_plan(M: int, D: int, device_index, itemsize: int, is_rms: bool,
         # device alone: nothing to measure
         programs = M if D <= LOOP_WIDE_FROM else LOOP_PER_SM * dev.sms
         grid = max(1, min(M, programs if dev.sms else CPU_PROGRAMS))
-        return (_plan("norm_fwd_loop_kernel", grid, dict(flags, BLOCK_D=cfg.BLOCK_D), cfg,
-                      **counts),)
+        return (_plan("norm_fwd_loop_kernel", grid,
+                      dict(flags, BLOCK_D=cfg.BLOCK_D, STAGES=LOOP_STAGES), cfg, **counts),)
     if cfg.BLOCK_D >= ROW_FROM and dev.sms:
         # a row a program on a GPU, its loads not pipelined (see ROW_ELEMS)
         constexprs = dict(flags, ROWS=1, BLOCK_D=cfg.BLOCK_D, NUM_STAGES=1)

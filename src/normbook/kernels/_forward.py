@@ -274,6 +274,7 @@ def norm_fwd_loop_kernel(
     BLOCK_D: tl.constexpr,   # the chunk: columns of one step of a sweep
     VEC: tl.constexpr,       # D and the strides are multiples of VEC
                              # (see _config.vec)
+    STAGES: tl.constexpr = 1,  # chunks of a sweep in flight (1: one)
 ):
     """(ln-mean) to (ln-y), (rms-ms), (rms-y) for rows too wide for one
     program's registers: one program a row (program pid takes rows pid,
@@ -293,7 +294,7 @@ def norm_fwd_loop_kernel(
         mean = tl.full((), 0.0, tl.float32)
         lo = tl.full((), 0.0, tl.float32)      # the mean is mean + lo
         m2 = tl.full((), 0.0, tl.float32)      # RMSNorm: sum of squares
-        for start in range(0, D, BLOCK_D):
+        for start in tl.range(0, D, BLOCK_D, num_stages=STAGES):
             c = start + cols
             mask = c < D
             x = _sweep_load(X, R, H, row, stride_x, stride_r, D, c, mask,
@@ -358,7 +359,7 @@ def norm_fwd_loop_kernel(
             tl.store(Stats + row, mean + lo)
             tl.store(Stats + M + row, rstd)
         # sweep 2: y = weight * xhat + bias (ln-xhat), (ln-y)
-        for start in range(0, D, BLOCK_D):
+        for start in tl.range(0, D, BLOCK_D, num_stages=STAGES):
             c = start + cols
             mask = c < D
             x = _sweep_again(X, H, row, stride_x, D, c, mask,
