@@ -108,6 +108,22 @@ def test_every_candidate_gives_the_answer_of_the_shape_in_force(tmp_path, capsys
     assert "fastest" not in capsys.readouterr().out      # the interpreter times no speed
 
 
+def test_max_diff_is_taken_in_pieces_and_a_nan_is_infinite():
+    """What a candidate is held to: the largest difference from the shape in force's outputs,
+    over every tensor and row (taken a few rows at a time, so that a GPU's widest rows need no
+    fp32 copy of a whole output); a NaN where the shape in force has a number is no match."""
+    torch = pytest.importorskip("torch")
+    a = torch.randn(1000, 300)
+    b = a.clone()
+    b[777, 5] += 0.5
+    w = torch.randn(300)
+    nan = w.clone()
+    nan[3] = float("nan")
+    assert shapes._max_diff([a, w], [b, w], rows=64) == 0.5
+    assert shapes._max_diff([a, nan], [a, w]) == float("inf")
+    assert shapes._max_diff([a.bfloat16()], [a.bfloat16()]) == 0
+
+
 def test_the_time_budget_leaves_the_rest_recorded_as_not_measured(tmp_path):
     from normbook.bench.cli import main
 
