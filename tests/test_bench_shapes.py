@@ -113,10 +113,10 @@ def test_max_diff_is_taken_in_pieces_and_a_nan_is_infinite():
     over every tensor and row (taken a few rows at a time, so that a GPU's widest rows need no
     fp32 copy of a whole output); a NaN where the shape in force has a number is no match."""
     torch = pytest.importorskip("torch")
-    a = torch.randn(1000, 300)
+    a = torch.arange(300_000.0).view(1000, 300) / 8        # exact in fp32 and in bf16
     b = a.clone()
     b[777, 5] += 0.5
-    w = torch.randn(300)
+    w = torch.arange(300.0)
     nan = w.clone()
     nan[3] = float("nan")
     assert shapes._max_diff([a, w], [b, w], rows=64) == 0.5
