@@ -37,7 +37,10 @@ def test_each_side_runs_its_plan(tmp_path, capsys):
     few, many = rows
     assert few["one_us"] > 0 and few["grid_programs"] > 1 and few["finish_us"] > 0
     assert many["one_us"] is None and many["grid_programs"] > 1
-    assert 0 < many["finish_share"] < 1
+    # (the interpreter's wall clock: the finish's share is the ratio, whatever the machine's
+    # load makes of either time; a fraction of the backward only on a GPU)
+    assert many["finish_share"] == pytest.approx(many["finish_us"] / many["grid_us"])
+    assert many["finish_share"] > 0
     assert "finish_block_us" not in few and sorted(many["finish_block_us"]) == ["16", "32", "64"]
     assert all(us > 0 for us in many["finish_block_us"].values())
     (fwd,) = found["forward"]
