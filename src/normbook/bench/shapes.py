@@ -380,24 +380,28 @@ def measure(ops, modes, dims, rows, forward, backward, device: str, arch: int = 
         index, sms = -1, 0
     else:
         index, sms = Device(arch or 90, H200["sms"]), H200["sms"]
+    spent = f"not measured: time budget of {time_budget:g} s spent"
+
+    def late() -> bool:
+        return bool(time_budget) and time.monotonic() - start > time_budget
+
     for op in ops:
         for mode in modes:
             for D in dims:
                 for M in rows:
-                    if time_budget and time.monotonic() - start > time_budget:
-                        out.append(dict(op=op, mode=mode, D=D, M=M,
-                                        error=f"not measured: time budget of {time_budget:g} s "
-                                              "spent"))
+                    if late():
+                        out.append(dict(op=op, mode=mode, D=D, M=M, error=spent))
                         print(_line(out[-1]), flush=True)
                         continue
                     _measure_group(out, done, op, mode, D, M, forward, backward, device,
-                                   index, sms, copy_gbps, arch, time_it)
+                                   index, sms, copy_gbps, arch, time_it, late, spent)
     return out
 
 
 def _measure_group(out, done, op, mode, D, M, forward, backward, device, index, sms,
-                   copy_gbps, arch, time_it):
-    """Every shape of one (op, mode, D, M), the shape in force first."""
+                   copy_gbps, arch, time_it, late=lambda: False, spent=""):
+    """Every shape of one (op, mode, D, M), the shape in force first; once ``late()``, the
+    rest recorded with the error ``spent``."""
     try:
         case = _Case(op, M, D, device) if time_it else _Plans(op, M, D)
     except Exception as e:  # noqa: BLE001 - one shape's failure (OOM) must not lose the rest
@@ -409,6 +413,10 @@ def _measure_group(out, done, op, mode, D, M, forward, backward, device, index, 
         if shape is not None and str(shape) == now:
             continue            # the shape in force, timed already
         row = dict(op=op, mode=mode, D=D, M=M)
+        if shape is not None and late():
+            out.append(dict(row, shape=str(shape), in_force=False, error=spent))
+            print(_line(out[-1]), flush=True)
+            continue
         try:
             found, outputs = _shape_row(case, mode, M, D, shape, device, index, sms, copy_gbps,
                                         reference, arch, time_it)
