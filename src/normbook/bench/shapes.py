@@ -459,11 +459,11 @@ def main(argv=None) -> int:
                    help=f"comma-separated, of {', '.join(_OPS)}")
     p.add_argument("--modes", default="fwd,bwd", help="fwd, bwd or both")
     p.add_argument("--forward", default=",".join(FORWARD),
-                   help="forward shapes CHUNKxWARPSxRESIDENTxGRID, comma-separated")
+                   help="forward shapes CHUNKxWARPSxRESIDENTxGRID[xSTAGES], comma-separated")
     p.add_argument("--backward", default=",".join(BACKWARD),
-                   help="backward shapes SLICExWARPSxRESIDENT, comma-separated")
+                   help="backward shapes SLICExWARPSxRESIDENT[xLAG], comma-separated")
     p.add_argument("--time-budget", type=float, default=0,
-                   help="seconds after which no new (op, mode, D, M) starts (0: none)")
+                   help="seconds after which no new shape starts (0: none)")
     p.add_argument("--compile-only", action="store_true",
                    help="registers and spills of each candidate compiled for sm_90, nothing "
                         "run (no GPU needed; Triton's interpreter off)")
