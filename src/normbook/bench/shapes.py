@@ -24,8 +24,8 @@ and LAG (0 unless given) the rows a program publishes ahead of the one it waits 
 (``_config.EXCHANGE_LAG``: 1 overlaps the exchange with the next row's loads and sums, and
 gives the same bits).
 
-For each op, mode, D and shape: device time (:func:`normbook.bench.timing.bench`; CUDA graph
-replays on a GPU), GB/s of :func:`normbook.bench.bytemodel.bytes_moved` and its fraction of a
+For each op, mode, D and shape: device time (:func:`normbook.bench.timing.timed`; CUDA graph
+replays on a GPU, do_bench where a graph cannot hold the call, the row naming its timer), GB/s of :func:`normbook.bench.bytemodel.bytes_moved` and its fraction of a
 copy timed in the same run, the plan's programs and programs per SM (measured at its first
 launch), the kernel's registers, spill bytes and shared memory (compiled for this device's
 architecture by
@@ -284,7 +284,7 @@ def _shape_row(case, mode, M, D, shape, device, index, sms, copy_gbps, reference
                time_it: bool) -> dict:
     """One row: ``shape`` None is the shape in force (its outputs are ``reference``)."""
     from normbook.bench import bytemodel
-    from normbook.bench.timing import bench
+    from normbook.bench.timing import timed
 
     from normbook.kernels import _backward
 
@@ -309,9 +309,16 @@ def _shape_row(case, mode, M, D, shape, device, index, sms, copy_gbps, reference
         if arch:
             row.update(_compiled(plan, D, arch))
         if time_it:
-            ms = bench(call, device, 10, 50)[0]
+            # CUDA graph replays, or do_bench where a graph cannot hold the call (said in
+            # the row: compare a candidate with the shape in force under one timer)
+            t = timed(call, device, 10, 50)
+            ms = t.ms
+            row["timer"] = t.timer
+            notes = [t.note] if t.note else []
             if _backward._cooperation_refused and not refused:
-                row["note"] = "the driver refused the cooperative launch: timed without it"
+                notes.append("the driver refused the cooperative launch: timed without it")
+            if notes:
+                row["note"] = "; ".join(notes)
             gbps = bytemodel.bytes_moved(case.op, mode, M, D, "bf16") / (ms * 1e-3) / 1e9
             row.update(us=ms * 1e3, gbps=gbps,
                        frac_copy=gbps / copy_gbps if copy_gbps else None)
@@ -334,11 +341,11 @@ def _line(r: dict) -> str:
         return f"{head}  {r.get('shape', '?')}: {r['error']}"
     regs = (f", {r['registers']} regs, {r['spill_bytes']} B spilled, "
             f"{r['shared_bytes'] >> 10} KB shared" if "registers" in r else "")
-    timed = (f"  {r['us']:9.1f} us" + (   # (GB/s only where a copy was timed: a GPU)
+    times = (f"  {r['us']:9.1f} us" + (   # (GB/s only where a copy was timed: a GPU)
         f" {r['gbps']:7.1f} GB/s ({r['frac_copy']:.2f} of copy)" if r.get("frac_copy") else "")
         + f", max diff {r['max_diff']:.3g}") if "us" in r else ""
     return (f"{head}  {r['shape']:>14s}{' (in force)' if r['in_force'] else '           '}"
-            f"{timed}  {r['programs']} programs, {r['per_sm']} per SM{regs}"
+            f"{times}  {r['programs']} programs, {r['per_sm']} per SM{regs}"
             + (f"  ({r['note']})" if "note" in r else ""))
 
 
@@ -352,7 +359,8 @@ def best(rows: list[dict]) -> list[dict]:
         top = min(found, key=lambda r: r["us"])
         now = next((r for r in found if r["in_force"]), None)
         out.append(dict(op=op, mode=mode, D=D, shape=top["shape"], us=top["us"],
-                        frac_copy=top.get("frac_copy"),
+                        frac_copy=top.get("frac_copy"), timer=top.get("timer"),
+                        in_force_timer=None if now is None else now.get("timer"),
                         in_force_us=None if now is None else now["us"],
                         speedup=None if now is None else now["us"] / top["us"]))
     return out
