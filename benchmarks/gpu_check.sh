@@ -372,8 +372,14 @@ if [ "$DRY" = 1 ]; then
   step shapes 40 env TRITON_INTERPRET=1 "$PY" -m normbook.bench shapes --dims 20000 --rows 3 \
     --forward 16384x32x1x1 --backward 16384x16x1 --time-budget 20 --json "$WORK/shapes.json"
 else
-  # 75 s in the whole run, POST_S kept for the summary; named in ONLY, what the budget leaves
-  cap=75 keep=$POST_S; [ -n "$ONLY" ] && { cap=$BUDGET_S; keep=0; }
+  # 75 s in the whole run, POST_S kept for the steps after it; in a call of its own (ONLY
+  # naming no step after it), what the budget leaves. (Any ONLY took it all: ONLY=shapes,report
+  # gave shapes 455 of 480 s, and the report the 25 s left)
+  cap=75 keep=$POST_S
+  if [ -n "$ONLY" ]; then
+    cap=$BUDGET_S keep=0
+    for s in ${ALL_STEPS#* shapes }; do selected "$s" && { cap=75 keep=$POST_S; }; done
+  fi
   limit=$(step_limit "$cap" "$keep")
   # the backward first: its candidates are fewer, and the one row behind is the one to time
   step shapes "$limit" "$PY" -m normbook.bench shapes --modes bwd,fwd --json "$WORK/shapes.json" \

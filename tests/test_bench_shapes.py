@@ -108,6 +108,28 @@ def test_every_candidate_gives_the_answer_of_the_shape_in_force(tmp_path, capsys
     assert "fastest" not in capsys.readouterr().out      # the interpreter times no speed
 
 
+def test_a_candidate_without_the_shape_in_force_claims_no_match(monkeypatch, capsys):
+    """When the shape in force's row fails (an out-of-memory, say), its candidates are timed
+    with nothing to compare their outputs with: max_diff None, said in the line, not a 0
+    that reads as an exact match."""
+    from normbook.kernels import _config as config
+
+    real = shapes._Case.backward
+
+    def backward(case):
+        if config.COOP_BYTES == 8192:                  # the shape in force's slice
+            raise RuntimeError("out of memory (simulated)")
+        return real(case)
+
+    monkeypatch.setattr(shapes._Case, "backward", backward)
+    rows = shapes.measure(["layer_norm"], ["bwd"], [20000], [3], [],
+                          [shapes.parse("16384x16x1", "backward")], "cpu")
+    assert [(r["shape"], r["in_force"], "error" in r) for r in rows] == [
+        ("in force", False, True), ("16384x16x1", False, False)]
+    assert rows[1]["us"] > 0 and rows[1]["max_diff"] is None, rows
+    assert "no max diff (the shape in force failed)" in capsys.readouterr().out
+
+
 def test_max_diff_is_taken_in_pieces_and_a_nan_is_infinite():
     """What a candidate is held to: the largest difference from the shape in force's outputs,
     over every tensor and row (taken a few rows at a time, so that a GPU's widest rows need no

@@ -230,3 +230,31 @@ def test_hanging_step_dies_with_its_group_inside_the_budget(tmp_path):
     assert "not run: budget spent" in steps["gpu_tests"], steps
     assert _survivors(env["NORMBOOK_GPU_CHECK_TAG"], wait_s=2) == []
     _check_out(tmp_path / "out")
+
+
+ECHO_PYTHON = """#!/usr/bin/env bash
+# a python that only says what it was asked to run
+echo "args: $*"
+"""
+
+
+@pytest.mark.parametrize("only, alone", [("shapes", True), ("env,shapes", True),
+                                         ("shapes,report", False),
+                                         ("gpu_tests,shapes,llama", False)])
+def test_shapes_takes_the_budget_only_in_a_call_of_its_own(tmp_path, only, alone):
+    """The GPU run's shapes step (not the dry run's): 75 s, POST_S kept for the steps after it,
+    unless ONLY names no step after it, when it gets what the budget leaves, its own
+    --time-budget 30 s inside that. A step named after it keeps its time: any ONLY gave shapes
+    the whole budget, and ONLY=shapes,report left the report 25 s of 480."""
+    fake = tmp_path / "python"
+    fake.write_text(ECHO_PYTHON)
+    fake.chmod(0o755)
+    rc, out = _run(_env(tmp_path, PYTHON=fake, DRY_RUN=0, ONLY=only, BUDGET_S=480))
+    assert rc == 0, out
+    limit = int(re.search(r"=== \[\d+s\] shapes \(limit (\d+)s\)", out).group(1))
+    budget = int(re.search(r"args: -m normbook\.bench shapes .*--time-budget (\d+)",
+                           out).group(1))
+    if alone:
+        assert limit >= 480 - 20 - 5 - 5 and budget == limit - 30, out
+    else:
+        assert (limit, budget) == (75, 45), out

@@ -298,7 +298,10 @@ def _shape_row(case, mode, M, D, shape, device, index, sms, copy_gbps, reference
         row: dict = {}
         if time_it:
             out = _outputs(call())     # compiled, measured: the plan's final grid
-            row["max_diff"] = 0.0 if reference is None else _max_diff(out, reference)
+            # None for a candidate with no reference (the shape in force's row failed): a
+            # 0 would claim a match that nothing was compared with
+            row["max_diff"] = (0.0 if shape is None else None if reference is None
+                               else _max_diff(out, reference))
         plan = case.plan(mode, index)
         if plan is None:
             raise ValueError(f"no plan: {shape} gives more slices a row than the device runs "
@@ -343,7 +346,8 @@ def _line(r: dict) -> str:
             f"{r['shared_bytes'] >> 10} KB shared" if "registers" in r else "")
     times = (f"  {r['us']:9.1f} us" + (   # (GB/s only where a copy was timed: a GPU)
         f" {r['gbps']:7.1f} GB/s ({r['frac_copy']:.2f} of copy)" if r.get("frac_copy") else "")
-        + f", max diff {r['max_diff']:.3g}") if "us" in r else ""
+        + (f", max diff {r['max_diff']:.3g}" if r["max_diff"] is not None
+           else ", no max diff (the shape in force failed)")) if "us" in r else ""
     return (f"{head}  {r['shape']:>14s}{' (in force)' if r['in_force'] else '           '}"
             f"{times}  {r['programs']} programs, {r['per_sm']} per SM{regs}"
             + (f"  ({r['note']})" if "note" in r else ""))
