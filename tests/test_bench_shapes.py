@@ -98,9 +98,11 @@ def test_every_candidate_gives_the_answer_of_the_shape_in_force(tmp_path, capsys
     assert _backward._cooperation_refused == was
     found = json.loads(out.read_text())
     rows = found["rows"]
-    assert [(r["mode"], r["shape"], r["in_force"]) for r in rows] == [
-        ("fwd", "8192x16x2xM", True), ("fwd", "16384x32x1x1", False),
-        ("bwd", "8192x8x2", True), ("bwd", "16384x16x1", False)]
+    # (the interpreter has no SMs: a grid of programs per SM is planned as one a row, and the
+    # row says what was asked)
+    assert [(r["mode"], r["shape"], r["in_force"], r.get("asked")) for r in rows] == [
+        ("fwd", "8192x16x2xM", True, None), ("fwd", "16384x32x1xM", False, "16384x32x1x1"),
+        ("bwd", "8192x8x2", True, None), ("bwd", "16384x16x1", False, None)]
     assert all(r["us"] > 0 and r["max_diff"] <= 1e-2 for r in rows), rows
     assert rows[0]["max_diff"] == 0 and "registers" not in rows[0]      # nothing compiled
     assert [(b["mode"], b["D"]) for b in found["best"]] == [("fwd", 20000), ("bwd", 20000)]
@@ -179,17 +181,24 @@ def test_refusals_name_the_flag(capsys):
 @pytest.mark.slow
 def test_compile_only_reads_registers_and_spills_for_sm_90(tmp_path):
     """What the GPU run compiles for its own architecture, here for sm_90 without a GPU: each
-    candidate's plan on an H200 (132 SMs), with its registers and spill bytes."""
+    candidate's plan on an H200 (132 SMs), with its registers and spill bytes, and the
+    programs an SM holds by them and by shared memory: four pipelined stages of a 16 KB chunk
+    leave room for one, where the registers alone would allow two. A candidate planned as one
+    timed already (here the shape in force itself) is not timed twice."""
     out = tmp_path / "shapes.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "normbook.bench", "shapes", "--compile-only",
-                          "--dims", "65536", "--ops", "rms_norm", "--forward", "16384x32x1x1",
+                          "--dims", "65536", "--ops", "layer_norm", "--forward",
+                          "16384x32x1x1,16384x16x2x8x4,16384x16x2x8",
                           "--backward", "16384x16x1", "--json", str(out)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["mode"], r["shape"], r["programs"]) for r in rows] == [
-        ("fwd", "16384x16x2x8", 1056), ("fwd", "16384x32x1x1", 132),
-        ("bwd", "8192x8x2", 256), ("bwd", "16384x16x1", 128)]
+    assert [(r["mode"], r["shape"], r["programs"], r["per_sm"]) for r in rows] == [
+        ("fwd", "16384x16x2x8", 1056, 2), ("fwd", "16384x32x1x1", 132, 1),
+        ("fwd", "16384x16x2x8x4", 1056, 1),
+        ("bwd", "8192x8x2", 256, 2), ("bwd", "16384x16x1", 128, 1)]
+    assert rows[2]["shared_bytes"] > 228 * 1024 // 2 > rows[0]["shared_bytes"]
     assert all(0 < r["registers"] <= 255 and r["spill_bytes"] == 0 and "us" not in r
                for r in rows), rows
+    assert "16384x16x2x8: planned here as a shape timed already" in run.stdout

@@ -281,9 +281,12 @@ def _compiled(plan, D: int, arch: int) -> dict:
 
 
 def _shape_row(case, mode, M, D, shape, device, index, sms, copy_gbps, reference, arch,
-               time_it: bool) -> dict:
-    """One row: ``shape`` None is the shape in force (its outputs are ``reference``)."""
+               time_it: bool, seen: set) -> dict:
+    """One row: ``shape`` None is the shape in force (its outputs are ``reference``); (None,
+    None) for a candidate that plans as a shape in ``seen``, the shapes planned so far (the
+    device clamps it, or M leaves its grid a row a program): nothing new to time."""
     from normbook.bench import bytemodel
+    from normbook.bench.model import programs_per_sm
     from normbook.bench.timing import timed
 
     from normbook.kernels import _backward
@@ -296,21 +299,32 @@ def _shape_row(case, mode, M, D, shape, device, index, sms, copy_gbps, reference
     with using(loop, coop), _restored(_backward, "_cooperation_refused"):
         call = case.forward if mode == "fwd" else case.backward
         row: dict = {}
+        plan = case.plan(mode, index)
+        if plan is None:
+            raise ValueError(f"no plan: {shape} gives more slices a row than the device runs "
+                             "at once")
+        # the shape as planned on this device for these rows, which may not be the one asked
+        planned = str(in_force(plan, M, sms, case.x.element_size()))
+        if planned in seen:
+            return None, None
+        seen.add(planned)
+        row.update(shape=planned, in_force=shape is None)
+        if shape is not None and str(shape) != planned:
+            row["asked"] = str(shape)
         if time_it:
             out = _outputs(call())     # compiled, measured: the plan's final grid
             # None for a candidate with no reference (the shape in force's row failed): a
             # 0 would claim a match that nothing was compared with
             row["max_diff"] = (0.0 if shape is None else None if reference is None
                                else _max_diff(out, reference))
-        plan = case.plan(mode, index)
-        if plan is None:
-            raise ValueError(f"no plan: {shape} gives more slices a row than the device runs "
-                             "at once")
-        planned = in_force(plan, M, sms, case.x.element_size()) if shape is None else shape
-        row.update(shape=str(planned), in_force=shape is None, programs=plan.grid[0],
-                   per_sm=plan.per_sm)
+        plan = case.plan(mode, index)          # (after a GPU's first launch: measured)
+        row.update(programs=plan.grid[0], per_sm=plan.per_sm)
         if arch:
             row.update(_compiled(plan, D, arch))
+            # programs an SM holds by the compiled kernel's registers, warps and shared
+            # memory (a plan's own figure goes by registers alone where nothing measured it)
+            row["per_sm"] = programs_per_sm(row["registers"], plan.options["num_warps"],
+                                            row["shared_bytes"])
         if time_it:
             # CUDA graph replays, or do_bench where a graph cannot hold the call (said in
             # the row: compare a candidate with the shape in force under one timer)
@@ -348,7 +362,8 @@ def _line(r: dict) -> str:
         f" {r['gbps']:7.1f} GB/s ({r['frac_copy']:.2f} of copy)" if r.get("frac_copy") else "")
         + (f", max diff {r['max_diff']:.3g}" if r["max_diff"] is not None
            else ", no max diff (the shape in force failed)")) if "us" in r else ""
-    return (f"{head}  {r['shape']:>14s}{' (in force)' if r['in_force'] else '           '}"
+    asked = f" (asked {r['asked']})" if "asked" in r else ""
+    return (f"{head}  {r['shape']:>14s}{' (in force)' if r['in_force'] else '           '}{asked}"
             f"{times}  {r['programs']} programs, {r['per_sm']} per SM{regs}"
             + (f"  ({r['note']})" if "note" in r else ""))
 
@@ -420,10 +435,8 @@ def _measure_group(out, done, op, mode, D, M, forward, backward, device, index, 
         out.append(dict(op=op, mode=mode, D=D, M=M, error=f"{type(e).__name__}: {e}"))
         print(_line(out[-1]), flush=True)
         return
-    reference, now = None, None
+    reference, seen = None, set()             # the shapes planned so far
     for shape in (None, *(forward if mode == "fwd" else backward)):
-        if shape is not None and str(shape) == now:
-            continue            # the shape in force, timed already
         row = dict(op=op, mode=mode, D=D, M=M)
         if shape is not None and late():
             out.append(dict(row, shape=str(shape), in_force=False, error=spent))
@@ -431,10 +444,14 @@ def _measure_group(out, done, op, mode, D, M, forward, backward, device, index, 
             continue
         try:
             found, outputs = _shape_row(case, mode, M, D, shape, device, index, sms, copy_gbps,
-                                        reference, arch, time_it)
+                                        reference, arch, time_it, seen)
+            if found is None:
+                print(f"{op:14s} {mode} D {D:6d} M {M:6d}  {shape}: planned here as a shape "
+                      "timed already", flush=True)
+                continue
             row.update(found)
             if shape is None:
-                reference, now = outputs, found["shape"]
+                reference = outputs
         except Exception as e:  # noqa: BLE001
             row.update(shape=str(shape) if shape is not None else "in force", in_force=False,
                        error=f"{type(e).__name__}: {e}")
