@@ -24,17 +24,20 @@ and LAG (0 unless given) the rows a program publishes ahead of the one it waits 
 (``_config.EXCHANGE_LAG``: 1 overlaps the exchange with the next row's loads and sums, and
 gives the same bits).
 
-For each op, mode, D and shape: device time (:func:`normbook.bench.timing.timed`; CUDA graph
-replays on a GPU, do_bench where a graph cannot hold the call, the row naming its timer), GB/s of :func:`normbook.bench.bytemodel.bytes_moved` and its fraction of a
-copy timed in the same run, the plan's programs and programs per SM (measured at its first
-launch), the kernel's registers, spill bytes and shared memory (compiled for this device's
-architecture by
-:mod:`normbook.kernels.report`; not in Triton's interpreter), and ``max_diff``, the largest
-difference from the output of the shape in force (other chunks or slices sum in another
-order: rounding, not more; a candidate that differs by more is a defect, not a speed).
-``--compile-only`` compiles the candidates' plans for sm_90 (an H200 planned, no device
-needed, the interpreter off) and gives registers and spills alone: the candidates that spill
-are known before a GPU's minutes are spent on them.
+For each op, mode, D and shape: the shape as planned on this device (``asked`` beside it
+where the device clamps the one asked, or M leaves a grid of programs per SM a program a row;
+a candidate planned as one already timed is not timed again); device time
+(:func:`normbook.bench.timing.timed`: CUDA graph replays on a GPU, do_bench where a graph
+cannot hold the call, the row naming its timer); GB/s of
+:func:`normbook.bench.bytemodel.bytes_moved` and its fraction of a copy timed in the same run;
+the plan's programs; the kernel's registers, spill bytes and shared memory, compiled for this
+device's architecture by :mod:`normbook.kernels.report` (not in Triton's interpreter), and the
+programs an SM holds by them; and ``max_diff``, the largest difference from the output of the
+shape in force (other chunks or slices sum in another order: rounding, not more; a candidate
+that differs by more is a defect, not a speed; None where the shape in force has no output to
+compare with). ``--compile-only`` compiles the candidates' plans for sm_90 (an H200 planned,
+no device needed, the interpreter off) and gives registers and spills alone: the candidates
+that spill are known before a GPU's minutes are spent on them.
 
 JSON, written again after every row: ``rows`` (op, mode, D, M, shape, in_force and the
 figures above, or ``error``), ``best`` (per op, mode and D: the fastest shape and its time
