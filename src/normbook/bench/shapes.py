@@ -32,10 +32,11 @@ cannot hold the call, the row naming its timer); GB/s of
 :func:`normbook.bench.bytemodel.bytes_moved` and its fraction of a copy timed in the same run;
 the plan's programs; the kernel's registers, spill bytes and shared memory, compiled for this
 device's architecture by :mod:`normbook.kernels.report` (not in Triton's interpreter), and the
-programs an SM holds by them; and ``max_diff``, the largest difference from the output of the
-shape in force (other chunks or slices sum in another order: rounding, not more; a candidate
-that differs by more is a defect, not a speed; None where the shape in force has no output to
-compare with). ``--compile-only`` compiles the candidates' plans for sm_90 (an H200 planned,
+programs an SM holds by them; and ``max_diff``, the largest difference from the outputs of the
+shape in force, each relative to that output's largest value (other chunks or slices sum in
+another order: rounding, within ``ROUNDING``; a candidate that differs by more is a defect, not
+a speed, and is not among the fastest; None where the shape in force has no output to compare
+with). ``--compile-only`` compiles the candidates' plans for sm_90 (an H200 planned,
 no device needed, the interpreter off) and gives registers and spills alone: the candidates
 that spill are known before a GPU's minutes are spent on them.
 
@@ -254,16 +255,25 @@ def _outputs(out) -> list:
     return [t for t in out if t is not None]
 
 
+ROUNDING = 2.0 ** -6     # max_diff of a match: 4 bf16 ulps of an output's largest value (a
+                         # reordered fp32 sum moves a bf16 y or dweight by an ulp or so)
+
+
 def _max_diff(got: list, want: list, rows: int = 256) -> float:
-    """The largest |got - want| over the tensors, in fp32, ``rows`` rows at a time (at D =
-    131072 a whole (M, D) difference in fp32 would take 17 GB); a NaN counts as infinite."""
+    """The largest |got - want| over the tensors, each relative to that output's largest
+    |want| (y, dx and dweight differ in scale; an output of zeros: absolute), in fp32,
+    ``rows`` rows at a time (at D = 131072 a whole (M, D) difference in fp32 would take
+    17 GB); a NaN counts as infinite."""
     worst = 0.0
     for a, b in zip(got, want):
         lead = a.shape[0] if a.dim() > 1 else 1          # rows, or one for a (D,) vector
         a, b = a.reshape(lead, -1), b.reshape(lead, -1)
+        diff = scale = 0.0
         for i in range(0, lead, rows):
             d = (a[i:i + rows].float() - b[i:i + rows].float()).abs()
-            worst = max(worst, torch.nan_to_num(d, nan=float("inf")).max().item())
+            diff = max(diff, torch.nan_to_num(d, nan=float("inf")).max().item())
+            scale = max(scale, b[i:i + rows].float().abs().max().item())
+        worst = max(worst, diff / scale if scale > 0 else diff)
     return worst
 
 
@@ -363,7 +373,8 @@ def _line(r: dict) -> str:
             f"{r['shared_bytes'] >> 10} KB shared" if "registers" in r else "")
     times = (f"  {r['us']:9.1f} us" + (   # (GB/s only where a copy was timed: a GPU)
         f" {r['gbps']:7.1f} GB/s ({r['frac_copy']:.2f} of copy)" if r.get("frac_copy") else "")
-        + (f", max diff {r['max_diff']:.3g}" if r["max_diff"] is not None
+        + (f", max diff {r['max_diff']:.3g}" + (" (DIFFERS)" if r["max_diff"] > ROUNDING
+                                                 else "") if r["max_diff"] is not None
            else ", no max diff (the shape in force failed)")) if "us" in r else ""
     asked = f" (asked {r['asked']})" if "asked" in r else ""
     return (f"{head}  {r['shape']:>14s}{' (in force)' if r['in_force'] else '           '}{asked}"
@@ -372,10 +383,12 @@ def _line(r: dict) -> str:
 
 
 def best(rows: list[dict]) -> list[dict]:
-    """Per (op, mode, D): the fastest shape timed, its microseconds, the shape in force's."""
+    """Per (op, mode, D): the fastest shape timed whose outputs match the shape in force's
+    (``max_diff`` within ROUNDING), its microseconds, the shape in force's."""
     out, groups = [], {}
-    for r in rows:
-        if "us" in r:
+    for r in rows:   # (a candidate that gives another answer is no candidate: see ROUNDING)
+        if "us" in r and (r["in_force"] or (r.get("max_diff") is not None
+                                            and r["max_diff"] <= ROUNDING)):
             groups.setdefault((r["op"], r["mode"], r["D"]), []).append(r)
     for (op, mode, D), found in groups.items():
         top = min(found, key=lambda r: r["us"])
