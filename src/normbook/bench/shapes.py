@@ -56,16 +56,18 @@ from typing import NamedTuple
 
 import torch
 
+from normbook.bench.model import H200
+
 __all__ = ["LoopShape", "CoopShape", "parse", "using", "in_force", "measure", "main",
            "FORWARD", "BACKWARD"]
 
 DESCRIPTION = __doc__.split("\n\n")[0]
-REGISTERS = 65536                    # an SM's register file (sm_80, sm_90)
+REGISTERS = H200["registers"]        # an SM's register file (sm_80, sm_90)
 
 
 def _cap(warps: int, resident: int) -> int:
     """Registers a thread may use so that ``resident`` programs of ``warps`` warps fit an SM."""
-    return min(255, REGISTERS // (32 * warps * resident))
+    return min(H200["thread_registers"], REGISTERS // (32 * warps * resident))
 
 
 class LoopShape(NamedTuple):
@@ -410,7 +412,6 @@ def measure(ops, modes, dims, rows, forward, backward, device: str, arch: int = 
     each plan for sm_<arch> too (0: do not); ``time_budget``: seconds, after which no new
     (op, mode, D, M) is started (0: none); ``copy_gbps``: the copy's bandwidth, for the
     fractions (None: none given)."""
-    from normbook.bench.model import H200
     from normbook.kernels._config import Device
 
     out = [] if out is None else out
