@@ -212,6 +212,9 @@ def test_compile_only_reads_registers_and_spills_for_sm_90(tmp_path):
         ("fwd", "16384x16x2x8x4", 1056, 1),
         ("bwd", "8192x8x2", 256, 2), ("bwd", "16384x16x1", 128, 1)]
     assert rows[2]["shared_bytes"] > 228 * 1024 // 2 > rows[0]["shared_bytes"]
+    # four stages of 16 KB chunks would not launch on sm_86 or sm_89 (99 KB a program): said
+    marked = [line for line in run.stdout.splitlines() if "more than sm_86 and sm_89" in line]
+    assert len(marked) == 1 and "16384x16x2x8x4" in marked[0], run.stdout
     assert all(0 < r["registers"] <= 255 and r["spill_bytes"] == 0 and "us" not in r
                for r in rows), rows
     assert "16384x16x2x8: planned here as a shape timed already" in run.stdout

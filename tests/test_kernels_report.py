@@ -104,6 +104,23 @@ def test_occupancy_by_hand():
     assert not hasattr(model, "predict")       # no speed is predicted (see the module)
 
 
+def test_more_shared_memory_than_sm86_gives_a_program_is_a_problem_for_sm_80():
+    """The plans are the same on every GPU, and the smaller Ampere and Ada GPUs (sm_86, sm_89:
+    99 KB a program) compile sm_80's pipelines: a kernel compiled for sm_80 past that is a
+    problem of the report; sm_90's own 227 KB are not held to it."""
+    from normbook.bench.model import SHARED_SM86
+    from normbook.kernels import report
+
+    row = dict(kernel="norm_fwd_rows_kernel", arch="sm_80", dtype="bf16", D=1024,
+               spill_bytes=0, load_bits=128, registers=64, num_warps=4, per_sm=1,
+               shared_bytes=SHARED_SM86)
+    assert report.problems(row) == []
+    assert report.problems(dict(row, shared_bytes=SHARED_SM86 + 1)) == [
+        f"{SHARED_SM86 + 1} bytes of shared memory, more than a program may have on sm_86 "
+        f"and sm_89 ({SHARED_SM86})"]
+    assert report.problems(dict(row, arch="sm_90", shared_bytes=SHARED_SM86 + 1)) == []
+
+
 def test_traffic_is_counted_from_the_plans():
     """report.traffic reads a plan's counts, no per-kernel table: LayerNorm at D = 4096 bf16
     (whole rows, 2 per step), and at 65536 (the forward swept in chunks, its re-read from L2

@@ -22,12 +22,21 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["H200", "MODEL_TOLERANCE", "FIT_TERMS", "fit", "programs_per_sm", "unshared_reads"]
+__all__ = ["H200", "SHARED_SM86", "MODEL_TOLERANCE", "FIT_TERMS", "fit", "programs_per_sm",
+           "unshared_reads"]
 
 # an H200's SMs, registers, shared memory, warp slots and programs per SM, and the HBM
 # bandwidth of its datasheet (the measured copy is in each run's results.json)
 H200 = dict(sms=132, registers=65536, shared=228 * 1024, warps=64, blocks=32,
             bandwidth=4.8e12, thread_registers=255)
+
+# the most shared memory a program may have on sm_86 and sm_89 (and sm_120): 99 KB of their 100
+# KB an SM (CUDA's programming guide, its table of compute capabilities), where sm_80 allows 163
+# KB and sm_90 227 KB. The plans do not depend on it, and Triton compiles the same cp.async
+# pipelines for sm_80, sm_86 and sm_89 (the rows kernels' shared memory, compiled here for
+# sm_80 and sm_89: 67840 bytes at most on both), so a plan past it would not launch on an RTX
+# 30 or 40, an A10 or an L4: the compile report refuses it for sm_80
+SHARED_SM86 = 99 * 1024
 
 # The retired model's assumed prices, not measurements (normbook.kernels.sass prices a chain's
 # steps with them; kept here, where no Triton is needed to read them)

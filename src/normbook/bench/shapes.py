@@ -56,7 +56,7 @@ from typing import NamedTuple
 
 import torch
 
-from normbook.bench.model import H200
+from normbook.bench.model import H200, SHARED_SM86
 
 __all__ = ["LoopShape", "CoopShape", "parse", "using", "in_force", "measure", "main",
            "FORWARD", "BACKWARD"]
@@ -373,6 +373,8 @@ def _line(r: dict) -> str:
         return f"{head}  {r.get('shape', '?')}: {r['error']}"
     regs = (f", {r['registers']} regs, {r['spill_bytes']} B spilled, "
             f"{r['shared_bytes'] >> 10} KB shared" if "registers" in r else "")
+    if r.get("shared_bytes", 0) > SHARED_SM86:   # (the plans are the same on every GPU)
+        regs += ", more than sm_86 and sm_89 give a program: not for every GPU as it is"
     times = (f"  {r['us']:9.1f} us" + (   # (GB/s only where a copy was timed: a GPU)
         f" {r['gbps']:7.1f} GB/s ({r['frac_copy']:.2f} of copy)" if r.get("frac_copy") else "")
         + (f", max diff {r['max_diff']:.3g}" + (" (DIFFERS)" if r["max_diff"] > ROUNDING

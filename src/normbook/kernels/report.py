@@ -13,8 +13,12 @@ store, and their latency at assumed prices (``sass.HBM_LATENCY_S`` and others).
 Pointers, row strides and D carry a divisibility-by-16 hint, as Triton's JIT gives them at run
 time for 16-byte-aligned rows; that hint is what lets the loads be 128 bits wide.
 
-Exits non-zero if a compile fails, a configuration spills, or a kernel at D >= 256 has no
-128-bit global load where D is a multiple of 16 bytes.
+Exits non-zero if a compile fails, a configuration spills, a kernel at D >= 256 has no
+128-bit global load where D is a multiple of 16 bytes, or a kernel compiled for sm_80 takes
+more shared memory than a program may have on sm_86 and sm_89
+(:data:`normbook.bench.model.SHARED_SM86`): the plans do not depend on the device's shared
+memory, and the smaller Ampere and Ada GPUs (RTX 30 and 40, A10, L4) compile the same
+pipelines as sm_80, which would not launch there.
 
 Refusals are one line, ``normbook-report: error: ...``, exit status 2, before anything is
 compiled: an architecture outside ``ARCHS`` (the plans, the model and the goal are sm_80's
@@ -391,7 +395,8 @@ def problems(row: dict) -> list[str]:
     """Why a row fails the report: a compile error, an int32 offset that can wrap
     (:func:`int32_offsets`), spills (a row, a slice, a tile is held in registers: none may
     go to local memory), narrow loads where D is a multiple of 16 bytes of values, a
-    persistent rows kernel less resident than its grid assumes."""
+    persistent rows kernel less resident than its grid assumes, more shared memory (compiled
+    for sm_80) than sm_86 and sm_89 give a program (:data:`normbook.bench.model.SHARED_SM86`)."""
     if "error" in row:
         return [row["error"]]
     out = []
@@ -399,6 +404,9 @@ def problems(row: dict) -> list[str]:
         out.append(f"{row['int32_offsets']} int32 products of a program id and a size (wrap at 2^31)")
     if row["spill_bytes"]:
         out.append(f"spills {row['spill_bytes']} bytes")
+    if row["arch"] == "sm_80" and row["shared_bytes"] > model.SHARED_SM86:
+        out.append(f"{row['shared_bytes']} bytes of shared memory, more than a program may have "
+                   f"on sm_86 and sm_89 ({model.SHARED_SM86})")
     wide_possible = not narrow_loads(row["D"], bytemodel.itemsize(row["dtype"]))
     if row["D"] >= 256 and wide_possible and row["load_bits"] < 128:
         out.append(f"widest load {row['load_bits']} bits, expected 128")
