@@ -16,7 +16,7 @@ time for 16-byte-aligned rows; that hint is what lets the loads be 128 bits wide
 Exits non-zero if a compile fails, a configuration spills, a kernel at D >= 256 has no
 128-bit global load where D is a multiple of 16 bytes, or a kernel compiled for sm_80 takes
 more shared memory than a program may have on sm_86 and sm_89
-(:data:`normbook.bench.model.SHARED_SM86`): the plans do not depend on the device's shared
+(``normbook.bench.model.SHARED_SM86``): the plans do not depend on the device's shared
 memory, and the smaller Ampere and Ada GPUs (RTX 30 and 40, A10, L4) compile the same
 pipelines as sm_80, which would not launch there.
 
@@ -396,7 +396,7 @@ def problems(row: dict) -> list[str]:
     (:func:`int32_offsets`), spills (a row, a slice, a tile is held in registers: none may
     go to local memory), narrow loads where D is a multiple of 16 bytes of values, a
     persistent rows kernel less resident than its grid assumes, more shared memory (compiled
-    for sm_80) than sm_86 and sm_89 give a program (:data:`normbook.bench.model.SHARED_SM86`)."""
+    for sm_80) than sm_86 and sm_89 give a program (``normbook.bench.model.SHARED_SM86``)."""
     if "error" in row:
         return [row["error"]]
     out = []
