@@ -15,7 +15,7 @@ PORT ?= 8000
 
 TRITON36 := build/triton36
 
-.PHONY: book test quick pytest triton36 torch-floor gpu-dry-run gpu-wheels nbval notebooks pdf browser-check test-book test-kernels serve clean
+.PHONY: book test quick pytest triton36 triton-versions torch-floor gpu-dry-run gpu-wheels nbval notebooks pdf browser-check test-book test-kernels serve clean
 
 ## The pins are installed by uv (itself pinned, into the venv by pip): under a minute where pip
 ## took three. Bytecode is compiled at install, as pip does: left to the first imports, it slowed
@@ -73,6 +73,25 @@ $(TRITON36)/.installed: $(STAMP)
 
 triton36: $(TRITON36)/.installed
 	env -u TRITON_INTERPRET PYTHONPATH=$(TRITON36) $(PY) -m normbook.kernels.report --json build/report-triton36.json --force
+
+## Two things of normbook mirror Triton's own code, on the Tritons they were read against and
+## are tested on: the direct launch (_launch.TESTED: a compiled kernel's launcher called as
+## JITFunction.run calls it) and the interpreter's patches (_interpret.TESTED: no rescan of
+## triton.language per call, bfloat16 rounded as a GPU rounds it). 3.6 is tested in make
+## torch-floor, 3.9 by the pins, and here 3.7 (what PyPI's CUDA build of torch 2.13 pins) and
+## 3.8, each in a folder of its own first on PYTHONPATH: the tests that compare the direct
+## launch with Triton's argument for argument, and the interpreter's with and without the
+## patches bit for bit (about half a minute each).
+OTHER_TRITONS := 3.7.1 3.8.0
+build/triton-%/.installed: $(STAMP)
+	$(UV_PIP) --compile-bytecode --target build/triton-$* --no-deps triton==$*
+	touch $@
+
+triton-versions: $(foreach v,$(OTHER_TRITONS),build/triton-$(v)/.installed)
+	for v in $(OTHER_TRITONS); do echo "the direct launch and the interpreter under Triton $$v"; \
+	  PYTHONPATH=build/triton-$$v $(PY) -m pytest -q -n auto -p no:cacheprovider \
+	  -W ignore::DeprecationWarning tests/test_kernels_launch.py tests/test_kernels_interpret.py \
+	  || exit 1; done
 
 ## The declared torch floor (pyproject: torch>=2.11) is tested too: torch 2.11 with Triton 3.6, the
 ## GPU machine's versions, in a venv of their own, the rest at requirements.txt's pins, and the
@@ -163,8 +182,9 @@ serve:
 	$(PYTHON) -m http.server $(PORT) --bind 127.0.0.1 --directory $(HTML_DIR)
 
 ## The gates: the package's tests first (a failure there stops everything); then two lines side
-## by side, each in order: the book build and its browser check; Triton 3.6, the GPU dry run
-## and the torch floor.
+## by side, each in order: the book build and its browser check; Triton 3.6's compile report,
+## the direct launch and the interpreter under Triton 3.7 and 3.8, the GPU dry run and the
+## torch floor.
 ## The book executes one chapter at a time, a core at most, so alone it leaves the other core
 ## idle; the dry run's step caps assume a core of its own, which it has once Triton 3.6 is done.
 ## Each target's output is printed whole when it ends (--output-sync), and make starts nothing
@@ -177,6 +197,7 @@ test-book: book
 	$(MAKE) browser-check
 
 test-kernels: triton36
+	$(MAKE) triton-versions
 	$(MAKE) gpu-dry-run
 	$(MAKE) torch-floor
 

@@ -22,14 +22,17 @@ bf16): 9.1 s as Triton ships, 4.3 s with :func:`install`, bitwise the same outpu
 
 It is installed by :mod:`normbook.kernels` when the interpreter runs the kernels, and only on
 the Triton versions whose interpreter it was read against and is tested on (:data:`TESTED`:
-3.6, the GPU machine's, and 3.9, the pinned one); on any other it leaves Triton as it is.
+3.6, the GPU machine's, 3.7, what PyPI's CUDA build of torch 2.13 pins, 3.8, and 3.9, the
+pinned one; what it replaces is the same in all four, but for the semantic object the
+patched builtins are bound to, which it does not touch); on any other it leaves Triton as it
+is.
 :func:`uninstall` puts the originals back (tests/test_kernels_interpret.py runs kernels both
 ways and compares them bit by bit).
 
 The rounding (:func:`install_rounding`, also installed by :mod:`normbook.kernels` under the
 interpreter, on the same versions). A GPU converts float32 to bfloat16 to the nearest value,
 ties to even (``cvt.rn.bf16.f32``), for ``x.to(tl.bfloat16)`` and for a float32 value stored
-through a bfloat16 pointer alike. Triton's interpreter (3.6 and 3.9, ``_convert_float``)
+through a bfloat16 pointer alike. Triton's interpreter (3.6 to 3.9, ``_convert_float``)
 truncates instead: its casts pass no rounding mode, and its "round to nearest even" branch
 rounds halves up and drops the carry into an odd exponent. So bfloat16 results on the CPU
 trailed the GPU's by up to an ulp, toward zero: a bfloat16 xhat of 0.99999938 (``rms_norm(...,
@@ -52,7 +55,7 @@ import numpy as np
 __all__ = ["install", "uninstall", "installed", "install_rounding", "uninstall_rounding",
            "bf16_bits", "TESTED"]
 
-TESTED = ("3.6", "3.9")   # Triton's major.minor versions this was read against and is tested on
+TESTED = ("3.6", "3.7", "3.8", "3.9")   # Triton major.minor versions read against, tested on
 
 _saved: dict = {}     # the originals while installed: {"_patch_builtin": f, "_patch_lang": g}
 _saved_casts: dict = {}   # InterpreterBuilder's originals while the rounding is installed

@@ -8,7 +8,7 @@ forwards: 0.092 s of 0.167 s in ``JITFunction.run``; the H200 run of 2026-12-04,
 
 :func:`launch` does that work once per launch key. Triton specializes a compiled kernel on
 each pointer's dtype and 16-byte alignment and on each integer's value 1, multiple of 16 and
-32/64-bit range (``native_specialize_impl``, Triton 3.6 and 3.9 alike). A launcher that has
+32/64-bit range (``native_specialize_impl``, Triton 3.6 to 3.9 alike). A launcher that has
 checked its pointers' alignment passes a key that decides the rest: the plan's
 :attr:`~normbook.kernels._config.Plan.key` (kernel and flags), the tensors' dtypes and the
 integers themselves. The first launch under a key goes through Triton's path, which compiles
@@ -51,7 +51,11 @@ from triton.runtime.jit import JITFunction
 __all__ = ["launch", "direct", "stub_driver", "TESTED", "compiled_variants", "kept", "plain",
            "READY", "forget_ready", "measure", "other_device"]
 
-TESTED = ("3.6", "3.9")   # Triton versions whose JITFunction.run this mirrors, and is tested on
+# Triton versions whose JITFunction.run this mirrors, and is tested on: the launcher call at its
+# end is the same line in all four (read), and tests/test_kernels_launch.py compares the direct
+# launch with Triton's under each (3.6 in make torch-floor, 3.7 and 3.8 in make triton-versions,
+# 3.9 the pins). 3.7 is what PyPI's CUDA torch 2.13 pins: without it there, Triton's path every call
+TESTED = ("3.6", "3.7", "3.8", "3.9")
 
 _DIRECT = ".".join(triton.__version__.split(".")[:2]) in TESTED
 MAX_KEPT = 4096          # entries of the kept kernels' table before it is cleared
