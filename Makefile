@@ -78,8 +78,8 @@ triton36: $(TRITON36)/.installed
 ## are tested on: the direct launch (_launch.TESTED: a compiled kernel's launcher called as
 ## JITFunction.run calls it) and the interpreter's patches (_interpret.TESTED: no rescan of
 ## triton.language per call, bfloat16 rounded as a GPU rounds it). 3.6 is tested in make
-## torch-floor, 3.9 by the pins, and here 3.7 (what PyPI's CUDA build of torch 2.13 pins) and
-## 3.8, each in a folder of its own first on PYTHONPATH: the tests that compare the direct
+## torch-floor, 3.9 by the pins, and here 3.7 and 3.8 (what PyPI's CUDA builds of torch 2.12 to
+## 2.14 pin), each in a folder of its own first on PYTHONPATH: the tests that compare the direct
 ## launch with Triton's argument for argument, and the interpreter's with and without the
 ## patches bit for bit (about half a minute each).
 OTHER_TRITONS := 3.7.1 3.8.0

@@ -22,8 +22,8 @@ bf16): 9.1 s as Triton ships, 4.3 s with :func:`install`, bitwise the same outpu
 
 It is installed by :mod:`normbook.kernels` when the interpreter runs the kernels, and only on
 the Triton versions whose interpreter it was read against and is tested on (:data:`TESTED`:
-3.6, the GPU machine's, 3.7, what PyPI's CUDA build of torch 2.13 pins, 3.8, and 3.9, the
-pinned one; what it replaces is the same in all four, but for the semantic object the
+3.6, the GPU machine's, 3.7 and 3.8, what PyPI's CUDA builds of torch 2.12 to 2.14 pin, and
+3.9, the pinned one; what it replaces is the same in all four, but for the semantic object the
 patched builtins are bound to, which it does not touch); on any other it leaves Triton as it
 is.
 :func:`uninstall` puts the originals back (tests/test_kernels_interpret.py runs kernels both

@@ -54,7 +54,8 @@ __all__ = ["launch", "direct", "stub_driver", "TESTED", "compiled_variants", "ke
 # Triton versions whose JITFunction.run this mirrors, and is tested on: the launcher call at its
 # end is the same line in all four (read), and tests/test_kernels_launch.py compares the direct
 # launch with Triton's under each (3.6 in make torch-floor, 3.7 and 3.8 in make triton-versions,
-# 3.9 the pins). 3.7 is what PyPI's CUDA torch 2.13 pins: without it there, Triton's path every call
+# 3.9 the pins). 3.7 and 3.8 are what PyPI's CUDA builds of torch 2.12 to 2.14 pin: without them,
+# Triton's path on every call there
 TESTED = ("3.6", "3.7", "3.8", "3.9")
 
 _DIRECT = ".".join(triton.__version__.split(".")[:2]) in TESTED
