@@ -121,6 +121,26 @@ def test_more_shared_memory_than_sm86_gives_a_program_is_a_problem_for_sm_80():
     assert report.problems(dict(row, arch="sm_90", shared_bytes=SHARED_SM86 + 1)) == []
 
 
+def test_sm_89_compiles_the_shared_memory_of_sm_80():
+    """The premise of the rule above: Triton pipelines a kernel for sm_89 as for sm_80, so the
+    compile report's sm_80 row stands for the GPUs with 99 KB a program. Checked on the kernel
+    with the most shared memory of the report's configurations (the rows backward, fp32, short
+    rows: three stages of 64 KB tiles), and on sm_75 (no cp.async), which stages none of it.
+    Compiled in a fresh process without TRITON_INTERPRET, as the report runs."""
+    from normbook.bench.model import SHARED_SM86
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json; from normbook.kernels import report; print(json.dumps({a: max("
+            "r['shared_bytes'] for r in report.config_rows((a, 'fp32', 256, False, False))) "
+            "for a in (75, 80, 89)}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    shared = {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+    assert shared[89] == shared[80] <= SHARED_SM86 and shared[80] > 32 * 1024, shared
+    assert shared[75] < 16 * 1024, shared
+
+
 def test_traffic_is_counted_from_the_plans():
     """report.traffic reads a plan's counts, no per-kernel table: LayerNorm at D = 4096 bf16
     (whole rows, 2 per step), and at 65536 (the forward swept in chunks, its re-read from L2
