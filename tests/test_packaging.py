@@ -197,6 +197,39 @@ def test_mypy_is_clean_on_the_public_api():
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+
+def test_returns_sections_render_as_one_value_each():
+    """The API page renders docstrings with napoleon, its "Returns" section in the style of
+    "Args" (_config.yml): each line at the first line's indentation starts a value of its own,
+    so a description wrapped without a deeper indent became bold bullets of sentence fragments
+    (23 public functions did, layer_norm and rms_norm among them)."""
+    import ast
+
+    from sphinx.ext.napoleon import Config
+    from sphinx.ext.napoleon.docstring import GoogleDocstring
+
+    sphinx = yaml.safe_load((ROOT / "_config.yml").read_text())["sphinx"]["config"]
+    config = Config(napoleon_custom_sections=[tuple(s) for s in
+                                              sphinx["napoleon_custom_sections"]])
+    fragments = {}
+    for path in sorted((ROOT / "src" / "normbook").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or "Returns:" not in doc:
+                continue
+            rendered = str(GoogleDocstring(doc, config))
+            if ":Returns:" not in rendered:      # the word in a sentence, not a section
+                continue
+            section = rendered.split(":Returns:", 1)[1].split("\n\n", 1)[0]
+            names = re.findall(r"^\s*(?:\* )?\*\*(.*?)\*\*", section, re.M)
+            bad = [n for n in names if not re.fullmatch(r"[\w.]+", n)]
+            if bad:
+                fragments[f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"] = bad
+    assert not fragments, f"Returns values named by a wrapped line (indent it): {fragments}"
+
+
 # ------------------------------------------------------------------------------ the wheel
 
 def _runtime_closure(requirements: list[str], leave_out: set[str]) -> set[str]:

@@ -155,7 +155,7 @@ def check(name: str, yours, reference, *, x=None, dy=None, weight=None,
             identities on an RMSNorm gradient).
 
     Returns:
-        True when ``yours`` is exact or close and (with x) the identities hold.
+        bool: True when ``yours`` is exact or close and (with x) the identities hold.
     """
     import torch
 
@@ -351,7 +351,7 @@ def check_fn(name: str, yours, reference, *inputs, rtol: float | None = None,
     written``.
 
     Returns:
-        True when your result matches the reference's.
+        bool: True when your result matches the reference's.
     """
     try:
         got = yours(*inputs)

@@ -52,7 +52,7 @@ def shift_identity(dx: torch.Tensor) -> torch.Tensor:
         dx: (..., D) input gradient of a LayerNorm.
 
     Returns:
-        (...,) the sum over the last dim, one value per token.
+        Tensor: (...,), the sum over the last dim, one value per token.
     """
     _checked(dx)
     return dx.sum(-1)
@@ -71,7 +71,7 @@ def scale_identity(x: torch.Tensor, dx: torch.Tensor, eps: float) -> torch.Tenso
 
     Returns:
         Tensor: (...,), one value per token. At eps > 0 it equals
-        :func:`scale_identity_residual`.
+            :func:`scale_identity_residual`.
     """
     _checked(x, dx=dx)
     return (_xhat(x, eps) * dx).sum(-1)
@@ -94,7 +94,7 @@ def scale_identity_residual(
         eps: the eps of the forward.
 
     Returns:
-        (...,) the predicted residual, one value per token.
+        Tensor: (...,), the predicted residual, one value per token.
     """
     _checked(x, dy=dy, weight=weight)
     D = x.shape[-1]
@@ -171,7 +171,7 @@ def rms_scale_identity(x: torch.Tensor, dx: torch.Tensor, eps: float) -> torch.T
 
     Returns:
         Tensor: (...,), one value per token. At eps > 0 it equals
-        :func:`rms_scale_identity_residual`.
+            :func:`rms_scale_identity_residual`.
     """
     _checked(x, dx=dx)
     return (_rms_stats(x, eps)[0] * dx).sum(-1)
@@ -194,7 +194,7 @@ def rms_scale_identity_residual(
         eps: the eps of the forward.
 
     Returns:
-        (...,) the predicted residual, one value per token.
+        Tensor: (...,), the predicted residual, one value per token.
     """
     _checked(x, dy=dy, weight=weight)
     D = x.shape[-1]
@@ -393,7 +393,7 @@ def check_norm_backward(
             sqrt(D) / 8 when D > 64 (4 * finfo(x.dtype).eps for float16 and bfloat16).
 
     Returns:
-        True (as torch.autograd.gradcheck); every failure raises.
+        bool: True (as torch.autograd.gradcheck); every failure raises.
     """
     _checked(x, weight=weight, **({} if dy is None else {"dy": dy}))
     eps = _kind_eps(kind, eps, x.dtype)

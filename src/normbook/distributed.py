@@ -60,8 +60,8 @@ def merge_stats(n: torch.Tensor, mean: torch.Tensor,
             per token.
 
     Returns:
-        (N, mean, m2) of all chunks together: N a scalar tensor (n's dtype), mean and m2 of
-        shape (...).
+        tuple: (N, mean, m2) of all chunks together: N a scalar tensor (n's dtype), mean and m2 of
+            shape (...).
     """
     for name, t in (("n", n), ("mean", mean), ("m2", m2)):
         if not isinstance(t, torch.Tensor):
@@ -371,7 +371,7 @@ def layer_norm_sharded(x: torch.Tensor, weight: torch.Tensor | None = None,
         group: the process group over which D is split (None: the default group).
 
     Returns:
-        (..., D_local): this rank's slice of the output, in x's dtype.
+        Tensor: (..., D_local), this rank's slice of the output, in x's dtype.
     """
     eps, counts = _agreed(x, weight, bias, eps, False, group)
     return _ShardedNorm.apply(x, weight, bias, eps, False, group, counts)
@@ -624,7 +624,7 @@ def launch(fn: Callable[..., Any], *args: Any, world: int = 2,
 
     Returns:
         list: of ``world`` values, ``fn``'s return value on rank 0, 1, ... (sent back through
-        files in the temporary folder).
+            files in the temporary folder).
 
     Raises:
         ValueError: ``fn`` defined in ``__main__`` or inside a function (a child process cannot

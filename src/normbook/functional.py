@@ -1019,10 +1019,10 @@ def layer_norm(input: Tensor, normalized_shape: int | Sequence[int],
 
     Returns:
         Tensor: of input's shape and dtype, computed by the backend :func:`backend` chooses
-        (by default the Triton kernels for CUDA tensors when Triton is installed, torch ops
-        with fp32 reductions for bf16/fp16 otherwise). Double backward, forward-mode AD,
-        torch.func, torch.compile and torch.export work on both. Under autocast on CUDA,
-        XPU or MPS, as torch's: half inputs cast to float32, a float32 result.
+            (by default the Triton kernels for CUDA tensors when Triton is installed, torch ops
+            with fp32 reductions for bf16/fp16 otherwise). Double backward, forward-mode AD,
+            torch.func, torch.compile and torch.export work on both. Under autocast on CUDA,
+            XPU or MPS, as torch's: half inputs cast to float32, a float32 result.
 
     Differs from torch on purpose: ``normalized_shape`` may be an int (torch's functional
     wants a tuple, measured on torch 2.13; its modules take an int, and so does this, for
@@ -1118,11 +1118,11 @@ def rms_norm(input: Tensor, normalized_shape: int | Sequence[int],
 
     Returns:
         Tensor: of input's shape and dtype (with ``round_xhat``, the promoted dtype of input
-        and weight, see above); under autocast, as torch's: float32 (half inputs cast to
-        float32 first) on the devices whose autocast casts ``F.rms_norm`` in the running
-        torch (CUDA and XPU in torch 2.13; none in torch 2.11, which leaves it in the input's
-        dtype), read from its dispatcher. Contiguous: torch's composed rms_norm keeps a
-        channels-last input's memory format (its values are the same).
+            and weight, see above); under autocast, as torch's: float32 (half inputs cast to
+            float32 first) on the devices whose autocast casts ``F.rms_norm`` in the running
+            torch (CUDA and XPU in torch 2.13; none in torch 2.11, which leaves it in the input's
+            dtype), read from its dispatcher. Contiguous: torch's composed rms_norm keeps a
+            channels-last input's memory format (its values are the same).
 
     Differs from torch on purpose: ``normalized_shape`` may be an int, as in
     :func:`layer_norm`; complex inputs are refused (torch accepts them); the weight
@@ -1344,7 +1344,7 @@ def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None,
         eps: added to the variance inside the square root.
 
     Returns:
-        (y, h), both of x's shape and dtype.
+        tuple: (y, h), both of x's shape and dtype.
     """
     if (type(x) is not Tensor or type(residual) is not Tensor) and (
             isinstance(x, _Proxy) or isinstance(residual, _Proxy)):   # torch.fx.symbolic_trace
@@ -1368,7 +1368,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None,
             epsilon for half and fp32 inputs (as :func:`rms_norm`).
 
     Returns:
-        (y, h), both of x's shape and dtype.
+        tuple: (y, h), both of x's shape and dtype.
     """
     if (type(x) is not Tensor or type(residual) is not Tensor) and (
             isinstance(x, _Proxy) or isinstance(residual, _Proxy)):   # torch.fx.symbolic_trace

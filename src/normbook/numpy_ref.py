@@ -25,7 +25,7 @@ def layer_norm(
             the square root.
 
     Returns:
-        (..., D) array.
+        ndarray: (..., D).
     """
     mean = x.mean(axis=-1, keepdims=True)                   # (..., 1)
     # (..., 1), biased: / D
@@ -48,7 +48,7 @@ def rms_norm(
             RMSNorm default, the machine epsilon of the compute dtype).
 
     Returns:
-        (..., D) array.
+        ndarray: (..., D).
     """
     ms = (x**2).mean(axis=-1, keepdims=True)  # (..., 1) mean square
     return weight * x / np.sqrt(ms + eps)     # (..., D)

@@ -162,7 +162,7 @@ def layer_norm_token_forward(
 
     Returns:
         y: (D,); mean, rstd: () scalars, all that backward needs
-        besides x: two numbers instead of the D values of xhat.
+            besides x: two numbers instead of the D values of xhat.
     """
     D = _token(x, weight=weight, bias=bias, eps=eps)
     mean = torch.einsum("d->", x) / D           # ()  (ln-mean), sweep 1
@@ -194,7 +194,7 @@ def layer_norm_token_backward(
 
     Returns:
         dx: (D,); dweight: (D,) or None; dbias: (D,). One token's
-        share of the parameter gradients; a batch adds up the shares.
+            share of the parameter gradients; a batch adds up the shares.
     """
     D = _token(x, dy, weight=weight, mean=mean, rstd=rstd)
     xhat = (x - mean) * rstd                    # (D,) recomputed
@@ -311,7 +311,7 @@ def layer_norm_rows_backward(
 
     Returns:
         dx: (N, D); dweight: (D,) or None; dbias: (D,), both summed
-        over the N rows.
+            over the N rows.
     """
     N, D = _check_rows(x, dy, weight=weight, mean=mean,
                        rstd=rstd)
@@ -350,8 +350,8 @@ def layer_norm_forward(
 
     Returns:
         y: (..., D); mean: (...,); rstd: (...,). mean and rstd are
-        all that backward needs besides x: two scalars per token
-        instead of D values of xhat.
+            all that backward needs besides x: two scalars per token
+            instead of D values of xhat.
     """
     D = _batch(x, weight=weight, bias=bias, eps=eps)
     X = _rows(x)                                # (N, D)
@@ -386,8 +386,8 @@ def layer_norm_backward(
 
     Returns:
         dx: (..., D); dweight: (D,) or None; dbias: (D,). The
-        parameter gradients are summed over every leading dim, because
-        one weight is used by every token (the fork rule).
+            parameter gradients are summed over every leading dim, because
+            one weight is used by every token (the fork rule).
     """
     D = _batch(x, dy, weight=weight, mean=mean, rstd=rstd)
     X, G = _rows(x), _rows(dy)                  # (N, D)
@@ -416,7 +416,7 @@ def layer_norm_jacobian(x: Tensor, eps: float) -> Tensor:
         eps: as in the forward.
 
     Returns:
-        (D, D) matrix, row d = output, column e = input.
+        Tensor: (D, D), row d = output, column e = input.
     """
     D = _token(x, eps=eps)
     _, mean, rstd = layer_norm_token_forward(x, None, None, eps)
@@ -444,7 +444,7 @@ def rms_norm_forward(
 
     Returns:
         y: (..., D); rstd: (...,), the one scalar per token that
-        backward needs.
+            backward needs.
     """
     D = _batch(x, weight=weight, eps=eps)
     X = _rows(x)                                # (N, D)
@@ -472,7 +472,7 @@ def rms_norm_backward(
 
     Returns:
         dx: (..., D); dweight: (D,) summed over every leading dim, or
-        None.
+            None.
     """
     D = _batch(x, dy, weight=weight, rstd=rstd)
     X, G = _rows(x), _rows(dy)                  # (N, D)
@@ -499,7 +499,7 @@ def rms_norm_jacobian(x: Tensor, eps: float) -> Tensor:
         eps: as in the forward.
 
     Returns:
-        (D, D) matrix, row d = output, column e = input.
+        Tensor: (D, D), row d = output, column e = input.
     """
     D = _token(x, eps=eps)
     xhat, rstd = rms_norm_token_forward(x, None, eps)  # (D,), ()

@@ -51,8 +51,8 @@ def residual_tanh_forward(
 
     Returns:
         y: (..., D); t: (..., D) the branch output tanh(A x), saved
-        because backward needs tanh' = 1 - t^2 and recomputing it would
-        cost a matrix product.
+            because backward needs tanh' = 1 - t^2 and recomputing it would
+            cost a matrix product.
     """
     reference._batch(x, A=A)
     t = torch.tanh(x @ A.T)                             # (..., D)
@@ -120,7 +120,7 @@ def pre_norm_tanh_backward(
 
     Returns:
         dx: (..., D); dA: (D, D); dweight: (D,) or None; dbias: (D,) or
-        None.
+            None.
     """
     reference._batch(x, dy, A=A, weight=weight, bias=bias, t=t,
                      mean=mean, rstd=rstd)

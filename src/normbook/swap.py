@@ -293,7 +293,7 @@ def swap_norms(model: torch.nn.Module, *, strict: bool = True) -> int:
         strict: swap a registry class only in the dtypes where it is exact (see above).
 
     Returns:
-        The number of norm modules replaced.
+        int: the number of norm modules replaced.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -519,8 +519,8 @@ def patch_hf(families: Optional[Union[str, Iterable[str]]] = None, *,
 
     Returns:
         HFPatch: a ``normbook.swap.HFPatch``, whose ``undo()`` (or a ``with`` block)
-        takes its classes out, leaving those of any other patch in force and otherwise the
-        originals; models built meanwhile keep normbook's norms.
+            takes its classes out, leaving those of any other patch in force and otherwise the
+            originals; models built meanwhile keep normbook's norms.
 
     Raises:
         ValueError: a family :data:`normbook.swap.HF_NORMS` does not know, named.

@@ -683,7 +683,7 @@ def norm_backward(dy, dh, x, weight, stats, bias_dtype, is_rms: bool, round_xhat
 
     Returns:
         dx: (M, D) contiguous, x's dtype; dweight: (D,) in weight's dtype, or None without a
-        weight; dbias: (D,) in ``bias_dtype``, or None without a bias.
+            weight; dbias: (D,) in ``bias_dtype``, or None without a bias.
 
     Raises:
         ValueError: rows that no plan takes (:func:`normbook.kernels._take.kernels_take`).

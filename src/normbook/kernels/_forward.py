@@ -392,8 +392,8 @@ def norm_forward(x, residual, weight, bias, eps: float, is_rms: bool, round_xhat
 
     Returns:
         y: (M, D) contiguous, x's dtype; h: (M, D) x + residual, or None without a residual;
-        stats: fp32, what backward needs, (2, M) for LayerNorm (mean, rstd) and (1, M) for
-        RMSNorm (rstd): ``stats[-1]`` is rstd either way.
+            stats: fp32, what backward needs, (2, M) for LayerNorm (mean, rstd) and (1, M) for
+            RMSNorm (rstd): ``stats[-1]`` is rstd either way.
     """
     M, D = x.shape
     device = x.get_device()

@@ -144,7 +144,7 @@ def layer_norm_backward(dy, x, weight, mean, rstd):
 
     Returns:
         dx: (M, D) in x's dtype; dweight, dbias: (D,) fp32, summed
-        over rows with atomics (not bitwise reproducible on a GPU).
+            over rows with atomics (not bitwise reproducible on a GPU).
     """
     M, D = _rows(x)
     block = _block(D)

@@ -71,8 +71,8 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         eps: added to the variance inside the square root.
 
     Returns:
-        Tensor of input's shape and dtype (also when weight is fp32 and input bf16). Rows wider
-        than the device's programs can share are computed by the torch backend, with a warning.
+        Tensor: of input's shape and dtype (also when weight is fp32 and input bf16). Rows wider
+            than the device's programs can share are computed by the torch backend, with a warning.
     """
     if type(input) is not Tensor and isinstance(input, _F._Proxy):   # torch.fx.symbolic_trace
         return _F._fx_node(layer_norm, input, normalized_shape, weight, bias, eps)
@@ -94,7 +94,7 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
         eps: inside the square root; None means fp32's machine epsilon, as torch computes.
 
     Returns:
-        Tensor of input's shape and dtype.
+        Tensor: of input's shape and dtype.
     """
     if type(input) is not Tensor and isinstance(input, _F._Proxy):   # torch.fx.symbolic_trace
         return _F._fx_node(rms_norm, input, normalized_shape, weight, eps)
@@ -112,7 +112,7 @@ def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5):
         eps: added to the variance inside the square root.
 
     Returns:
-        (y, h), both of x's shape and dtype.
+        tuple: (y, h), both of x's shape and dtype.
     """
     if (type(x) is not Tensor or type(residual) is not Tensor) and (
             isinstance(x, _F._Proxy) or isinstance(residual, _F._Proxy)):   # torch.fx.symbolic_trace
@@ -130,7 +130,7 @@ def add_rms_norm(x, residual, weight=None, eps=None):
         eps: added to the mean square inside the square root; None: fp32's machine epsilon.
 
     Returns:
-        (y, h), both of x's shape and dtype.
+        tuple: (y, h), both of x's shape and dtype.
     """
     if (type(x) is not Tensor or type(residual) is not Tensor) and (
             isinstance(x, _F._Proxy) or isinstance(residual, _F._Proxy)):   # torch.fx.symbolic_trace
