@@ -231,3 +231,18 @@ def test_turning_the_interpreter_on_after_triton_is_named():
     said, raised = r.stdout.strip().splitlines()
     assert said.startswith("no GPU, and Triton was imported before TRITON_INTERPRET=1 was set")
     assert raised.startswith("input: TRITON_INTERPRET=1 was set after triton was imported")
+
+
+def test_rich_display_prints_text_where_no_ipython_runs(monkeypatch):
+    """A chapter run as a plain script has IPython installed but not running: IPython's display
+    would print "<IPython.core.display.Markdown object>" for each table."""
+    import IPython
+
+    from normbook.booktools import rich_display
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: None)
+    assert rich_display() == (str, print)
+    monkeypatch.setattr(IPython, "get_ipython", lambda: object())    # a running kernel
+    markdown, display = rich_display()
+    from IPython.display import Markdown, display as ipython_display
+    assert (markdown, display) == (Markdown, ipython_display)

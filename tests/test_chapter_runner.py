@@ -8,6 +8,7 @@ import ast
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import traceback
@@ -121,6 +122,8 @@ def test_no_chapter_needs_ipython():
                 assert any(_catches_import_error(t) for t in tries), \
                     f"{path.name}, code cell {k}, line {node.lineno}: IPython imported unguarded"
                 guarded += 1
+            # or through booktools, whose helpers fall back where no IPython runs
+            guarded += len(re.findall(r"\b(?:rich_display|show_image)\(", cell.source))
     assert guarded >= 2      # the appendix's tables, chapter 9's figure: the check sees them
 
 
@@ -152,3 +155,21 @@ def test_the_closing_chapter_runs_outside_the_repository(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     claims = notebooks.run_chapter(ROOT / "book" / "11-closing.md", where=tmp_path)
     assert claims["close_n_before"] == "The"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", ["intro", "cheatsheet", "status"])
+def test_the_other_executed_pages_run_outside_the_repository(page, tmp_path, monkeypatch):
+    """The book offers every executed page as a notebook, not only the chapters: the
+    introduction's reading times read _toc.yml from the checkout and raised StopIteration in a
+    downloaded notebook (found by running the downloads from /tmp)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    notebooks.run_chapter(ROOT / "book" / f"{page}.md", where=tmp_path)
+
+
+def test_no_page_looks_for_the_book_s_source_without_a_way_out():
+    """Where a cell searches the folders above it for the book's source (_toc.yml), it must
+    have a default for a downloaded notebook, which has none: ``next(..., None)``."""
+    bare = {p.name: n for p in sorted((ROOT / "book").glob("*.md"))
+            if (n := len(re.findall(r"next\(p for p in", p.read_text())))}
+    assert not bare, bare

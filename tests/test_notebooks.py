@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("jupytext")
 sys.path.insert(0, str(ROOT / "book" / "_ext"))
 notebooks = importlib.import_module("notebooks")
+PYPROJECT_URLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,8 @@ def test_markdown_loses_every_myst_marker(index):
     assert not notebooks.MYST_MARKERS.search(out), out
     assert f"By ({index.equations['ln-dx']}), with 0.25 and (Ba et al., 2016);" in out
     assert "Zhang and Sennrich (2019)" in out
-    assert "“The backward pass”" in out and "the exercise" in out and "Exercise 3.2 and" in out
+    assert "[The backward pass](#ch-backward)" in out       # this page: its anchor
+    assert "the exercise" in out and "Exercise 3.2 and" in out
     assert '<a id="sec-x"></a>' in out and "$\\hat{x}_d$" in out
     assert f"\\tag{{{index.equations['ln-ghat']}}}" in out and "\\hat{g} = g" in out
     assert "**Exercise 3.2** (Try it)" in out
@@ -95,6 +98,42 @@ def test_a_directive_inside_a_list_item_is_converted_in_place(index):
     out = notebooks.convert_markdown(text, index, {}, index.pages["03-backward"], ROOT / "book")
     assert "literalinclude" not in out and not notebooks.MYST_MARKERS.search(out), out
     assert "\n  ```python\n  def layer_norm_token_backward(" in out
+
+
+def test_references_to_other_pages_link_to_the_book_s_site(index):
+    """{ref} to another page's section and {doc} become links to the rendered book, where a
+    bare title ("RMSNorm (“RMSNorm”)") led nowhere."""
+    out = notebooks.convert_markdown("See {ref}`ch-rmsnorm` and {doc}`the notation <notation>`.",
+                                     index, {}, index.pages["03-backward"], ROOT / "book")
+    site = notebooks.SITE
+    assert out == (f"See [RMSNorm]({site}book/05-rmsnorm.html#ch-rmsnorm) and "
+                   f"[the notation]({site}book/notation.html).")
+    assert site == PYPROJECT_URLS["Documentation"]
+
+
+def test_a_labelled_equation_keeps_its_block_whole(index):
+    """The number of a labelled equation goes inside the block that holds it: the boxed
+    LayerNorm backward (3.4) sits in an admonition, whose quoting ended above its \\tag and
+    closing $$ (the equation showed as raw TeX in Jupyter); in a list item, at its indent."""
+    page = index.pages["03-backward"]
+    boxed = "\n".join([":::{admonition} The result", "$$", "dx = 1", "$$ (ln-dx)",
+                       "", "Three terms.", ":::"])
+    out = notebooks.convert_markdown(boxed, index, {}, page, ROOT / "book")
+    lines = out.splitlines()
+    assert lines[0].startswith("> **The result")
+    assert all(l.startswith(">") for l in lines), out
+    assert f"> \\tag{{{index.equations['ln-dx']}}}" in lines
+    item = "\n".join(["- A point:", "", "  $$", "  dx = 1", "  $$ (ln-dx)", "", "- next"])
+    out = notebooks.convert_markdown(item, index, {}, page, ROOT / "book")
+    assert f"\n  \\tag{{{index.equations['ln-dx']}}}\n  $$\n" in out, out
+
+
+def test_the_execution_table_points_to_the_book(index):
+    out = notebooks.convert_markdown("```{nb-exec-table}\n```", index, {},
+                                     notebooks.Page("status", None, "Execution status"),
+                                     ROOT / "book")
+    assert out == f"(The table is on the book's page: [Execution status]({notebooks.SITE}" \
+                  "book/status.html).)"
 
 
 def test_a_missing_glued_value_is_an_error(index):

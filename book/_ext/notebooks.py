@@ -45,6 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 REPOSITORY = "https://github.com/normbook/normbook"
+SITE = "https://normbook.github.io/normbook/"     # the rendered book (pyproject's Documentation)
 
 
 def install_cell(kernels: bool = False, ref: str | None = None) -> str:
@@ -105,6 +106,7 @@ class Index:
     figures: dict[str, str] = field(default_factory=dict)      # name -> "3.1"
     exercises: dict[str, str] = field(default_factory=dict)    # label -> "3.2"
     sections: dict[str, str] = field(default_factory=dict)     # label -> title
+    section_pages: dict[str, str] = field(default_factory=dict)  # label -> its page's stem
     citations: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (authors, year)
     macros: dict[str, str] = field(default_factory=dict)       # "xhat" -> "\\hat{x}"
 
@@ -155,6 +157,7 @@ def build_index(root: Path = ROOT) -> Index:
                     h = _HEADING.match(nxt)
                     if h:
                         index.sections[m.group(1)] = _plain_title(h.group(2))
+                        index.section_pages[m.group(1)] = page.stem
                         break
         h = next((_HEADING.match(l) for l in lines if _HEADING.match(l) and
                   _HEADING.match(l).group(1) == "#"), None)
@@ -341,15 +344,21 @@ def convert_markdown(text: str, index: Index, glue: dict[str, str], page: Page,
             return f"> **{title}.**\n>\n{quoted}"
         if name == "math":
             return f"$$\n{body}\n$$"
+        if name == "nb-exec-table":                   # made by the build: on the book's page
+            return f"(The table is on the book's page: [{page.title}]({_url(page.stem)}).)"
         return body                                   # anything else: its content
 
+    def equation(m: re.Match) -> str:
+        # its number as \tag, at the closing $$'s indent (a list item's), before the directives
+        # are converted, so that an admonition quotes the whole equation
+        number = index.equations.get(m.group(2), "")
+        body = m.group(1)
+        indent = re.fullmatch(r"(?s).*\n([ \t]*)", body)
+        pad = indent.group(1) if indent else ""
+        return f"$${body.rstrip()}\n{pad}\\tag{{{number}}}\n{pad}$$"
+    text = re.sub(r"\$\$(.*?)\$\$[ \t]*\(([\w-]+)\)", equation, text, flags=re.S)
     text = _DIRECTIVE.sub(directive, text)
     text = re.sub(r"^\(([\w-]+)\)=[ \t]*$", r'<a id="\1"></a>', text, flags=re.M)
-
-    def equation(m: re.Match) -> str:
-        number = index.equations.get(m.group(2), "")
-        return f"$${m.group(1).rstrip()}\n\\tag{{{number}}}\n$$"
-    text = re.sub(r"\$\$(.*?)\$\$[ \t]*\(([\w-]+)\)", equation, text, flags=re.S)
 
     def role(m: re.Match) -> str:
         name, content = m.group(1), m.group(2)
@@ -368,15 +377,20 @@ def convert_markdown(text: str, index: Index, glue: dict[str, str], page: Page,
                 return "; ".join(f"{a} ({y})" for a, y in refs)
             return "(" + "; ".join(f"{a}, {y}" for a, y in refs) + ")"
         if name == "ref":
-            if shown:
-                return shown
             if target in index.exercises:
-                return f"Exercise {index.exercises[target]}"
+                return shown or f"Exercise {index.exercises[target]}"
             if target in index.figures:
-                return f"Figure {index.figures[target]}"
-            return f"“{index.sections.get(target, target)}”"
+                return shown or f"Figure {index.figures[target]}"
+            title = shown or index.sections.get(target, target)
+            where = index.section_pages.get(target)
+            if where is None:
+                return title
+            # a section of this notebook by its anchor; of another page, on the book's site
+            return f"[{title}]({'' if where == page.stem else _url(where)}#{target})"
         if name == "doc":
-            return shown or index.pages.get(Path(target).name, Page(target, None)).title or target
+            stem = Path(target).name
+            title = shown or index.pages.get(stem, Page(target, None)).title or target
+            return f"[{title}]({_url(stem)})"
         if name == "math":
             return f"${content}$"
         return f"`{shown or content}`"                 # {py:mod}, {py:func}, ...
@@ -385,6 +399,11 @@ def convert_markdown(text: str, index: Index, glue: dict[str, str], page: Page,
     for macro, expansion in index.macros.items():    # the book's MathJax macros, spelled out
         text = re.sub(rf"\\{macro}(?![A-Za-z])", lambda _m, e=expansion: e, text)
     return text
+
+
+def _url(stem: str) -> str:
+    """A page of the rendered book (every page lives in its book/ folder)."""
+    return f"{SITE}book/{stem}.html"
 
 
 def _split_target(content: str) -> tuple[str, str]:

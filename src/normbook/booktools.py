@@ -12,7 +12,9 @@ import os
 import re
 import sys
 
-__all__ = ["prose", "claim", "kernel_device", "why_no_kernels", "check", "layer_norm_graph",
+__all__ = ["prose", "claim", "kernel_device", "why_no_kernels", "rich_display", "show_image",
+           "check",
+           "layer_norm_graph",
            "check_nodes", "check_fn", "prose_words", "shown_code_lines", "without_solutions",
            "reading_minutes"]
 
@@ -126,6 +128,34 @@ def why_no_kernels() -> str | None:
     if value is None:
         return "no GPU, and Triton was imported before TRITON_INTERPRET=1 was set"
     return f"no GPU, and TRITON_INTERPRET={value!r} turns Triton's interpreter off"
+
+
+def rich_display():
+    """``(Markdown, display)`` for a chapter's tables: IPython's in a notebook (Jupyter, Colab,
+    the book build), ``(str, print)`` elsewhere. A chapter run as a plain script (``jupyter
+    nbconvert --to script``, then ``python``) has IPython installed (the ``book`` extra) but no
+    IPython running, and there IPython's ``display`` prints ``<IPython.core.display.Markdown
+    object>`` in place of each table: this prints the table's Markdown text."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import Markdown, display
+    except ImportError:
+        return str, print
+    if get_ipython() is None:
+        return str, print
+    return Markdown, display
+
+
+def show_image(path) -> None:
+    """Show an image file under a chapter's cell where IPython runs; elsewhere (a plain script,
+    see :func:`rich_display`) print its path."""
+    markdown, display = rich_display()
+    if display is print:
+        print("figure:", path)
+        return
+    from IPython.display import Image
+
+    display(Image(str(path)))
 
 
 def check(name: str, yours, reference, *, x=None, dy=None, weight=None,
