@@ -203,3 +203,26 @@ def test_listings_fit_their_column():
             wide += [f"{page.name}: {path.name}:{name}: {line.strip()[:50]!r} ({len(line)})"
                      for line in lines if len(line) > columns]
     assert not wide, "listings wider than the code column:\n  " + "\n  ".join(wide)
+
+
+# A solution's box is narrower still: the browser check, once it opened the folded solutions,
+# found 69-character lines scrolling in them (about twenty cells in ten chapters).
+SOLUTION_COLUMNS = 68
+
+
+def test_solution_code_fits_its_box():
+    """The code cells a reader sees inside a solution (between ``solution-start`` and
+    ``solution-end``, not removed) fit the solution's box."""
+    wide = []
+    for page in sorted((ROOT / "book").glob("*.md")):
+        text = page.read_text()
+        for block in re.findall(r"^[`:]{3,}\{solution-start\}.*?^[`:]{3,}\{solution-end\}",
+                                text, re.S | re.M):
+            for cell in re.findall(r"^```\{code-cell\}[^\n]*\n(.*?)^```[ \t]*$", block,
+                                   re.S | re.M):
+                head = cell.split("\n---\n", 1)[0] if cell.startswith("---") else cell[:200]
+                if re.search(r"remove-cell|remove-input", head):
+                    continue
+                wide += [f"{page.name}: {line.strip()[:50]!r} ({len(line)})"
+                         for line in cell.splitlines() if len(line) > SOLUTION_COLUMNS]
+    assert not wide, "solution code wider than its box:\n  " + "\n  ".join(wide)

@@ -55,12 +55,13 @@ class RoundAuthorYearStyle(AuthorYearReferenceStyle):
 
 
 class AuthorYearLabels(BaseLabelStyle):
-    """Bibliography labels "Ba et al. 2016", "Zhang & Sennrich 2019", "Higham 2002"."""
+    """Bibliography labels "Ba et al. 2016", "Zhang & Sennrich 2019", "van Laarhoven 2017"."""
 
     def format_labels(self, sorted_entries):
         for entry in sorted_entries:
             people = entry.persons.get("author") or entry.persons.get("editor") or []
-            last = [" ".join(p.last_names) for p in people]
+            # "van Laarhoven", as the text cites him (sorted under L, as plain sorts)
+            last = [" ".join(p.prelast_names + p.last_names) for p in people]
             if len(last) == 1:
                 who = last[0]
             elif len(last) == 2:

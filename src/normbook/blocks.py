@@ -233,9 +233,10 @@ def layer_grad_norms(model: ResidualStack, x: torch.Tensor,
         x: (..., d_in) inputs. target: (..., d_out) targets.
 
     Returns:
-        Tensor: float64, of shape (depth,), the 2-norm of the gradient of
-            all of a block's parameters together: block 1 (next to the input)
-            at index 0 to block depth (next to the output) at depth - 1.
+        Tensor: float64, of shape (depth,), the 2-norm of the
+            gradient of all of a block's parameters together: block 1
+            (next to the input) at index 0 to block depth (next to the
+            output) at depth - 1.
     """
     model.zero_grad(set_to_none=True)
     loss = _mse(model(x), target)
@@ -268,9 +269,9 @@ def train(model: ResidualStack, teacher: nn.Module, *,
             initialised by the caller).
 
     Returns:
-        Tensor: float64, of shape (steps,), the training loss (MSE) of
-            each step's batch before that step's update. A non-finite loss
-            stops training; the remaining entries are nan.
+        Tensor: float64, of shape (steps,), the training loss (MSE)
+            of each step's batch before that step's update. A non-finite
+            loss stops training; the remaining entries are nan.
     """
     _check_schedule(steps, lr, warmup, batch)
     d_in = model.embed.in_features

@@ -85,7 +85,7 @@ def backend(name: str) -> Iterator[None]:
     the one running when it started). Example::
 
         with normbook.backend("torch"):
-            y = model(x)        # the hand-derived backward on a GPU too, for comparison
+            y = model(x)    # the torch ops on a GPU too, to compare
     """
     global _backend, _outside
     if name not in _BACKENDS:

@@ -51,8 +51,8 @@ def residual_tanh_forward(
 
     Returns:
         y: (..., D); t: (..., D) the branch output tanh(A x), saved
-            because backward needs tanh' = 1 - t^2 and recomputing it would
-            cost a matrix product.
+            because backward needs tanh' = 1 - t^2 and recomputing it
+            would cost a matrix product.
     """
     reference._batch(x, A=A)
     t = torch.tanh(x @ A.T)                             # (..., D)

@@ -172,6 +172,9 @@ const done = arguments[arguments.length - 1];
   await Promise.all(imgs.map(img => img.complete ? null :
       new Promise(r => { img.onload = img.onerror = r; setTimeout(r, 10000); })));
   const math = [...document.querySelectorAll(".math")];
+  // solutions and dropdowns that sphinx-togglebutton folds (display: none measures nothing):
+  // open, as a reader opens them, before the code in them is measured
+  document.querySelectorAll(".toggle-hidden").forEach(e => e.classList.remove("toggle-hidden"));
   done({
     mathjax: !!(window.MathJax && MathJax.version),
     mathjaxSrc: [...document.scripts].map(s => s.src).filter(s => /mathjax/i.test(s)),
