@@ -382,6 +382,11 @@ def test_backend_chooses_what_computes_and_comes_back():
     with pytest.raises(ValueError, match=r"backend: expected one of 'auto', 'kernels', 'torch', got 'gpu'"):
         with normbook.backend("gpu"):
             pass
+    # a tensor the kernels cannot reach: a DeviceError, so a RuntimeError as torch's device
+    # mistakes are (it was a plain ValueError)
+    with normbook.backend("kernels"), pytest.raises(RuntimeError,
+                                                   match="input: expected a CUDA tensor"):
+        normbook.layer_norm(torch.empty(2, 16, device="meta"), 16)
 
 
 def test_backend_blocks_overlapping_in_two_threads_each_end_their_own():

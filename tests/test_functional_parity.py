@@ -15,6 +15,7 @@ Three parts:
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import warnings
 
@@ -388,6 +389,95 @@ def test_nested_jagged_tensors(norm):
     y.values().square().sum().backward()
     assert x.grad is not None and w.grad.shape == (8,)
 
+
+
+def _backends():
+    K = None if importlib.util.find_spec("triton") is None else __import__("normbook.kernels")
+    return ["torch"] + (["kernels"] if K is not None and normbook.kernels.ops.interpreted()
+                        else [])
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_the_fused_adds_take_nested_tensors(norm, backend):
+    """Jagged and strided nested tensors through add_layer_norm / add_rms_norm: y the norm of
+    x + residual as torch's, h the sum. (On the kernel backend a jagged pair reached the
+    custom op, which has no nested kernel: NotImplementedError.)"""
+    if backend not in _backends():
+        pytest.skip("the kernels need TRITON_INTERPRET=1 here")
+    add = normbook.add_layer_norm if norm == "layer" else normbook.add_rms_norm
+    plain = F.layer_norm if norm == "layer" else F.rms_norm
+    eps = 1e-5 if norm == "layer" else torch.finfo(torch.float32).eps
+    parts, others = [torch.randn(3, 8), torch.randn(5, 8)], [torch.randn(3, 8), torch.randn(5, 8)]
+    for layout in (torch.jagged, torch.strided):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)    # the strided layout's prototype
+            x = torch.nested.nested_tensor(parts, layout=layout, requires_grad=True)
+            r = (torch.nested.nested_tensor(others, layout=layout) if layout == torch.strided
+                 else torch.nested.nested_tensor_from_jagged(torch.cat(others), x.offsets()))
+        with normbook.backend(backend):
+            y, h = add(x, r)
+        assert y.is_nested and h.is_nested, layout
+        for yi, hi, a, b in zip(y.unbind(), h.unbind(), parts, others):
+            torch.testing.assert_close(hi, a + b)
+            torch.testing.assert_close(yi, plain(a + b, (8,), eps=eps), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+def test_strided_nested_tensors_as_torch_s_layer_norm(backend):
+    """torch.nested's default (strided) layout, which torch.nn.LayerNorm takes: normbook's
+    functional and module gave a torch internal error ("NestedTensorImpl doesn't support
+    sizes")."""
+    if backend not in _backends():
+        pytest.skip("the kernels need TRITON_INTERPRET=1 here")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        x = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)],
+                                        requires_grad=True)
+    w, b = torch.randn(8), torch.randn(8)
+    ours, theirs = normbook.LayerNorm(8), torch.nn.LayerNorm(8)
+    with normbook.backend(backend):
+        got = [normbook.layer_norm(x, (8,), w, b), ours(x), normbook.rms_norm(x, 8)]
+    want = [F.layer_norm(x, (8,), w, b), theirs(x)]
+    want.append([F.rms_norm(t, (8,)) for t in x.unbind()])   # (torch's raises on the layout)
+    for g, e in zip(got, want):
+        assert g.is_nested
+        for a, c in zip(g.unbind(), e if isinstance(e, list) else e.unbind()):
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+    got[1].backward(torch.nested.nested_tensor([torch.ones(3, 8), torch.ones(5, 8)]))
+    assert x.grad is not None
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+def test_parameters_and_plain_subclasses_are_rows_like_tensors(backend):
+    """A Parameter of three dims (a module's learned tokens) and a subclass that only wraps
+    results: on the kernel backend both were taken for a DTensor and reached the kernels as
+    (B, T, D), which failed to unpack as (M, D); the fused adds on the torch backend added a
+    (B, T, D) x to a flattened residual."""
+    if backend not in _backends():
+        pytest.skip("the kernels need TRITON_INTERPRET=1 here")
+
+    class Wrapped(torch.Tensor):
+        pass
+
+    r = torch.randn(2, 3, 8)
+    p = torch.nn.Parameter(torch.randn(2, 3, 8))
+    for x in (p, p.detach().as_subclass(Wrapped)):
+        with normbook.backend(backend):
+            y1, y2 = normbook.layer_norm(x, 8), normbook.RMSNorm(8)(x)
+            y3, h = normbook.add_rms_norm(x, r)
+        torch.testing.assert_close(y1.as_subclass(torch.Tensor),
+                                   F.layer_norm(x, (8,)).as_subclass(torch.Tensor),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y2.as_subclass(torch.Tensor),
+                                   F.rms_norm(x, (8,)).as_subclass(torch.Tensor),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(h.as_subclass(torch.Tensor),
+                                   (x + r).as_subclass(torch.Tensor))
+        assert y3.shape == x.shape
+    with normbook.backend(backend):
+        normbook.layer_norm(p, 8).sum().backward()
+    assert p.grad is not None and p.grad.shape == p.shape
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_float8_is_refused_clearly(dtype):

@@ -213,6 +213,28 @@ def test_a_swapped_llama_norm_keeps_its_own_attributes_and_survives_init_weights
     assert torch.equal(norm.weight, torch.full_like(norm.weight, 5.0))
 
 
+def test_a_write_to_variance_epsilon_reaches_the_swapped_and_the_patched_norm():
+    """Hugging Face's name for eps is the modules' alias of it, read and written: a swapped or
+    patched Llama norm kept a copy of its own, which a later write changed while the norm went
+    on with the old eps (2.3 apart at x ~ 1e-3), and the patched class's strict fallback read
+    the copy."""
+    from transformers.models.llama import modeling_llama as ML
+
+    x = torch.randn(2, 32) * 1e-3
+    ref = ML.LlamaRMSNorm(32, eps=1e-6)
+    swapped = torch.nn.Sequential(copy.deepcopy(ref))
+    normbook.swap_norms(swapped)
+    with normbook.patch_hf("llama"):
+        patched = ML.LlamaRMSNorm(32, eps=1e-6)
+    for norm in (swapped[0], patched):
+        ref.variance_epsilon = norm.variance_epsilon = 0.5
+        assert norm.eps == 0.5 and "variance_epsilon" not in vars(norm)
+        torch.testing.assert_close(norm(x), ref(x))
+    plain = normbook.LayerNorm(4)
+    plain.variance_epsilon = 1e-3
+    assert plain.eps == 1e-3
+    torch.jit.script(plain)                     # (TorchScript leaves the property out)
+
 def test_norms_with_an_instance_forward_or_a_parametrization_are_left_with_the_reason():
     """A forward replaced on the instance (as accelerate's hooks do) would still run instead
     of normbook's, and a parametrized weight is computed where it is read: such norms are left

@@ -37,11 +37,19 @@ from torch import Tensor
 __all__ = ["norm_forward", "norm_backward"]
 
 
+def own_dispatch(t) -> bool:
+    """A tensor subclass with a dispatch of its own (a DTensor; under tracing, a FakeTensor),
+    not a Parameter nor a subclass that only wraps results (``__torch_function__``)."""
+    return (type(t) is not Tensor and isinstance(t, Tensor)
+            and type(t).__torch_dispatch__ is not Tensor.__torch_dispatch__)
+
+
 def _rows(t: Tensor) -> Tensor:
     """(..., D) -> (M, D) with a unit stride along D. Row strides are kept (a slice of a wider
-    tensor is read in place); only a non-contiguous last dim is copied. A tensor subclass (a
-    DTensor) keeps its leading dims (flattening (B, T) sharded over T would all-gather it)."""
-    if t.dim() != 2 and (type(t) is Tensor or not isinstance(t, Tensor)):
+    tensor is read in place); only a non-contiguous last dim is copied. A tensor subclass with
+    a dispatch of its own (a DTensor) keeps its leading dims (flattening (B, T) sharded over
+    T would all-gather it)."""
+    if t.dim() != 2 and not own_dispatch(t):
         D = t.shape[-1]
         t = t.reshape(-1, D) if D else t.reshape(math.prod(t.shape[:-1]), 0)
     return t.contiguous() if t.stride(-1) != 1 and t.shape[-1] > 1 else t

@@ -157,9 +157,12 @@ def _load_kernels():
 # ----------------------------------------------------------------------------- the Function
 
 def _is_subclass(t) -> bool:
-    """A DTensor (or another tensor subclass), which takes the custom ops (their sharding rules
-    keep each token's row on one rank) and keeps its leading dims."""
-    return type(t) is not Tensor and isinstance(t, Tensor)
+    """A tensor subclass with a dispatch of its own (a DTensor), which takes the custom ops
+    (their sharding rules keep each token's row on one rank) and keeps its leading dims. Not a
+    Parameter, nor a subclass that only wraps results (``__torch_function__``): those are rows
+    like a tensor's (a Parameter of three dims, a module's learned tokens, failed to unpack as
+    (M, D) in the kernels)."""
+    return _ops.own_dispatch(t)
 
 
 def _torch_forward(x, residual, weight, bias, eps, is_rms, with_stats=True):
@@ -585,12 +588,14 @@ def _check_kernel_args(input, weight, bias, name):
         if ops.LATE_INTERPRET:
             raise RuntimeError(f"{name}: {ops.LATE_MESSAGE}")
         return
+    # DeviceError: a ValueError, and a RuntimeError as torch's device mistakes are
     if input.is_cpu:
-        raise ValueError(f"{name}: expected a CUDA tensor, got a CPU tensor while Triton's interpreter "
-                         "is off; set TRITON_INTERPRET=1 in the environment before triton is imported "
-                         "to run the kernels on the CPU")
-    raise ValueError(f"{name}: expected a CUDA tensor (or a CPU tensor under TRITON_INTERPRET=1), "
-                     f"got device {input.device}")
+        raise _validate.DeviceError(
+            f"{name}: expected a CUDA tensor, got a CPU tensor while Triton's interpreter is "
+            "off; set TRITON_INTERPRET=1 in the environment before triton is imported to run "
+            "the kernels on the CPU")
+    raise _validate.DeviceError(f"{name}: expected a CUDA tensor (or a CPU tensor under "
+                                f"TRITON_INTERPRET=1), got device {input.device}")
 
 
 def _values(*tensors):
@@ -732,7 +737,7 @@ def _norm(input, normalized_shape, weight, bias, eps, is_rms, residual=None, nam
                     and (ready.device < 0 or _current_device() == ready.device)
                     and _K.plain()):
                 ready = None
-        except AttributeError:
+        except (AttributeError, RuntimeError):    # (RuntimeError: a strided nested tensor)
             key = ready = None
     if not ready:
         return _slow(input, normalized_shape, weight, bias, eps, is_rms, residual, name, kernels,
@@ -849,6 +854,9 @@ def _slow(input, normalized_shape, weight, bias, eps, is_rms, residual, name, ke
     through the full checks (:func:`_checked`), which raise with a message or accept the rare
     case, so both give the same results. ``key``: the call's signature, made ready when the
     kernels' launchers took it (None: not a signature the fast path knows)."""
+    if type(input) is Tensor and input.is_nested:        # torch.nested's strided layout
+        return _nested_strided(input, normalized_shape, weight, bias, eps, is_rms, name,
+                               kernels), None
     if key is not None and _READY.get(key) is None and type(input) is Tensor and (
             kernels or (kernels is None and _use_kernels(input))):
         out = _checked(input, normalized_shape, weight, bias, eps, is_rms, residual, name,
@@ -960,6 +968,15 @@ def _nested(fn, input, normalized_shape, *args):
                          f"got {shape}")
     values = fn(input.values(), shape, *args)
     return torch.nested.nested_tensor_from_jagged(values, input.offsets(), lengths=input.lengths())
+
+
+def _nested_strided(input, normalized_shape, weight, bias, eps, is_rms, name, kernels):
+    """A nested tensor of torch.nested's default, strided layout (whose sizes cannot be read,
+    and which torch's LayerNorm takes): the norm of each of its tensors, nested again, their
+    autograd history kept. ``normalized_shape`` None: each tensor's last dim."""
+    parts = [_norm(t, t.shape[-1] if normalized_shape is None else normalized_shape, weight,
+                   bias, eps, is_rms, None, name, kernels)[0] for t in input.unbind()]
+    return torch.nested.as_nested_tensor(parts, layout=torch.strided)
 
 
 _Proxy = torch.fx.Proxy
@@ -1309,6 +1326,16 @@ def _add_norm(x, residual, weight, bias, eps, is_rms, kernels=None):
     if isinstance(x, Tensor) and x.dim() == 0:
         raise _validate.ShapeError("x: expected a tensor of shape (..., D) with at least one "
                                    "dim, got a 0-d tensor")
+    if isinstance(x, Tensor) and x.is_nested:
+        # torch's add of nested tensors, then the norm of the sum on either backend: of a
+        # jagged one's values (_nested; the custom ops take no nested tensor), of a strided
+        # one's tensors each (_nested_strided)
+        h = x + residual
+        if type(h) is Tensor:
+            return _nested_strided(h, None, weight, bias, eps, is_rms, "x", kernels), h
+        y = _nested(lambda v, shape: _norm(v, shape, weight, bias, eps, is_rms, None, "x",
+                                           kernels)[0], h, h.shape[-1])
+        return y, h
     D = x.shape[-1] if isinstance(x, Tensor) else 0
     if type(D) is not int:   # torch.jit.trace gives sizes as tensors: only the checks read D
         with warnings.catch_warnings():

@@ -37,6 +37,22 @@ def _replicate(self):
     return replica
 
 
+def _get_variance_epsilon(self) -> Any:
+    return self.eps
+
+
+def _set_variance_epsilon(self, value: Any) -> None:
+    self.eps = value
+
+
+# both modules' ``variance_epsilon``
+_VARIANCE_EPSILON = property(_get_variance_epsilon, _set_variance_epsilon, doc="""\
+``eps`` under Hugging Face's name, read and written as ``eps``: a norm that
+:func:`normbook.swap_norms` or :func:`normbook.patch_hf` put in place of a Hugging Face one is
+changed by code that sets ``variance_epsilon`` (it kept a copy of its own, which a write left
+behind ``eps``).""")
+
+
 class LayerNorm(torch.nn.LayerNorm):
     """LayerNorm module, equations (ln-mean) to (ln-y); see :func:`normbook.layer_norm`.
 
@@ -53,6 +69,8 @@ class LayerNorm(torch.nn.LayerNorm):
     # a type comment, not an annotation: TorchScript reads the class's annotations)
     _upcast = False  # type: Union[bool, str]
     _replicate_for_data_parallel = _replicate
+    variance_epsilon = _VARIANCE_EPSILON
+    __jit_unused_properties__ = ["variance_epsilon"]    # (TorchScript compiles properties)
 
     def __init__(self, normalized_shape: Union[int, list[int], torch.Size], eps: float = 1e-5,
                  elementwise_affine: bool = True, bias: bool = True, device: Any = None,
@@ -84,7 +102,8 @@ class LayerNorm(torch.nn.LayerNorm):
         if self._upcast:
             return layer_norm(input, self.normalized_shape, weight, bias, eps,
                               upcast=self._upcast)
-        if type(input) is not Tensor:   # a subclass (nested, DTensor): the public door
+        if type(input) is not Tensor or input.is_nested:   # a subclass (DTensor, jagged),
+            # or a strided nested tensor: the public door
             return layer_norm(input, self.normalized_shape, weight, bias, eps)
         return _module_norm(self, input, weight, bias,
                             eps if type(eps) is float else _validate.as_eps(eps), False)
@@ -113,6 +132,8 @@ class RMSNorm(torch.nn.RMSNorm):
     # (no annotation: TorchScript reads the class's annotations; mypy reads the comment)
     _modes = None  # type: Optional[tuple[float, bool]]
     _replicate_for_data_parallel = _replicate
+    variance_epsilon = _VARIANCE_EPSILON
+    __jit_unused_properties__ = ["variance_epsilon"]    # (TorchScript compiles properties)
 
     def __init__(self, normalized_shape: Union[int, list[int], torch.Size],
                  eps: Optional[float] = None,
@@ -156,7 +177,8 @@ class RMSNorm(torch.nn.RMSNorm):
                                     True)
             return rms_norm(input, self.normalized_shape, weight, eps, offset=modes[0],
                             round_xhat=modes[1])
-        if type(input) is not Tensor:   # a subclass (nested, DTensor): the public door
+        if type(input) is not Tensor or input.is_nested:   # a subclass (DTensor, jagged),
+            # or a strided nested tensor: the public door
             return rms_norm(input, self.normalized_shape, weight, eps)
         return _module_norm(self, input, weight, _NO_BIAS,
                             eps if type(eps) is float else _rms_eps(input, eps), True)

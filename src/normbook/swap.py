@@ -186,7 +186,7 @@ def _replacement(old: torch.nn.Module, entry: HFNorm, strict: bool) -> torch.nn.
     weight Parameter itself, its training flag, its hooks (the same dicts, so handles
     registered on ``old`` still remove them) and every other attribute of its own (Hugging
     Face's ``_is_hf_initialized``, without which ``init_weights`` would reset a trained weight;
-    ``variance_epsilon``, read by code that knows the class)."""
+    ``variance_epsilon`` is the modules' alias of ``eps``, read and written)."""
     cls: Any = LayerNorm if entry.kind == "layer" else RMSNorm
     if entry.xhat_to_weight:
         cls = _patched(entry.module, entry.name, strict)
@@ -212,8 +212,9 @@ def _adopt(new: Any, old: Any, entry: HFNorm) -> None:
     new.training = old.training
     for key, value in vars(old).items():
         if (key.startswith("_") and "hooks" in key) or key == "_is_full_backward_hook" or (
-                key not in new.__dict__ and key != entry.weight):
-            new.__dict__[key] = value
+                key not in new.__dict__ and key != entry.weight
+                and not isinstance(getattr(type(new), key, None), property)):
+            new.__dict__[key] = value           # (variance_epsilon is eps's property)
 
 
 def _why_not(module: torch.nn.Module, entry: Optional[HFNorm] = None) -> str | None:
