@@ -275,6 +275,13 @@ def swap_norms(model: torch.nn.Module, *, strict: bool = True) -> int:
     (accelerate's hooks: theirs would still run, so swap before dispatching the model) and a
     parametrized one (swap before registering the parametrization).
 
+    Swapped but not always called: ``torch.nn.TransformerEncoderLayer`` (and so
+    ``TransformerEncoder``) in eval mode without gradients takes torch's fused "fast path",
+    which reads its norms' weight, bias and eps and computes them itself, never calling their
+    forward (measured on torch 2.13, CPU: none of the two norms' forwards ran in eval under
+    ``torch.no_grad()``, both in training). Its output is then torch's LayerNorm's, not
+    normbook's kernels'.
+
     "Exact" means the same operations in the same precision, for inputs in the weight's dtype
     (the one dtype known when swapping). ``strict`` judges the dtype at the swap: swap after
     casting the model (``model.bfloat16()`` after a swap in float32 is not refused). An input
