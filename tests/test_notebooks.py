@@ -266,3 +266,29 @@ def test_the_builds_checks_of_placeholders_stay_out_of_the_readers_notebook():
                                     "01-one-token", {})
     sources = [c.source for c in nb.cells]
     assert "assert not mine_ok" not in sources and "x = 1" in sources
+
+
+def test_the_download_shows_a_cell_s_streams_once():
+    """myst-nb's stream merge (nb_merge_streams) appends a cell's later stream outputs to its
+    first in place and leaves them in the executed notebook it writes: the download repeated
+    them (a row of chapter 9's table twice). The book's extension drops them where the first
+    already holds them, and only there."""
+    import nbformat
+    pytest.importorskip("sphinxcontrib.bibtex")
+    coalesce_streams = pytest.importorskip("myst_nb.core.utils").coalesce_streams
+
+    sphinx_ext = importlib.import_module("normbook_sphinx")
+    texts = ["head\n   4096  2.3e+01\n", "   40960  2.5e+01\n", "\n"]
+
+    def cell():
+        return nbformat.v4.new_code_cell(outputs=[
+            nbformat.v4.new_output("stream", name="stdout", text=t) for t in texts])
+
+    rendered = nbformat.v4.new_notebook(cells=[cell()])
+    shown = coalesce_streams(rendered.cells[0].outputs)      # what the page shows
+    sphinx_ext._merged_as_rendered(rendered)                  # what the download keeps
+    assert [o.text for o in rendered.cells[0].outputs] == [o.text for o in shown]
+    assert len(shown) == 1 and shown[0].text.count("40960") == 1
+    untouched = nbformat.v4.new_notebook(cells=[cell()])     # never merged: all stay
+    sphinx_ext._merged_as_rendered(untouched)
+    assert [o.text for o in untouched.cells[0].outputs] == texts

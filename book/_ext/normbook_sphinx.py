@@ -143,7 +143,10 @@ def _converted_notebook_and_launch_links(app, pagename, templatename, context, d
     target = Path(app.outdir) / "_sources" / f"{pagename}.ipynb"
     target.parent.mkdir(parents=True, exist_ok=True)
     glue = notebooks.glue_from_build(Path(pagename).name, executed.parent) or {}
-    nb = notebooks.convert_notebook(nbformat.read(executed, as_version=4), Path(pagename).name,
+    nb = nbformat.read(executed, as_version=4)
+    if app.config.nb_merge_streams:
+        _merged_as_rendered(nb)
+    nb = notebooks.convert_notebook(nb, Path(pagename).name,
                                     glue, _book_index(app), Path(app.srcdir) / Path(pagename).parent)
     nbformat.write(nb, target)
     source = f"{pagename}.md"
@@ -158,6 +161,26 @@ def _converted_notebook_and_launch_links(app, pagename, templatename, context, d
                 url = re.sub(r"/(blob/)?main(/|\?)", rf"/\g<1>{NOTEBOOK_BRANCH}\2", url,
                              count=1)
                 button["url"] = url
+
+
+def _merged_as_rendered(nb) -> None:
+    """Each code cell's streams as the page shows them. With ``nb_merge_streams`` myst-nb
+    (1.3) merges a cell's stream outputs into the first of each name in place, before the
+    executed notebook is written, and leaves the others in it: the download repeated them (a
+    row of chapter 9's table twice). Where the first of a name ends with the others' text as
+    that merge joins it, they go; otherwise (a myst-nb that merges a copy) all stay."""
+    for cell in nb.cells:
+        streams: dict = {}
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream":
+                streams.setdefault(out.get("name"), []).append(out)
+        repeats = []
+        for first, *rest in streams.values():
+            joined = "".join(t + "\n" for o in rest if (t := "".join(o.text).rstrip()))
+            if rest and "".join(first.text).endswith(joined):
+                repeats += rest
+        if repeats:
+            cell.outputs = [o for o in cell.outputs if not any(o is r for r in repeats)]
 
 
 def _book_index(app):
