@@ -530,6 +530,7 @@ def test_merge_and_summary_of_a_partial_run(tmp_path):
     one = _result([_row()])
     none = dict(_result([]), skipped=[dict(op="rms_norm", mode="fwd", provider="liger",
                                            dtype="bf16", M=32768, D=1024, reason="cut short")])
+    none["config"] = {"argv": ["--providers", "liger"]}     # another run of the same code
     for i, res in enumerate((one, none)):
         (tmp_path / f"r{i}.json").write_text(json.dumps(res))
     rc, out, err = _main(["--merge", tmp_path / "r0.json", tmp_path / "r1.json",
@@ -579,7 +580,7 @@ def test_merge_with_force_replaces_the_out_file(tmp_path):
     out = tmp_path / "merged.json"
     out.write_text(RECORDED)
     rc, stdout, err = _main(["--merge", tmp_path / "r.json", "--out", out, "--force"])
-    assert rc == 0 and "merged 1 runs, 8 rows" in stdout, err
+    assert rc == 0 and "merged 1 run, 8 rows" in stdout, err
     assert len(json.loads(out.read_text())["rows"]) == 8
 
 
@@ -915,7 +916,7 @@ def test_the_recorded_h200_run_reads_with_summary_plot_and_model_check(tmp_path)
     assert "98327f3" in (run / "README.md").read_text()
     rc, out, err = _main(["--summary", run])
     assert rc == 0, err
-    assert "copy bandwidth: 4254.1 GB/s" in out and "layer_norm fwd bf16" in out
+    assert "run 0: NVIDIA H200" in out and "copy bandwidth 4254.1 GB/s" in out and "layer_norm fwd bf16" in out
     rc, out, err = _main(["--plot", run, "--out", tmp_path / "figs"])
     assert rc == 0, err
     figs = sorted((tmp_path / "figs").glob("*.png"))
@@ -944,7 +945,7 @@ def test_a_run_given_twice_is_merged_once(tmp_path):
     (tmp_path / "r.json").write_text(json.dumps(_result([_row()])))
     rc, out, err = _main(["--merge", tmp_path / "r.json", tmp_path / "r.json",
                           "--out", tmp_path / "merged.json"])
-    assert rc == 0 and "merged 1 runs, 1 rows" in out, err
+    assert rc == 0 and "merged 1 run, 1 rows" in out, err
 
 
 def test_goal_on_a_cpu_sweep_is_refused_before_it_runs(monkeypatch):
@@ -1093,3 +1094,57 @@ def test_a_wheels_report_is_named_through_recorded(tmp_path, monkeypatch):
     rc, out, err = _main(["--model-check", "recorded/2026-12-04-h200", "--report",
                           "recorded/2026-12-04-h200/report.json", "--out", tmp_path / "m.png"])
     assert rc == 0 and (tmp_path / "m.png").read_bytes()[:8] == PNG, err
+
+
+def test_an_installed_package_records_no_commit_of_the_repository_around_it(tmp_path,
+                                                                          monkeypatch):
+    """A wheel installed in a venv inside a project's git repository recorded the project's
+    HEAD as normbook's commit (git ran in the venv's lib folder); only a checkout of normbook
+    names one now, else "unknown"."""
+    site = tmp_path / "lib" / "python3.11" / "site-packages" / "normbook" / "bench"
+    site.mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.email=a@b", "-c", "user.name=a",
+                    "commit", "-q", "--allow-empty", "-m", "theirs"], check=True)
+    monkeypatch.setattr(runner, "__file__", str(site / "runner.py"))
+    monkeypatch.delenv("NORMBOOK_COMMIT", raising=False)
+    got = runner.provenance("cpu")
+    assert (got["commit"], got["dirty"]) == ("unknown", None)
+
+
+def test_a_merge_keeps_every_run_and_the_summary_every_row(tmp_path):
+    """Two runs of the same cells: the summary keyed its cells by (provider, D, M), so the
+    second run's replaced the first's under one header with the first's copy; merging a
+    merged file kept one of its runs."""
+    first, second = _result(), _result([_row(p, m, frac=0.5) for p, m in (("normbook", "fwd"),
+                                                                          ("torch", "fwd"))])
+    second["provenance"] = dict(second["provenance"], device="OTHER GPU")
+    for name, res in (("a.json", first), ("b.json", second)):
+        (tmp_path / name).write_text(json.dumps(res))
+    rc, out, err = _main(["--merge", tmp_path / "a.json", tmp_path / "b.json",
+                          "--out", tmp_path / "ab.json"])
+    assert rc == 0 and "merged 2 runs, 10 rows" in out, err
+    rc, out, err = _main(["--summary", tmp_path / "ab.json"])
+    assert rc == 0, err
+    assert "2 runs merged" in out and "run 1: OTHER GPU" in out
+    assert "normbook run 0" in out and "normbook run 1" in out and "liger" in out
+    rc, out, err = _main(["--merge", tmp_path / "ab.json", tmp_path / "a.json",
+                          "--out", tmp_path / "aba.json"])
+    merged = json.loads((tmp_path / "aba.json").read_text())
+    assert [r["provenance"]["device"] for r in merged["runs"]] == ["SYNTHETIC GPU",
+                                                                   "OTHER GPU"], merged["runs"]
+    assert {r["run"] for r in merged["rows"]} == {0, 1}     # a.json given twice: merged once
+
+
+def test_refusals_are_one_line_and_an_empty_overview_is_one(tmp_path):
+    """argparse printed its usage block (eleven lines) above a bad flag's message; an overview
+    of runs without bf16 rows wrote two empty panels and exited 0."""
+    for argv in (["--ops", "foo"], ["--D", "512..1000"], ["--M", "-1"]):
+        rc, out, err = _main(argv)
+        assert rc == 2
+        _one_line_error(err, argv[0])
+    fp32 = _result([_row(dtype="fp32")])
+    (tmp_path / "fp32.json").write_text(json.dumps(fp32))
+    rc, out, err = _main(["--overview", tmp_path / "fp32.json", "--out", tmp_path / "o.png"])
+    assert rc == 2 and not (tmp_path / "o.png").exists()
+    _one_line_error(err, "--overview", "no bf16 rows", "fp32")

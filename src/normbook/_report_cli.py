@@ -60,8 +60,15 @@ def can_compile():
                   f"importing it failed: {failed}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Refusals in one line, as the report's own are (not argparse's usage block above)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="normbook-report",
         description="The static compile report: every kernel compiled for sm_80 and sm_90 on a "
                     "machine without a GPU.",

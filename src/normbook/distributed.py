@@ -136,7 +136,8 @@ def _gather(t: torch.Tensor, group) -> torch.Tensor:
 
 
 _DTYPE_CODES = {torch.float16: 16, torch.bfloat16: 17, torch.float32: 32, torch.float64: 64}
-_SHOWN_DIMS = 4     # leading sizes each rank sends for the message (the hash checks them all)
+_SHOWN_DIMS = 8     # leading sizes each rank sends for the message (the hash checks them all;
+                    # with 4, ranks differing in a fifth showed the same four)
 
 
 def _check_group(group) -> None:
@@ -587,7 +588,8 @@ def _collect(procs, tmp: str, name: str, timeout_s: float, start: float) -> list
         if errors:
             _, rank, text = errors[0]
             later = [str(k) for _, k, _ in errors[1:]]
-            also = f" (then ranks {', '.join(later)} failed too)" if later else ""
+            also = (f" (then rank{'s' if len(later) > 1 else ''} {', '.join(later)} failed "
+                    "too)") if later else ""
             raise RuntimeError(f"launch: {name} failed on rank {rank}{also}; the other ranks "
                                f"were stopped. Rank {rank}'s traceback:\n{text}")
         if all(r is not None for r in records):
@@ -635,7 +637,8 @@ def launch(fn: Callable[..., Any], *args: Any, world: int = 2,
         TimeoutError: the ranks did not all finish within ``timeout_s``.
     """
     # (a functools.partial of such a function, or another callable that pickles, is taken)
-    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    inner = getattr(fn, "func", fn)     # a functools.partial: the function it calls
+    name = getattr(inner, "__qualname__", None) or type(fn).__name__
     if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in name:
         raise ValueError(f"launch: {name} must be a module-level function of an "
                          f"importable module (a spawned process cannot see __main__)")

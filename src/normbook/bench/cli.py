@@ -57,6 +57,14 @@ from normbook.bench import bytemodel, providers, runner
 from normbook.bench.goal import GOAL
 
 PROG = "normbook-bench"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose refusals are one line, ``normbook-bench: error: ...``, as every
+    other refusal here (argparse printed its usage block, eleven lines, above the message)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 GPU_PROVIDERS = ["normbook", "torch", "compile", "naive", "liger", "quack"]
 CPU_PROVIDERS = ["torch", "naive", "reference"]
 
@@ -83,7 +91,7 @@ def _sizes(parser, flag: str, text: str) -> list[int]:
     try:
         if ".." in text:
             lo, hi = (int(s) for s in text.split(".."))
-            if lo < 1 or lo & (lo - 1) or hi < lo:
+            if lo < 1 or lo & (lo - 1) or hi < lo or hi & (hi - 1):    # 512..1000 gave 512
                 raise ValueError
             return _pow2_range(lo, hi)
         sizes = [int(s) for s in text.split(",") if s.strip()]
@@ -122,7 +130,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=PROG,
         description="Benchmark LayerNorm/RMSNorm (and the fused residual adds) in GB/s and as "
                     "a fraction of the device's copy bandwidth; write JSON and plots. Five more "
@@ -504,7 +512,8 @@ def _recorded(args, parser, flag) -> int:
     elif flag == "--merge":
         merged = runner.merge(load_results(args.merge))
         runner.write_json(merged, args.out)
-        print(f"merged {len(merged['runs'])} runs, {len(merged['rows'])} rows into {args.out}")
+        n = len(merged["runs"])
+        print(f"merged {n} run{'' if n == 1 else 's'}, {len(merged['rows'])} rows into {args.out}")
     else:  # --plot, --summary, or both
         if args.plot:
             print("\n".join(str(p) for p in plot_results(load_results(args.plot), args.out)))

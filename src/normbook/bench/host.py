@@ -276,10 +276,10 @@ def main(argv=None) -> int:
     as one line, exit status 2."""
     import argparse
 
-    from normbook.bench.cli import PROG, BenchError, add_json_out, json_out
+    from normbook.bench.cli import PROG, Parser, BenchError, add_json_out, json_out
     from normbook.bench.cli import _positive_int as positive_int
 
-    p = argparse.ArgumentParser(prog=f"{PROG} host", description=DESCRIPTION, epilog=EXAMPLES,
+    p = Parser(prog=f"{PROG} host", description=DESCRIPTION, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_json_out(p, "the microseconds (and ratios)")
     p.add_argument("--number", type=positive_int, default=100,

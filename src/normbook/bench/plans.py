@@ -214,11 +214,9 @@ def _line(row: dict) -> str:
 
 def main(argv=None) -> int:
     """``normbook-bench plans``; 0. A refusal raises (printed by :mod:`normbook.bench.cli`)."""
-    import argparse
+    from normbook.bench.cli import PROG, BenchError, Parser, _sizes, add_json_out, json_out
 
-    from normbook.bench.cli import PROG, BenchError, _sizes, add_json_out, json_out
-
-    p = argparse.ArgumentParser(prog=f"{PROG} plans", description=DESCRIPTION)
+    p = Parser(prog=f"{PROG} plans", description=DESCRIPTION)
     add_json_out(p, "the rows")
     p.add_argument("--dims", default="1024,4096,8192", help="D, comma-separated")
     p.add_argument("--rows", default="1,2,4,8,16,32", help="M timed both ways")

@@ -183,7 +183,11 @@ def plot_overview(sources, path, dtype: str = "bf16") -> Path:
     results = load_results(sources)
     rows, several = _rows_by_run(results)
     rows = [r for r in rows if r["dtype"] == dtype]
-    ops = list(dict.fromkeys(r["op"] for r in rows)) or ["(no rows)"]
+    if not rows:        # (an empty figure was written, and the exit status was 0)
+        found = sorted({r["dtype"] for res in results for r in res["rows"]})
+        raise ResultsError(f"sources: no {dtype} rows to draw (they hold "
+                           f"{', '.join(found) or 'no rows'} only)")
+    ops = list(dict.fromkeys(r["op"] for r in rows))
     fig, axes = plt.subplots(2, len(ops), figsize=(4.2 * len(ops), 6.5), squeeze=False, sharex=True)
     for j, op in enumerate(ops):
         for i, mode in enumerate(("fwd", "bwd")):

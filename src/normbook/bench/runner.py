@@ -91,7 +91,13 @@ def _version(dist: str) -> str:
 
 
 def _git(*args: str) -> str | None:
+    """git in the checkout this module was imported from; None where it was not imported from
+    one (an installed wheel: ``parents[3]`` is then the venv's lib folder, inside whatever
+    repository holds the venv, whose HEAD a run recorded as normbook's commit)."""
     root = Path(__file__).resolve().parents[3]  # src/normbook/bench/runner.py -> repo root
+    if not (root / "src" / "normbook" / "bench" / "runner.py").is_file() or not (
+            root / "pyproject.toml").is_file():
+        return None
     try:
         r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
                            timeout=10)
@@ -383,9 +389,11 @@ def _one(key, inp, copy_gbps, device, cfg, skip, timer=None):
 def merge(results: list[dict]) -> dict:
     """Several runs as one result: every row and skip, each run's provenance and copy bandwidth.
 
-    Rows keep the frac_copy of their own run; ``copy_bandwidth_gbps`` is the fastest of the runs
-    (informative only). The first run's provenance heads the file; ``runs`` lists them all. A
-    run given twice (the same file twice, or a folder and a file in it) is merged once.
+    Rows keep the frac_copy of their own run, and ``run``, the index of their run in ``runs``;
+    ``copy_bandwidth_gbps`` is the fastest of the runs (informative only). The first run's
+    provenance heads the file; ``runs`` lists them all, a merged file's own runs each (its
+    rows' ``run`` moved along; rows merged before ``run`` was recorded get none). A run given
+    twice (the same file twice, or a folder and a file in it) is merged once.
     """
     if not results:
         raise ValueError("nothing to merge")
@@ -397,13 +405,36 @@ def merge(results: list[dict]) -> dict:
             seen.add(key)
             unique.append(r)
     results = unique
+    runs: list = []
+    index: dict = {}        # a run (as JSON) -> its place in runs
+    rows: list = []
+    for r in results:
+        inner = r.get("runs") or [{k: r.get(k) for k in ("provenance", "copy", "copy_end",
+                                                          "config")}]
+        places, new = [], set()
+        for run in inner:
+            key = json.dumps(run, sort_keys=True, default=str)
+            if key not in index:
+                index[key] = len(runs)
+                runs.append(run)
+                new.add(index[key])
+            places.append(index[key])
+        for row in r["rows"]:
+            old = row.get("run") if "runs" in r else 0
+            place = places[old] if type(old) is int and old < len(places) else None
+            if place is not None and place not in new:
+                continue                        # a run merged already, with its rows
+            row = {k: v for k, v in row.items() if k != "run"}
+            if place is not None:
+                row["run"] = place
+            rows.append(row)
     return {
         "provenance": results[0]["provenance"],
         "copy_bandwidth_gbps": max(r["copy_bandwidth_gbps"] for r in results),
         "copy": results[0].get("copy", {"gbps": results[0]["copy_bandwidth_gbps"]}),
-        "runs": [{k: r.get(k) for k in ("provenance", "copy", "copy_end", "config")} for r in results],
+        "runs": runs,
         "byte_model": results[0].get("byte_model", ""),
-        "rows": [row for r in results for row in r["rows"]],
+        "rows": rows,
         "skipped": [s for r in results for s in r.get("skipped", [])],
     }
 
@@ -442,17 +473,39 @@ def summary(result: dict) -> str:
     """A text table per (op, dtype, mode), providers by D: each cell GB/s (fraction of the big
     copy, of a same-size copy); under it, device and host time per call in us."""
     rows = result["rows"]
-    both = [f"{k} {result[key]['gbps']:.1f}" for k, key in (("start", "copy"), ("end", "copy_end"))
-            if key in result]
-    timer = result.get("provenance", {}).get("timer")
-    lines = [f"copy bandwidth: {result['copy_bandwidth_gbps']:.1f} GB/s"
-             + (f" ({', '.join(both)}; the faster is the yardstick)" if both else ""),
-             f"timer: {timer if isinstance(timer, str) else 'not recorded'}",
+    runs = result.get("runs") or []
+    if len(runs) > 1:      # a merged file: each run's yardstick and timer, as its rows use them
+        lines = [f"{len(runs)} runs merged; each row's fractions are of its own run's copy:"]
+        for i, run in enumerate(runs):
+            prov = run.get("provenance") or {}
+            copies = [f"{k} {g:.1f}" for k, key in (("start", "copy"), ("end", "copy_end"))
+                      if _num(g := (run.get(key) or {}).get("gbps"))]
+            lines.append(f"  run {i}: {prov.get('device', '?')}, {prov.get('date', '?')}, "
+                         f"timer {prov.get('timer') or 'not recorded'}; copy bandwidth "
+                         + (f"{max(float(c.split()[1]) for c in copies):.1f} GB/s "
+                            f"({', '.join(copies)})" if copies else "not recorded"))
+    else:
+        both = [f"{k} {result[key]['gbps']:.1f}"
+                for k, key in (("start", "copy"), ("end", "copy_end")) if key in result]
+        timer = result.get("provenance", {}).get("timer")
+        lines = [f"copy bandwidth: {result['copy_bandwidth_gbps']:.1f} GB/s"
+                 + (f" ({', '.join(both)}; the faster is the yardstick)" if both else ""),
+                 f"timer: {timer if isinstance(timer, str) else 'not recorded'}"]
+    lines += [
              "(a, b): fraction of that copy, and of a copy of the row's own bytes "
              "(a same-size copy; none in older runs)",
              "* : host time per call exceeds the device time (an eager loop would wait on the "
              f"host, not the kernel), or is at least {HOST_SHARE_DO_BENCH} of a do_bench time "
              "(do_bench then times the host)"]
+    # a provider measured by several runs at one (D, M): a column per run ("normbook run 1"),
+    # where one column kept the last run's cell and dropped the others
+    taken: dict = {}
+    for r in rows:
+        taken.setdefault((r["op"], r["dtype"], r["mode"], r["provider"], r["D"], r["M"]),
+                         set()).add(r.get("run"))
+    clash = {k[:4] for k, v in taken.items() if len(v) > 1}
+    rows = [dict(r, provider=f"{r['provider']} run {r.get('run', '?')}")
+            if (r["op"], r["dtype"], r["mode"], r["provider"]) in clash else r for r in rows]
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["op"], r["dtype"], r["mode"]), []).append(r)

@@ -106,7 +106,9 @@ ROW = {**_KEYS, "ms": _timing, "gbps": _nonneg, "frac_copy": _nonneg}
 ROW_OPTIONAL = {"ms_q20": _number, "ms_q80": _number, "bytes": _size,
                 "host_ms": _optional(_number), "host_bound": _optional(_boolean),
                 "timer": _text, "timer_note": _text,
-                "copy_same_gbps": _optional(_nonneg), "frac_same_copy": _optional(_nonneg)}
+                "copy_same_gbps": _optional(_nonneg), "frac_same_copy": _optional(_nonneg),
+                "run": _optional(lambda v: None if type(v) is int and v >= 0
+                                 else "an index into runs")}
 SKIP = {**_KEYS, "reason": _text}
 PROVENANCE_OPTIONAL = {k: _optional(lambda v: None if isinstance(v, str) else "a string")
                        for k in ("device", "device_type", "commit", "date")}

@@ -495,11 +495,9 @@ class _Plans(_Case):
 
 def main(argv=None) -> int:
     """``normbook-bench shapes``; 0. A refusal raises (printed by :mod:`normbook.bench.cli`)."""
-    import argparse
+    from normbook.bench.cli import PROG, BenchError, Parser, _sizes, add_json_out, json_out
 
-    from normbook.bench.cli import PROG, BenchError, _sizes, add_json_out, json_out
-
-    p = argparse.ArgumentParser(prog=f"{PROG} shapes", description=DESCRIPTION)
+    p = Parser(prog=f"{PROG} shapes", description=DESCRIPTION)
     add_json_out(p, "the rows")
     p.add_argument("--dims", default="32768,65536,131072", help="D, comma-separated")
     p.add_argument("--rows", default="32768", help="M, comma-separated")

@@ -194,10 +194,10 @@ def main(argv=None) -> int:
     (printed by :mod:`normbook.bench.cli` as one line, exit status 2)."""
     import argparse
 
-    from normbook.bench.cli import PROG, BenchError, _names, add_json_out, json_out
+    from normbook.bench.cli import PROG, Parser, BenchError, _names, add_json_out, json_out
     from normbook.bench.cli import _positive_int as positive_int
 
-    p = argparse.ArgumentParser(prog=f"{PROG} step", description=DESCRIPTION, epilog=EXAMPLES,
+    p = Parser(prog=f"{PROG} step", description=DESCRIPTION, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_json_out(p, "the rows, the shape and the versions")
     p.add_argument("--quick", action="store_true",
