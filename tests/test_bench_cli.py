@@ -1148,3 +1148,11 @@ def test_refusals_are_one_line_and_an_empty_overview_is_one(tmp_path):
     rc, out, err = _main(["--overview", tmp_path / "fp32.json", "--out", tmp_path / "o.png"])
     assert rc == 2 and not (tmp_path / "o.png").exists()
     _one_line_error(err, "--overview", "no bf16 rows", "fp32")
+
+
+@pytest.mark.parametrize("command", [[], ["host"], ["cpu"], ["plans"], ["shapes"], ["step"]])
+def test_every_command_s_help_ends_with_examples(command):
+    """benchmarks/README.md: each command's --help ends with examples (plans' and shapes'
+    had none)."""
+    rc, out, err = _main([*command, "--help"])
+    assert rc == 0 and "examples:" in out.split("options:")[-1], (command, out[-300:])

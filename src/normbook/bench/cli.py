@@ -160,8 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="a short run: bf16, fwd and bwd, four sizes on CUDA; "
                    "fp32, fwd and bwd, M=512, D=256,1024 on the CPU (under a minute)")
-    p.add_argument("--warmup-ms", type=_positive_float, help="per-row warmup (default 25; CPU 5)")
-    p.add_argument("--rep-ms", type=_positive_float, help="per-row timing (default 100; CPU 40)")
+    p.add_argument("--warmup-ms", type=_positive_float,
+                   help="per-row warmup (default 25; CPU 5, CPU --quick 2)")
+    p.add_argument("--rep-ms", type=_positive_float,
+                   help="per-row timing (default 100; CPU 40, CPU --quick 10)")
     p.add_argument("--timer", choices=["cudagraph", "do_bench"],
                    help="CUDA: how device time is timed. cudagraph (default): many calls captured "
                    "in a CUDA graph and replayed, the host's time out of it, L2 not flushed "
@@ -242,7 +244,8 @@ def config_from_args(args, parser) -> runner.Config:
             parser.error(f"--goal: the goal is judged on a CUDA run (bf16, M = {GOAL['M']}); "
                          "this one would run on the CPU (normbook-bench cpu --goal judges the "
                          "CPU backend)")
-        notes.append("no GPU: CPU mode (small shapes, fp32, perf_counter timer). "
+        notes.append("no GPU: CPU mode (small shapes, perf_counter timer; fp32 unless "
+                     "--dtypes or --dry-run asks for more). "
                      "The numbers are not the performance goal's; that needs a CUDA device.")
     if cuda:
         M, Ds, extra = 32768, _pow2_range(512, 131072), [(1 << 20, 128)]

@@ -49,6 +49,11 @@ import torch
 __all__ = ["main", "measure", "measure_forward", "one_program_rows", "row_from"]
 
 DESCRIPTION = __doc__.split("\n\n")[0]
+EXAMPLES = """examples:
+  normbook-bench plans --json plans.json      # on a GPU: every D and M
+  TRITON_INTERPRET=1 normbook-bench plans --dims 2048 --rows 1,4 --share-rows 64 \\
+      --forward-dims 1024                     # on a CPU: the code runs; its times mean nothing
+"""
 
 
 @contextlib.contextmanager
@@ -214,9 +219,12 @@ def _line(row: dict) -> str:
 
 def main(argv=None) -> int:
     """``normbook-bench plans``; 0. A refusal raises (printed by :mod:`normbook.bench.cli`)."""
+    import argparse
+
     from normbook.bench.cli import PROG, BenchError, Parser, _sizes, add_json_out, json_out
 
-    p = Parser(prog=f"{PROG} plans", description=DESCRIPTION)
+    p = Parser(prog=f"{PROG} plans", description=DESCRIPTION, epilog=EXAMPLES,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_json_out(p, "the rows")
     p.add_argument("--dims", default="1024,4096,8192", help="D, comma-separated")
     p.add_argument("--rows", default="1,2,4,8,16,32", help="M timed both ways")

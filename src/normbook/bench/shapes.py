@@ -62,6 +62,13 @@ __all__ = ["LoopShape", "CoopShape", "parse", "using", "in_force", "measure", "m
            "FORWARD", "BACKWARD"]
 
 DESCRIPTION = __doc__.split("\n\n")[0]
+EXAMPLES = """examples:
+  normbook-bench shapes --json shapes.json    # on a GPU: every candidate
+  normbook-bench shapes --compile-only --ops layer_norm,rms_norm
+                                              # no GPU: registers and spills, sm_90
+  TRITON_INTERPRET=1 normbook-bench shapes --dims 20000 --rows 3 --forward 16384x32x1x1 \\
+      --backward 16384x16x1                   # on a CPU: the code runs; no speed
+"""
 REGISTERS = H200["registers"]        # an SM's register file (sm_80, sm_90)
 
 
@@ -495,9 +502,12 @@ class _Plans(_Case):
 
 def main(argv=None) -> int:
     """``normbook-bench shapes``; 0. A refusal raises (printed by :mod:`normbook.bench.cli`)."""
+    import argparse
+
     from normbook.bench.cli import PROG, BenchError, Parser, _sizes, add_json_out, json_out
 
-    p = Parser(prog=f"{PROG} shapes", description=DESCRIPTION)
+    p = Parser(prog=f"{PROG} shapes", description=DESCRIPTION, epilog=EXAMPLES,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_json_out(p, "the rows")
     p.add_argument("--dims", default="32768,65536,131072", help="D, comma-separated")
     p.add_argument("--rows", default="32768", help="M, comma-separated")
