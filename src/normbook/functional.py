@@ -156,15 +156,6 @@ def _load_kernels():
 
 # ----------------------------------------------------------------------------- the Function
 
-def _is_subclass(t) -> bool:
-    """A tensor subclass with a dispatch of its own (a DTensor), which takes the custom ops
-    (their sharding rules keep each token's row on one rank) and keeps its leading dims. Not a
-    Parameter, nor a subclass that only wraps results (``__torch_function__``): those are rows
-    like a tensor's (a Parameter of three dims, a module's learned tokens, failed to unpack as
-    (M, D) in the kernels)."""
-    return _ops.own_dispatch(t)
-
-
 def _torch_forward(x, residual, weight, bias, eps, is_rms, with_stats=True):
     """The torch backend's forward: h = x + residual (in x's dtype), then (ln-y) / (rms-y) of h
     in the compute dtype; returns (y, h, stats), h None without a residual, stats (k, ...)
@@ -458,7 +449,8 @@ def _apply(x, residual, weight, bias, eps, is_rms, kernels):
         # and the statistics it would save), the same y and h
         y, h, _ = _torch_forward(x, residual, weight, bias, eps, is_rms, False)
         return y, h
-    route = (_OPS if _is_subclass(x) else _LAUNCH) if kernels else _TORCH
+    # a DTensor takes the custom ops, whose sharding rules keep each token's row on one rank
+    route = (_OPS if _ops.own_dispatch(x) else _LAUNCH) if kernels else _TORCH
     if _fwAD._current_level >= 0:
         # forward-mode AD: h = x + residual as torch's own add, then the norm of h, so that h's
         # tangent, its requires_grad and y's dependence on h are exactly those of x + residual
@@ -557,7 +549,7 @@ def _whole(input) -> bool:
     input) are passed as they are too: the Function saves what it is given, and a dense copy
     made here would be kept for backward, (M, D) values more than torch keeps; the torch
     backend and the launchers make theirs inside, for as long as they read it."""
-    return ((input.dim() != 2 or input.stride(1) != 1) and not _is_subclass(input)
+    return ((input.dim() != 2 or input.stride(1) != 1) and not _ops.own_dispatch(input)
             and not _transformed())
 
 
@@ -1326,17 +1318,20 @@ def _add_norm(x, residual, weight, bias, eps, is_rms, kernels=None):
     if isinstance(x, Tensor) and x.dim() == 0:
         raise _validate.ShapeError("x: expected a tensor of shape (..., D) with at least one "
                                    "dim, got a 0-d tensor")
-    if isinstance(x, Tensor) and x.is_nested:
-        # torch's add of nested tensors, then the norm of the sum on either backend: of a
-        # jagged one's values (_nested; the custom ops take no nested tensor), of a strided
-        # one's tensors each (_nested_strided)
+    if type(x) is not Tensor and isinstance(x, Tensor) and x.is_nested:
+        # a jagged nested tensor: torch's add, then the norm of the sum's values (_nested; the
+        # custom ops take no nested tensor), on either backend
         h = x + residual
-        if type(h) is Tensor:
-            return _nested_strided(h, None, weight, bias, eps, is_rms, "x", kernels), h
         y = _nested(lambda v, shape: _norm(v, shape, weight, bias, eps, is_rms, None, "x",
                                            kernels)[0], h, h.shape[-1])
         return y, h
-    D = x.shape[-1] if isinstance(x, Tensor) else 0
+    try:
+        D = x.shape[-1] if isinstance(x, Tensor) else 0
+    except RuntimeError:
+        if not x.is_nested:
+            raise
+        h = x + residual        # torch.nested's strided layout, whose sizes cannot be read
+        return _nested_strided(h, None, weight, bias, eps, is_rms, "x", kernels), h
     if type(D) is not int:   # torch.jit.trace gives sizes as tensors: only the checks read D
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
