@@ -1,9 +1,10 @@
 """The norms in plain, differentiable torch ops, for production rather than for reading.
 
 :mod:`normbook.reference` is the derivation written with the book's einsum strings: the oracle,
-exact in float64. In fp32 on a CPU an einsum reduction is a long sequential chain whose error
-grows with D; this module computes the same equations with torch's vectorised reductions
-(``sum``/``mean``, error growing like log D) and with a scale-safe variance, and it is what
+exact in float64. In fp32 on a CPU a two-operand einsum reduction (``"nd,nd->n"``) is a long
+sequential chain whose error grows with D (a one-operand one, ``"nd->n"``, is torch's ``sum``);
+this module computes the same equations with torch's vectorised reductions (``sum``/``mean``,
+error growing like log D) and with a scale-safe variance, and it is what
 the CPU path computes with. Every function is made of differentiable torch ops, so it also
 serves double backward (when autograd builds a graph of the backward), the forward-mode
 tangent (jvp) and batching (vmap) of both paths.
