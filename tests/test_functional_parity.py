@@ -351,7 +351,9 @@ def test_torch_jit_trace_of_the_functions(backend, kernels, device):
     the tracer gives as a tensor: it refused it as normalized_shape before), and a size taken
     from the input: each trace computes torch's result on inputs of another shape, without a
     TracerWarning. Over several dims the trace keeps this call's rank, and the tracer's
-    warnings say so: they are not silenced."""
+    warnings say so: they are not silenced. It keeps the rank only: another batch of that rank
+    runs (the trace held aten's _unsafe_view and its sizes as constants; it failed on any other
+    batch, and the TorchScript ONNX exporter refused _unsafe_view)."""
     w = torch.randn(8, device=device)
     calls = {
         "add_layer_norm": (lambda x, r: normbook.add_layer_norm(x, r, w),
@@ -369,10 +371,18 @@ def test_torch_jit_trace_of_the_functions(backend, kernels, device):
             traced = torch.jit.trace(ours, example)
         x, r = torch.randn(2, 5, 8, device=device), torch.randn(2, 5, 8, device=device)
         torch.testing.assert_close(traced(x, r), theirs(x, r), msg=name)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.jit.trace(normbook.LayerNorm((2, 8)).to(device), torch.randn(3, 2, 8, device=device))
-    assert any(w.category is torch.jit.TracerWarning for w in caught)
+    for m, ref in ((normbook.LayerNorm((2, 8)), torch.nn.LayerNorm((2, 8))),
+                   (normbook.RMSNorm((2, 8)), torch.nn.RMSNorm((2, 8)))):
+        m, ref = m.to(device), ref.to(device)
+        with normbook.backend(backend), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            traced = torch.jit.trace(m, torch.randn(3, 2, 8, device=device))
+        assert any(w.category is torch.jit.TracerWarning for w in caught)
+        assert "_unsafe_view" not in traced.graph.str()
+        x = torch.randn(5, 2, 8, device=device)
+        torch.testing.assert_close(traced(x), ref(x))
+        traced = torch.jit.trace(lambda x: normbook.layer_norm(x, (2, 8)), x)
+        torch.testing.assert_close(traced(x[:2]), F.layer_norm(x[:2], (2, 8)))
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])

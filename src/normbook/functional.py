@@ -122,7 +122,16 @@ _tracing = torch._C._is_tracing              # torch.jit.trace
 # torch.export (a torch without is_exporting exports by the torch.compile route)
 _exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-_unsafe_view = torch.ops.aten._unsafe_view   # a reshape that autograd does not track as a view
+
+
+def _unsafe_view(y, shape):
+    """y as a tensor of its own in ``shape``: aten's ``_unsafe_view``, a reshape that autograd
+    does not track as a view. Under torch.jit.trace (and so the TorchScript ONNX exporter) a
+    plain reshape: a trace records ``_unsafe_view``'s sizes as constants (the traced norm then
+    refused any other batch), and ONNX has no ``_unsafe_view``."""
+    if torch.jit.is_tracing():
+        return y.reshape(shape)
+    return torch.ops.aten._unsafe_view(y, shape)
 
 
 class _Kernels(NamedTuple):
