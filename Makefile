@@ -1,6 +1,8 @@
-# normbook: two commands. `make book` builds the HTML book, `make test` runs the three gates and
-# then checks the built pages in a headless browser.
-# Both create .venv on first use from the pinned requirements.txt and are idempotent.
+# normbook: two commands. `make book` builds the HTML book; `make test` runs the package's tests,
+# then two lines side by side (the book build and its browser check; the kernels under Triton
+# 3.6, 3.7 and 3.8, the GPU dry run and the torch floor): see the test target below.
+# Both create .venv on first use from the pinned requirements.txt and are idempotent; `make venv`
+# creates it alone.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -15,7 +17,7 @@ PORT ?= 8000
 
 TRITON36 := build/triton36
 
-.PHONY: book test quick pytest triton36 triton-versions torch-floor gpu-dry-run gpu-wheels nbval notebooks pdf browser-check test-book test-kernels serve clean
+.PHONY: venv book test quick pytest triton36 triton-versions torch-floor gpu-dry-run gpu-wheels nbval notebooks pdf browser-check test-book test-kernels serve clean
 
 ## The pins are installed by uv (itself pinned, into the venv by pip): under a minute where pip
 ## took three. Bytecode is compiled at install, as pip does: left to the first imports, it slowed
@@ -41,7 +43,10 @@ $(STAMP): requirements.txt pyproject.toml
 	$(UV_PIP) --no-deps -e .
 	touch $(STAMP)
 
-## Gate 3: the warnings-as-errors book build. --all re-reads (and so re-executes) every page:
+## The venv alone: the pins, and the package in it as an editable install.
+venv: $(STAMP)
+
+## The warnings-as-errors book build. --all re-reads (and so re-executes) every page:
 ## an incremental build would neither re-run a chapter when only src/ changed nor repeat the
 ## warnings of unchanged pages. Source pages (_modules/) are regenerated for the same reason.
 ## One torch thread per chapter: in make test the book shares the two cores with the kernel line,
@@ -53,7 +58,7 @@ book: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/jupyter-book build . --all -W -n --keep-going --path-output build
 	@echo "The book is in $(HTML_DIR)/: open $(HTML_DIR)/index.html in a browser, or run make serve."
 
-## Gate 1: the package, with Triton in its interpreter on the CPU.
+## The package's tests, with Triton in its interpreter on the CPU.
 pytest: $(STAMP)
 	$(PY) -m pytest tests -q -n auto
 

@@ -926,6 +926,19 @@ def test_the_recorded_h200_run_reads_with_summary_plot_and_model_check(tmp_path)
     assert "largest shortfall against the model" in out and (tmp_path / "model.png").read_bytes().startswith(PNG)
 
 
+def test_every_recorded_run_has_its_readme_and_its_row():
+    """Each folder of benchmarks/results is a GPU run as benchmarks/README.md (step 4) says to
+    commit it: its results.json, a README.md of the run (the wheel carries both), and a row in
+    benchmarks/results/README.md's table."""
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    runs = [d for d in results.iterdir() if d.is_dir() and not d.name.startswith((".", "_"))]
+    assert runs
+    table = (results / "README.md").read_text()
+    for run in runs:
+        assert (run / "results.json").is_file() and (run / "README.md").is_file(), run.name
+        assert f"| `{run.name}/` |" in table, f"benchmarks/results/README.md has no row for {run.name}"
+
+
 def test_an_absent_quack_says_why(monkeypatch):
     """Without quack-kernels on a GPU, the skipped row's reason says what stands in the way
     (its CUTLASS DSL wheel does not travel to the lent GPU machines), not only the import's

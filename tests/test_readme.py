@@ -38,6 +38,22 @@ def test_every_labelled_equation_is_in_the_notation_table():
     assert named == set(book_labels()), (set(book_labels()) - named, named - set(book_labels()))
 
 
+def test_the_readmes_equation_numbers_are_the_books():
+    """Each label in the table carries the number the book prints, (3.4) for ``ln-dx``: what
+    a reader of the book or the downloaded notebooks looks for. The numbers are the book
+    builder's (book/_ext/notebooks.build_index, which the built pages are checked against in
+    tests/browser)."""
+    import sys
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    import notebooks
+    numbers = notebooks.build_index(ROOT).equations
+    written = {label: number for cells in table_rows()
+               for label, number in re.findall(r"`([a-z0-9-]+)`(?: \(([\d.]+)\))?", cells[0])}
+    wrong = {label: (number, numbers.get(label)) for label, number in written.items()
+             if number != numbers.get(label)}
+    assert not wrong, f"README's equation numbers (label: (README's, the book's)): {wrong}"
+
+
 def test_the_readme_names_only_real_labels():
     named = {m for cells in table_rows() for m in re.findall(r"`([a-z0-9-]+)`", cells[0])}
     assert named <= set(book_labels()), f"README names labels no chapter defines: {named - set(book_labels())}"

@@ -21,7 +21,8 @@ Also: at a phone's width (390 px) no page is wider than the screen, no displayed
 cut off (a wide one scrolls sideways inside its block) and at most one per page is wider than its
 column; at least half of each chapter's visible code cells show an output and its figures are
 SVG; the search page finds a word, exercises are numbered and their solutions folded, and
-screenshots of a few pages go to build/screenshots/ for a person to look at.
+screenshots of a few pages go to build/screenshots/ for a person to look at. Each labelled
+equation's printed number is the one the README's table and the notebooks give it.
 
 Where Chromium is missing the tests skip with the reason, except in CI (``CI=true``), where
 .ci/run installs it, so a missing browser fails.
@@ -296,6 +297,26 @@ def test_the_book_was_built():
     if not PAGES:
         _unavailable(f"no built book at {HTML}: run `make book` first")
     assert "index.html" in PAGES and "search.html" in PAGES, PAGES
+
+
+def test_equation_numbers_are_the_index_s():
+    """The number the built page prints for each labelled equation, (3.4) for ``ln-dx``, is the
+    one book/_ext/notebooks.build_index gives: the downloaded notebooks' tags and the README's
+    table are written from it."""
+    import sys
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    import notebooks
+    expected = notebooks.build_index(ROOT).equations
+    printed = {}
+    for page in PAGES:
+        for label, number in re.findall(r'id="equation-([\w-]+)">\s*<span class="eqno">\(([\d.]+)\)',
+                                        (HTML / page).read_text(encoding="utf-8")):
+            printed[label] = number
+    if not printed:
+        _unavailable(f"no built book at {HTML}: run `make book` first")
+    assert printed == expected, {k: (printed.get(k), expected.get(k))
+                                 for k in printed.keys() | expected.keys()
+                                 if printed.get(k) != expected.get(k)}
 
 
 def test_a_page_that_never_arrives_fails_as_such(browser):
