@@ -27,10 +27,29 @@ def test_every_chapter_opens_with_its_objectives():
     pages = chapters()
     assert len(pages) >= 11
     missing = [p.name for p in pages if len(objectives(p.read_text())) < 3]
-    assert not missing, f"chapters without three or more objectives: {missing}"
+    assert not missing, (f"chapters without three or more objectives: {missing} (a block "
+                         f"```{{admonition}} In this chapter you will, of '- ' bullets, before "
+                         f"the first ## section; AUTHORING.md, A new chapter)")
     for page in pages:       # at the top: before the chapter's first section
         text = page.read_text()
         assert text.index("In this chapter you will") < text.index("\n## "), page.name
+
+
+def test_every_numbered_page_is_a_chapter_of_the_toc():
+    """book/NN-*.md is a chapter to the Makefile (CHAPTERS: the notebooks, nbval) and to the
+    README's equation table; the table of contents must number it too, or the book leaves it
+    out while the rest of the apparatus takes it in."""
+    pages = {p.name for p in (ROOT / "book").glob("[0-9][0-9]-*.md")}
+    listed = {p.name for p in chapters()}
+    assert pages <= listed, (f"book/ pages not numbered in _toc.yml: {sorted(pages - listed)} "
+                             f"(add each under the caption with numbered: true)")
+
+
+def test_every_chapter_ends_with_its_summary():
+    """The guide's rule: every chapter ends with a summary, its last section."""
+    last = {p.name: re.findall(r"^## (.+)$", p.read_text(), re.M)[-1:] for p in chapters()}
+    assert all(s == ["Summary"] for s in last.values()), {
+        name: s for name, s in last.items() if s != ["Summary"]}
 
 
 def test_chapter_9_reads_in_sittings_of_under_45_minutes():

@@ -82,6 +82,25 @@ def test_each_cell_is_its_own_file_in_tracebacks():
     assert frame.line == "assert x == y, 'the second cell'"
 
 
+def test_a_chapters_cells_fail_at_their_md_line(tmp_path):
+    """Run from its .md (``--run``, the GPU check's chapter step), a failing cell's traceback
+    gives the line of the .md and shows it (Python's own hook printed a bare AssertionError
+    for a cell's frame); and every cell of the book is found at the line it names."""
+    chapter = tmp_path / "99-fails.md"
+    chapter.write_text("# A\n\n```{code-cell} ipython3\n:tags: [remove-cell]\nx = 1\n```\n\n"
+                       "```{code-cell} ipython3\n---\ntags: [hide-input]\n---\ny = 2\n"
+                       "assert x == y, 'the claim'\n```\n")
+    run = _run(str(RUNNER), "--run", str(tmp_path / "claims.json"), str(chapter))
+    assert run.returncode == 1
+    assert '"<99-fails.md cell 2 #' in run.stderr and '", line 13, in <module>' in run.stderr
+    assert "    assert x == y, 'the claim'" in run.stderr, run.stderr[-2000:]
+    for path in notebooks.chapter_sources():
+        lines = path.read_text().splitlines()
+        for cell in notebooks.code_cells(path):
+            shown = cell.source.splitlines()
+            assert lines[cell.line - 1:cell.line - 1 + len(shown)] == shown, (path.name, cell.line)
+
+
 def _ipython_imports(source: str) -> list[tuple[ast.AST, list[ast.AST]]]:
     """Each import of IPython in ``source``, with the try statements around it."""
     found = []

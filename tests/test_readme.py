@@ -35,7 +35,9 @@ def test_every_labelled_equation_is_in_the_notation_table():
     notation = (ROOT / "book" / "notation.md").read_text()
     rows = notation[notation.index("## Equation labels"):]
     named = set(re.findall(r"^\| `([a-z0-9-]+)` \|", rows, re.M))
-    assert named == set(book_labels()), (set(book_labels()) - named, named - set(book_labels()))
+    assert named == set(book_labels()), (
+        f"book/notation.md's '## Equation labels' table lacks {set(book_labels()) - named} and "
+        f"names labels no chapter defines: {named - set(book_labels())}")
 
 
 def test_the_readmes_equation_numbers_are_the_books():

@@ -40,6 +40,7 @@ import linecache
 import os
 import re
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -247,6 +248,17 @@ def run_cell(source: str, namespace: dict, name: str) -> None:
     exec(compile(source, filename, "exec"), namespace)
 
 
+def _numbered(cell, name: str, k: int) -> tuple[str, str]:
+    """(source, name) of code cell ``k`` for :func:`run_cell`: a cell read by
+    :func:`code_cells` knows its first line in the chapter's .md, and its source is shifted
+    there, so that a traceback's line number is the .md's ("<04-invariances.md cell 4 #9>",
+    line 236)."""
+    line = getattr(cell, "line", None)
+    if line is None:
+        return cell.source, f"{name} cell {k}"
+    return "\n" * (line - 1) + cell.source, f"{name}.md cell {k}"
+
+
 def glue_by_running(cells: list, name: str = "chapter", where: Path | None = None
                     ) -> dict[str, str]:
     """Run a chapter's code cells here (magics dropped, each by :func:`run_cell`, named
@@ -263,7 +275,8 @@ def glue_by_running(cells: list, name: str = "chapter", where: Path | None = Non
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             for k, cell in enumerate((c for c in cells if c.cell_type == "code"), 1):
-                run_cell(without_magics(cell.source), namespace, f"{name} cell {k}")
+                source, cell_name = _numbered(cell, name, k)
+                run_cell(without_magics(source), namespace, cell_name)
     finally:
         os.chdir(here)
         import matplotlib.pyplot as plt
@@ -482,15 +495,19 @@ def code_cells(source: Path) -> list:
     from types import SimpleNamespace
 
     cells = []
-    for m in re.finditer(r"^```\{code-cell\}[^\n]*\n(.*?)^```[ \t]*$", source.read_text(),
-                         re.S | re.M):
+    text = source.read_text()
+    for m in re.finditer(r"^```\{code-cell\}[^\n]*\n(.*?)^```[ \t]*$", text, re.S | re.M):
         body = m.group(1)
+        skipped = 0                       # metadata lines before the source
         if body.startswith("---\n"):
-            body = body[4:].split("\n---\n", 1)[1]
+            meta, body = body[4:].split("\n---\n", 1)
+            skipped = meta.count("\n") + 3   # the two fences and the lines between
         lines = body.splitlines()
         while lines and re.match(r":[\w-]+:", lines[0]):
             lines.pop(0)
-        cells.append(SimpleNamespace(cell_type="code", source="\n".join(lines)))
+            skipped += 1
+        cells.append(SimpleNamespace(cell_type="code", source="\n".join(lines),
+                                     line=text.count("\n", 0, m.start(1)) + 1 + skipped))
     return cells
 
 
@@ -522,7 +539,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.run:
         claims = {}
         for source in args.chapters:
-            claims[source.stem] = run_chapter(source.resolve())
+            try:
+                claims[source.stem] = run_chapter(source.resolve())
+            except Exception:
+                # printed by the traceback module, which reads linecache: each frame of a cell
+                # with its line (Python's own hook of an uncaught exception reads files only)
+                traceback.print_exc()
+                print(f"{source}: a cell raised (the last frame's line is the .md's)",
+                      file=sys.stderr)
+                return 1
             print(f"{source.stem}: ran, {len(claims[source.stem])} claims hold", file=sys.stderr)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(claims, indent=1, ensure_ascii=False))
