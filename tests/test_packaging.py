@@ -188,6 +188,34 @@ def test_public_api_is_annotated():
     assert not gaps, f"public callables without annotations (parameter names): {gaps}"
 
 
+SHAPE = re.compile(r"\((?:\.\.\.|\*|[A-Z]\w*|\d+)[^()]*\)")     # (..., D), (*, D), (N, D), (D,)
+# named for norms, computing none: a model swap, a record of a Hugging Face class, the sizes
+# of gradients
+NOT_A_NORM = {"normbook.swap_norms", "normbook.swap.swap_norms", "normbook.swap.HFNorm",
+              "normbook.blocks.layer_grad_norms"}
+EQUATION = re.compile(r"\((?:ln|rms|jac|fork|residual|pre|post|batch|dist|kern)-[\w-]+\)")
+
+
+def test_the_norms_docstrings_give_shapes_and_equations():
+    """The guide's rule: every public function has a docstring, and each that computes a norm
+    (a norm, its Jacobian or backward, a check of its identities: its name says norm, or it
+    lives in the reference, numpy or checks modules) gives the shapes it takes and the
+    equation it implements, by the book's label, e.g. (ln-dx)."""
+    undocumented, short = [], {}
+    for name, obj in _public_callables():
+        doc = inspect.getdoc(obj) or ""
+        if not doc:
+            undocumented.append(name)
+        module = name.rsplit(".", 2)[-2]
+        if "norm" in name.rsplit(".", 1)[-1].lower() or module in {"reference", "numpy_ref", "checks"}:
+            missing = [what for what, rule in (("shapes", SHAPE), ("equation", EQUATION))
+                       if not rule.search(doc)]
+            if missing and name not in NOT_A_NORM:
+                short[name] = missing
+    assert not undocumented, f"public callables without a docstring: {undocumented}"
+    assert not short, f"norm docstrings without shapes or an equation label: {short}"
+
+
 @pytest.mark.slow
 def test_mypy_is_clean_on_the_public_api():
     pytest.importorskip("mypy")

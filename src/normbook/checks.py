@@ -319,7 +319,8 @@ def assert_rms_norm_identities(
     x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor | None,
     dx: torch.Tensor, eps: float, atol: float | None = None,
 ) -> None:
-    """Assert RMSNorm's free check on an input gradient ``dx``: the scale identity.
+    """Assert RMSNorm's free check on an input gradient ``dx``: the scale identity of
+    (rms-dx), whose residual is :func:`rms_scale_identity_residual`'s.
 
     Raise AssertionError if, for some token, sum_d xhat_d dx_d (xhat = x * rstd) differs from
     its closed form D c2 eps rstd^3 (:func:`rms_scale_identity_residual`) by more than ``atol``

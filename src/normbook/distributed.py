@@ -390,7 +390,10 @@ def rms_norm_sharded(x: torch.Tensor, weight: torch.Tensor | None = None,
     mean square inside the root; None (the default) is the default of :func:`normbook.rms_norm`
     and torch's, the machine epsilon of x's compute type (fp32's for float16, bfloat16 and
     float32 x, fp64's for float64: ``normbook._validate.default_eps``), so that a model gives
-    the same y whether its features are split or not."""
+    the same y whether its features are split or not.
+
+    Shapes: x (..., D_local), this rank's features of every token; weight (D_local,) or None;
+    returns (..., D_local), this rank's slice of y, in x's dtype."""
     eps, counts = _agreed(x, weight, None, _validate.default_eps(x, eps), True, group)
     return _ShardedNorm.apply(x, weight, None, eps, True, group, counts)
 
