@@ -61,7 +61,8 @@
 #   OUT         the output folder (default benchmarks/results/gpu-<date>/); this script's five
 #               file names in it are replaced, nothing else is touched.
 #   PYTHON      the interpreter (default python3).
-#   BUDGET_S (480), RESERVE_S (20), KILL_AFTER_S (5): the budget above.
+#   BUDGET_S (480), RESERVE_S (20), KILL_AFTER_S (5): the budget above; MIN_STEP_S (10): a
+#               step that would get less is recorded as not run.
 #   ONLY=env,host,...   run only these steps (the others are not run and not counted): for
 #               rerunning a part, and for tests/test_gpu_check.py.
 set -u -o pipefail
@@ -76,7 +77,9 @@ PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-480}; whole BUDGET_S "$BUDGET_S"
 RESERVE_S=${RESERVE_S:-20}; whole RESERVE_S "$RESERVE_S"
 KILL_AFTER_S=${KILL_AFTER_S:-5}; whole KILL_AFTER_S "$KILL_AFTER_S"
-MIN_STEP_S=3       # a limit shorter than this is no chance to run: the step is not run
+# a limit shorter than MIN_STEP_S is no chance to run (Python and torch take 3-8 s to start; a
+# benchmark's 1 s warm-up copy comes first): the step is not run
+MIN_STEP_S=${MIN_STEP_S:-10}; whole MIN_STEP_S "$MIN_STEP_S"
 ALL_STEPS=" env wheels bench_bf16 bench_compile host plans gpu_tests shapes report llama chapter"
 ALL_STEPS+=" bench_fp32"
 ALL_STEPS+=" merge summary plots overview "
@@ -224,6 +227,10 @@ write_summary() {
   [ "$DRY" = 1 ] && dry=" (DRY RUN on the CPU: no figure here is a GPU measurement)"
   echo "normbook GPU check$dry, $(date -u +%FT%TZ)"
   echo "$1; budget ${BUDGET_S}s${ONLY:+; only the steps $ONLY}"
+  if [ "$DRY" != 1 ] && [ -z "${NORMBOOK_COMMIT:-}" ]; then
+    echo "WARNING: NORMBOOK_COMMIT unset: the provenance names the GPU machine's own commit of"
+    echo "the copied tree, no commit of this repository (benchmarks/README.md, step 2)"
+  fi
   echo; echo "== steps (rc 0 = ok, 124 = timed out, 137 = killed after it, none = not run)"
   cat "$LOGS/steps.txt"
   echo; echo "== versions"; head -n 7 "$LOGS/env.txt" 2>/dev/null

@@ -219,7 +219,8 @@ def test_hanging_step_dies_with_its_group_inside_the_budget(tmp_path):
     fake.write_text(HANGING_PYTHON)
     fake.chmod(0o755)
     budget = 12
-    env = _env(tmp_path, PYTHON=fake, BUDGET_S=budget, RESERVE_S=2, KILL_AFTER_S=2)
+    env = _env(tmp_path, PYTHON=fake, BUDGET_S=budget, RESERVE_S=2, KILL_AFTER_S=2,
+               MIN_STEP_S=3)
     t0 = time.monotonic()
     rc, out = _run(env, timeout=budget + 30)
     took = time.monotonic() - t0

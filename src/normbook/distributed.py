@@ -530,7 +530,17 @@ class _Stopped(BaseException):
     """SIGTERM arrived while launch() ran: unwind (ending the ranks), then die of it."""
 
 
+# the SIGTERM that launch() is dying of: the handler raises only for the first. A second one a
+# few bytecodes later (before the cleanup masks it: in the except clause, or on the way into
+# the finally) raised a second _Stopped that escaped launch() before it was recorded, and the
+# parent exited with 1, not of SIGTERM (1 run of about 700 under load)
+_STOPPING: list[int] = []
+
+
 def _on_sigterm(signum, frame):
+    if _STOPPING:
+        return
+    _STOPPING.append(signum)
     raise _Stopped(signum)
 
 
@@ -658,10 +668,10 @@ def launch(fn: Callable[..., Any], *args: Any, world: int = 2,
     sys_path = json.dumps([p or os.getcwd() for p in sys.path])
 
     start = time.monotonic()
-    stop = None
     previous = None
     if threading.current_thread() is threading.main_thread() \
             and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        _STOPPING.clear()
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     tmp = tempfile.mkdtemp(prefix="normbook-launch-")
     procs: list[subprocess.Popen] = []
@@ -672,9 +682,6 @@ def launch(fn: Callable[..., Any], *args: Any, world: int = 2,
                 [sys.executable, "-c", _CHILD, sys_path, tmp, str(rank)],
                 env=env, stdin=subprocess.DEVNULL, start_new_session=True))
         return _collect(procs, tmp, name, timeout_s, start)
-    except _Stopped as e:
-        stop = e.args[0]
-        raise
     finally:
         # a second Ctrl-C or SIGTERM waits until the cleanup is done: raised out of it, it
         # left the folder behind (the ranks, already killed, cannot remove it). One that came
@@ -689,10 +696,10 @@ def launch(fn: Callable[..., Any], *args: Any, world: int = 2,
                     break
                 except (KeyboardInterrupt, _Stopped) as e:
                     again = e
+            stop = None
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
-            if isinstance(again, _Stopped):
-                stop = again.args[0]
+                stop = _STOPPING[0] if _STOPPING else None
             if stop is not None:     # die of the signal (once unmasked), as without launch()
                 os.kill(os.getpid(), stop)
         finally:
