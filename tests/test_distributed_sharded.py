@@ -567,6 +567,13 @@ def test_ranks_disagreeing_on_x_get_one_error_each(case):
                                 "differ in " + _DIFFER[case]) for o in out), out
 
 
+def _as_dtensor(x, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return distribute_tensor(x, init_device_mesh("cpu", (world,)), [Shard(0)])
+
+
 def _disagreeing_calls(rank, world, case):
     """Ranks that call the sharded norms differently, or whose own checks refuse their
     arguments: each rank's error (type and text), or "no error"."""
@@ -574,6 +581,8 @@ def _disagreeing_calls(rank, world, case):
     call = {"norm": lambda: (nd.layer_norm_sharded(x) if rank == 0 else nd.rms_norm_sharded(x)),
             "eps": lambda: nd.layer_norm_sharded(x, eps=1e-5 if rank == 0 else 1e-2),
             "a refused weight": lambda: nd.layer_norm_sharded(x, w),
+            "x not a tensor": lambda: nd.rms_norm_sharded(x if rank == 0 else None),
+            "a DTensor": lambda: nd.layer_norm_sharded(_as_dtensor(x, world)),
             "parameters": lambda: nd.all_reduce_param_grads(
                 torch.nn.LayerNorm(4, bias=rank == 0)),
             "parameter dtypes": lambda: nd.all_reduce_param_grads(
@@ -590,13 +599,17 @@ def _disagreeing_calls(rank, world, case):
     ("eps", ["ValueError: x: every rank", "eps (rank order: 1e-05, 0.01)"] * 2),
     ("a refused weight", ["ValueError: x: rank 1 of the group refused its arguments", "",
                           "ValueError: weight: expected this rank's slice", "got (5,)"]),
+    ("x not a tensor", ["ValueError: x: rank 1 of the group refused its arguments", "",
+                        "TypeError: x: expected a tensor", "got NoneType"]),
+    ("a DTensor", ["TypeError: x: a DTensor", "x.to_local()"] * 2),
     ("parameters", ["ValueError: module: every rank", "hold 2, 1 parameters"] * 2),
     ("parameter dtypes", ["ValueError: module: every rank", "their shapes or dtypes differ"] * 2),
 ])
 def test_ranks_that_call_differently_all_raise_at_once(case, want):
     """Ranks that call different norms (an all-gather met an all-reduce: both waited out the
     process group's timeout), different eps (computed, each rank's y off the other's), or
-    where one rank's arguments are refused (the others waited for it), and
+    where one rank's arguments are refused (the others waited for it; for an x that is not a
+    tensor, until the group's timeout, after the review of 2026-12-08), and
     all_reduce_param_grads over modules whose parameters differ in number (a wait for the
     timeout) or dtype (gloo aborted a rank): every rank raises at once, naming what differs.
     (The process group's timeout is launch's, 120 s here: a wait would fail the launch.)"""

@@ -156,6 +156,14 @@ def _check_group(group) -> None:
                          f"{dist.get_rank()} is not one of its ranks")
 
 
+def _is_dtensor(x) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:                                  # pragma: no cover
+        return False
+    return isinstance(x, DTensor)
+
+
 def _agreed(x, weight, bias, eps, is_rms: bool, group):
     """(eps as a float, every rank's feature count) for a sharded norm's call, after its
     arguments are checked (:func:`_check`) and the ranks agree, in one all-gather of a few
@@ -164,26 +172,41 @@ def _agreed(x, weight, bias, eps, is_rms: bool, group):
     raises its own error after that gather, and every other rank a ValueError naming it, so
     that no rank waits for one that left; ranks that differ raise the same ValueError, which
     names what differs and each rank's value."""
+    # (a bad group cannot be told: this rank is not in it, or has no group to gather on)
     _check_group(group)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a tensor of shape (..., D_local), got {type(x).__name__}")
-    try:
-        eps = _check(x, weight, bias, eps, is_rms)
-        refused = None
-    except (TypeError, ValueError) as e:
-        refused = e
+    refused: Exception | None = None
+    if _is_dtensor(x):
+        refused = TypeError("x: a DTensor; the sharded norms take this rank's local tensor "
+                            "(x.to_local()), and normbook.layer_norm / rms_norm take a DTensor "
+                            "itself")
+    elif not isinstance(x, torch.Tensor):
+        # refused after the gather, as a bad weight is: raised here, it left the other ranks
+        # waiting in the gather until the group's timeout (30 minutes by default on gloo)
+        refused = TypeError(f"x: expected a tensor of shape (..., D_local), got "
+                            f"{type(x).__name__}")
+    else:
+        try:
+            eps = _check(x, weight, bias, eps, is_rms)
+        except (TypeError, ValueError) as e:
+            refused = e
     if refused is not None and not (dist.is_available() and dist.is_initialized()):
         raise refused       # (no group to tell)
-    lead = x.shape[:-1] if x.dim() else x.shape
+    lead: tuple[int, ...] = ()
+    features, code = 0.0, -1
+    if isinstance(x, torch.Tensor):
+        lead, device = tuple(x.shape[:-1] if x.dim() else x.shape), x.device
+        features, code = (float(x.shape[-1]) if x.dim() else 0.0), _DTYPE_CODES.get(x.dtype, -1)
+    else:                   # the device the group's collectives take (cuda for NCCL)
+        device = torch.device(torch.distributed.distributed_c10d._get_object_coll_device(group))
     mixed = sum(s * 1000003 ** i for i, s in enumerate(lead)) % (1 << 50)
     shown = [float(s) for s in lead[:_SHOWN_DIMS]] + [-1.0] * (_SHOWN_DIMS - len(lead[:_SHOWN_DIMS]))
-    mine = [float(x.shape[-1]) if x.dim() else 0.0, float(refused is not None), float(len(lead)),
-            float(mixed), float(_DTYPE_CODES.get(x.dtype, -1)), float(is_rms),
+    mine = [features, float(refused is not None), float(len(lead)),
+            float(mixed), float(code), float(is_rms),
             eps if refused is None else 0.0, *shown]
-    out = [torch.empty(len(mine), dtype=torch.float64, device=x.device)
+    out = [torch.empty(len(mine), dtype=torch.float64, device=device)
            for _ in range(dist.get_world_size(group))]
     with torch.no_grad():
-        dist.all_gather(out, torch.tensor(mine, dtype=torch.float64, device=x.device),
+        dist.all_gather(out, torch.tensor(mine, dtype=torch.float64, device=device),
                         group=group)
     every = torch.stack(out).cpu()
     if refused is not None:
@@ -888,8 +911,8 @@ def fsdp_experiment(rank: int, world: int, n: int = 8,
     """A LayerNorm under FSDP2's fully_shard against one process;
     each rank runs its own n // world tokens of x, dy (n, d).
 
-    Returns the weight's shape at rest (``at_rest``, (d // world,))
-    and placement, ``y_err`` against one process, and ``grad_err``:
+    Returns the weight's shape at rest (``at_rest``: FSDP2's chunk of
+    ceil(d / world) rows, the last rank's what is left) and placement, ``y_err`` against one process, and ``grad_err``:
     FSDP2 averages the ranks' gradients, so world times the average
     against one process's sum over all n tokens."""
     import warnings
