@@ -165,7 +165,17 @@ def test_check_fn_says_not_yet_written_matches_or_wrong(capsys):
     assert not check_fn("tanh", lambda x: x, torch.tanh, x)
     assert capsys.readouterr().out.startswith("tanh: WRONG, max difference 2.4")
     # float32 is held to float32's tolerance, float64 to float64's
-    assert check_fn("f32", lambda x: (x * (1 + 1e-7)).float(), lambda x: x, x)
+    assert check_fn("f32", lambda x: x * (1 + 1e-7), lambda x: x, x.float())
+    capsys.readouterr()
+    # float64 inputs want float64 back: a float32 answer passed at float32's tolerance (a
+    # student's eps outside the root did, found 2026-12-08), whatever its values; a list of
+    # Python floats is float64's
+    assert not check_fn("f32", lambda x: x.float(), lambda x: x, x)
+    assert capsys.readouterr().out == ("f32: WRONG; expected the dtype torch.float64 of the "
+                                       "inputs, got torch.float32 (a float32 tensor made "
+                                       "inside the function?)\n")
+    assert check_fn("list", lambda x: x.tolist(), lambda x: x, x)
+    assert not check_fn("list", lambda x: (x * (1 + 1e-6)).tolist(), lambda x: x, x)
     assert not check_fn("f64", lambda x: x * (1 + 1e-6), lambda x: x, x)
     assert check_fn("loose", lambda x: x * (1 + 1e-6), lambda x: x, x, rtol=1e-5)
     capsys.readouterr()

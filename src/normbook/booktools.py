@@ -163,7 +163,8 @@ def check(name: str, yours, reference, *, x=None, dy=None, weight=None,
     """Compare a gradient you derived with a reference, as a reader checks an exercise.
 
     Prints one line: ``name: exact`` (bitwise equal), ``close`` (within the tolerances
-    ``torch.testing.assert_close`` uses for the dtype of ``yours``, as :func:`check_fn`) or
+    ``torch.testing.assert_close`` uses for the dtype of ``yours``, as :func:`check_fn`; given
+    a float64 ``x`` and reference, ``yours`` must be float64 too) or
     ``WRONG``, with the largest absolute difference (or the
     shape expected, where yours has another). Given the
     forward's ``x`` and ``dy`` (and ``weight``), ``yours`` is also put to the identities that
@@ -197,6 +198,11 @@ def check(name: str, yours, reference, *, x=None, dy=None, weight=None,
                else f"a {type(yours).__name__}")
         print(f"{name}: WRONG; expected a tensor of the shape {tuple(reference.shape)}, got "
               f"{got}")          # (a line, as check_fn's, rather than an error in the cell)
+        return False
+    if (torch.is_tensor(x) and x.dtype == torch.float64 and reference.dtype == torch.float64
+            and yours.dtype != torch.float64):
+        print(f"{name}: WRONG; expected the dtype torch.float64 of the inputs, got "
+              f"{yours.dtype} (a float32 tensor made inside the function?)")
         return False
     exact = bool(torch.equal(yours, reference))
     # at the dtype's tolerances, as check_fn (allclose's own, rtol 1e-5 and atol 1e-8, called
@@ -312,9 +318,10 @@ def _unwritten(value) -> bool:
     return False
 
 
-def _compare(got, want, rtol, atol) -> tuple[bool, float | None, str | None]:
+def _compare(got, want, rtol, atol, wide: bool = False) -> tuple[bool, float | None, str | None]:
     """(matches, largest difference of the numbers compared or None, why not) for one result
-    against the reference's, piece by piece."""
+    against the reference's, piece by piece. ``wide``: the inputs were float64, so a float64
+    reference wants float64 back (see :func:`check_fn`)."""
     import torch
 
     if isinstance(want, (dict, tuple, list)):
@@ -329,7 +336,7 @@ def _compare(got, want, rtol, atol) -> tuple[bool, float | None, str | None]:
             pairs = list(zip(got, want))
         ok, diff, why = True, None, None
         for g, w in pairs:
-            one_ok, one_diff, one_why = _compare(g, w, rtol, atol)
+            one_ok, one_diff, one_why = _compare(g, w, rtol, atol, wide)
             ok, why = ok and one_ok, why or one_why
             if one_diff is not None:
                 diff = one_diff if diff is None else max(diff, one_diff)
@@ -339,11 +346,19 @@ def _compare(got, want, rtol, atol) -> tuple[bool, float | None, str | None]:
     if not numeric:
         return got == want, None, None if got == want else f"expected {want!r}, got {got!r}"
     try:
-        g, w = torch.as_tensor(got), torch.as_tensor(want)
+        w = torch.as_tensor(want)
+        # Python's floats are doubles: a list of them is not a float32 answer
+        g = (torch.as_tensor(got) if torch.is_tensor(got) or hasattr(got, "__array__")
+             or not w.is_floating_point() else torch.as_tensor(got, dtype=torch.float64))
     except (TypeError, ValueError, RuntimeError):
         return False, None, f"expected a number or a tensor, got {type(got).__name__}"
     if g.shape != w.shape:
         return False, None, f"expected the shape {tuple(w.shape)}, got {tuple(g.shape)}"
+    if wide and w.dtype == torch.float64 and g.is_floating_point() and g.dtype != w.dtype:
+        # float64 in, float64 out: an answer rounded to float32 on the way was judged at
+        # float32's tolerance, which passed eps outside the root and eps left out
+        return False, None, (f"expected the dtype torch.float64 of the inputs, got {g.dtype} "
+                             f"(a float32 tensor made inside the function?)")
     if str(w.dtype) in _HALVES and g.dtype != w.dtype:
         # a reference in float16 or bfloat16 asks for that dtype back: a float32 answer
         # would otherwise pass, at float32's tolerances, where the exercise wants the
@@ -356,7 +371,8 @@ def _compare(got, want, rtol, atol) -> tuple[bool, float | None, str | None]:
         g, w = g.double(), w.double()
     if not g.numel():
         return True, 0.0, None
-    default = _TOLERANCES.get(str(torch.as_tensor(got).dtype), (1e-7, 1e-7))
+    default = _TOLERANCES.get(str(torch.as_tensor(got).dtype) if torch.is_tensor(got)
+                              or hasattr(got, "__array__") else "torch.float64", (1e-7, 1e-7))
     rtol = default[0] if rtol is None else rtol
     atol = default[1] if atol is None else atol
     diff = (g - w).abs().max().item()
@@ -374,7 +390,10 @@ def check_fn(name: str, yours, reference, *inputs, rtol: float | None = None,
     inputs, or the expected result itself. The two results are compared piece by piece: a tuple,
     list or dict item by item; tensors, arrays and numbers with ``torch.allclose`` at the
     tolerances ``torch.testing.assert_close`` uses for the dtype of ``yours`` (float64's for
-    Python numbers), or ``rtol`` and ``atol``; anything else, a string say, with ``==``.
+    Python numbers and lists of them), or ``rtol`` and ``atol``; anything else, a string say,
+    with ``==``. Where an input is a float64 tensor, a float64 reference wants float64 back: a
+    float32 answer is WRONG whatever its values (at float32's tolerance eps outside the root
+    passed).
 
     Prints one line: ``name: matches`` or ``name: WRONG``, with the largest difference of the
     numbers compared or what does not fit (a shape, a number of values), or ``name: not yet
@@ -390,8 +409,11 @@ def check_fn(name: str, yours, reference, *inputs, rtol: float | None = None,
     if _unwritten(got):
         print(f"{name}: not yet written")
         return False
+    import torch
+
     want = reference(*inputs) if callable(reference) else reference
-    ok, diff, why = _compare(got, want, rtol, atol)
+    wide = any(torch.is_tensor(t) and t.dtype == torch.float64 for t in inputs)
+    ok, diff, why = _compare(got, want, rtol, atol, wide)
     line = f"{name}: {'matches' if ok else 'WRONG'}"
     if diff is not None and why is None:    # (a difference of the parts that fit misleads)
         line += f", max difference {prose(diff, '.1e')}"

@@ -911,8 +911,9 @@ def fsdp_experiment(rank: int, world: int, n: int = 8,
     """A LayerNorm under FSDP2's fully_shard against one process;
     each rank runs its own n // world tokens of x, dy (n, d).
 
-    Returns the weight's shape at rest (``at_rest``: FSDP2's chunk of
-    ceil(d / world) rows, the last rank's what is left) and placement, ``y_err`` against one process, and ``grad_err``:
+    Returns the weight's shape at rest (``at_rest``: FSDP2's chunk,
+    ceil(d / world), the last rank what is left) and placement,
+    ``y_err`` against one process, and ``grad_err``:
     FSDP2 averages the ranks' gradients, so world times the average
     against one process's sum over all n tokens."""
     import warnings
