@@ -199,7 +199,12 @@ def test_check_fn_says_not_yet_written_matches_or_wrong(capsys):
     capsys.readouterr()
     # one part of the wrong shape: no 'max difference' of the parts that fit
     assert not check_fn("parts", lambda: (x, x[:2]), (x, x))
-    assert capsys.readouterr().out == "parts: WRONG; expected the shape (7,), got (2,)\n"
+    assert capsys.readouterr().out == "parts: WRONG; value 2 of 2: expected the shape (7,), got (2,)\n"
+    # which piece is off, not only the largest difference of them all (m, c2 or dweight?)
+    assert not check_fn("three", lambda: (x, 2 * x, {"m": x}), (x, x, {"m": x}))
+    assert capsys.readouterr().out == "three: WRONG; value 2 of 3 is off by up to 1.0\n"
+    assert not check_fn("keyed", lambda: {"m": x, "c2": x + 1}, {"m": x, "c2": x})
+    assert capsys.readouterr().out == "keyed: WRONG; 'c2' is off by up to 1.0\n"
 
 
 def test_all_lists_every_public_helper():
