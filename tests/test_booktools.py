@@ -143,6 +143,11 @@ def test_check_nodes_says_which_node_is_wrong(capsys):
     assert "d_mu: WRONG" in out and "d_x: WRONG" in out and "d_xc: matches" in out
     with pytest.raises(ValueError, match="missing mu"):
         check_nodes(lambda *a: {k: None for k in NODES if k != "mu"})
+    # a right backward in float32 says so, not only WRONG by a rounding-sized difference
+    assert not check_nodes(lambda *a: {k: (v.float() if k == "xhat" else v)
+                                       for k, v in _nodes(*a).items()})
+    assert "d_xhat: WRONG dtype, expected torch.float64 (the graph's), got torch.float32" in \
+        capsys.readouterr().out
 
 
 def test_check_fn_says_not_yet_written_matches_or_wrong(capsys):
