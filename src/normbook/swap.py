@@ -131,12 +131,12 @@ def _hf(package: str, name: str, note: str = _LLAMA, **kw) -> HFNorm:
 #: The Hugging Face norm classes that :func:`normbook.swap_norms` knows, one
 #: ``normbook.swap.HFNorm`` each; these swapped exactly in float32, bfloat16 and float16: the
 #: Llama-style RMSNorms (Llama, Mistral, Mixtral, Ministral, Qwen2, Qwen2-MoE, Qwen3,
-#: Qwen3-MoE, Phi-3, Granite, GraniteMoe, DeepSeek-V3, GLM-4, SmolLM3; ``round_xhat``), T5's
-#: (that order where input and weight share a dtype; ``xhat_to_weight`` for the others),
-#: OLMo-2's (one rounding, normbook's own), and Gemma, Gemma 2, Gemma 3 and Qwen3-Next
-#: (y = xhat * (1 + weight); ``offset`` 1);
-#: and two LayerNorms without bias: OLMo's (``upcast=True``) and Cohere's (``upcast="ops"``)
-#: (a per-head QK-norm of Cohere's, whose weight has two dims, is left).
+#: Qwen3-MoE, Phi-3, Granite, GraniteMoe, DeepSeek-V3, GLM-4, SmolLM3, EXAONE 4;
+#: ``round_xhat``), T5's (that order where input and weight share a dtype; ``xhat_to_weight``
+#: for the others), OLMo-2's, OLMo-3's and Helium's (one rounding, normbook's own), and Gemma,
+#: Gemma 2, Gemma 3 and Qwen3-Next (y = xhat * (1 + weight); ``offset`` 1);
+#: and LayerNorms without bias: OLMo's (``upcast=True``), Cohere's and Cohere 2's
+#: (``upcast="ops"``) (a per-head QK-norm of Cohere's, whose weight has two dims, is left).
 #: Checked against transformers 5.24: tests/test_swap.py resolves every entry and compares each
 #: class with its replacement in each dtype. Models built on ``torch.nn.LayerNorm`` (GPT-2)
 #: need no entry.
@@ -147,11 +147,15 @@ HF_NORMS: tuple[HFNorm, ...] = (
         ("qwen2_moe", "Qwen2MoeRMSNorm"), ("qwen3", "Qwen3RMSNorm"),
         ("qwen3_moe", "Qwen3MoeRMSNorm"), ("phi3", "Phi3RMSNorm"), ("granite", "GraniteRMSNorm"),
         ("granitemoe", "GraniteMoeRMSNorm"), ("deepseek_v3", "DeepseekV3RMSNorm"),
-        ("glm4", "Glm4RMSNorm"), ("smollm3", "SmolLM3RMSNorm")]),
+        ("glm4", "Glm4RMSNorm"), ("smollm3", "SmolLM3RMSNorm"),
+        ("exaone4", "Exaone4RMSNorm")]),
     # (weight * xhat).to(input_dtype): one rounding of an fp32 product, as normbook rounds y
-    _hf("olmo2", "Olmo2RMSNorm", exact=(torch.float32, torch.bfloat16, torch.float16),
-        note="(weight * h * rsqrt(mean(h^2) + variance_epsilon)).to(input_dtype), h = x.to(float32)"
-             ": (rms-y) with gamma = weight"),
+    # (Helium's takes weight.to(float32) first: the same product)
+    *(_hf(p, n, exact=(torch.float32, torch.bfloat16, torch.float16),
+          note="(weight * h * rsqrt(mean(h^2) + variance_epsilon)).to(input_dtype), h = "
+               "x.to(float32): (rms-y) with gamma = weight")
+      for p, n in [("olmo2", "Olmo2RMSNorm"), ("olmo3", "Olmo3RMSNorm"),
+                   ("helium", "HeliumRMSNorm")]),
     _hf("t5", "T5LayerNorm", exact=_HALVES, round_xhat=True, xhat_to_weight=True,
         note="weight * (x * rsqrt(mean(x^2) + variance_epsilon)), xhat rounded to a bf16/fp16 "
              "weight's dtype first: (rms-y) with gamma = weight (T5's LayerNorm has no mean), "
@@ -160,10 +164,11 @@ HF_NORMS: tuple[HFNorm, ...] = (
     # torch ops, rounded once (upcast="ops": torch's fused float32 kernel sums in another order
     # and differs in about a third of the float32 values by a unit); OLMo's, F.layer_norm of h
     # in float32 without parameters, eps 1e-5, rounded once (upcast=True)
-    _hf("cohere", "CohereLayerNorm", kind="layer", upcast="ops", exact=_HALVES,
-        note="weight * ((h - mean) * rsqrt(var + variance_epsilon)), h = x.to(float32), "
-             "var = (h - mean).pow(2).mean(), rounded once: (ln-y) with gamma = weight and no "
-             "bias, in those torch ops (upcast='ops')"),
+    *(_hf(p, n, kind="layer", upcast="ops", exact=_HALVES,
+          note="weight * ((h - mean) * rsqrt(var + variance_epsilon)), h = x.to(float32), "
+               "var = (h - mean).pow(2).mean(), rounded once: (ln-y) with gamma = weight and no "
+               "bias, in those torch ops (upcast='ops')")
+      for p, n in [("cohere", "CohereLayerNorm"), ("cohere2", "Cohere2LayerNorm")]),
     _hf("olmo", "OlmoLayerNorm", kind="layer", weight=None, eps=1e-5, upcast=True,
         exact=_HALVES,
         note="F.layer_norm(x.to(float32), eps=1e-5) rounded once: (ln-y) without parameters, "
