@@ -201,8 +201,7 @@ def check(name: str, yours, reference, *, x=None, dy=None, weight=None,
         return False
     if (torch.is_tensor(x) and x.dtype == torch.float64 and reference.dtype == torch.float64
             and yours.dtype != torch.float64):
-        print(f"{name}: WRONG; expected the dtype torch.float64 of the inputs, got "
-              f"{yours.dtype} (a float32 tensor made inside the function?)")
+        print(f"{name}: WRONG; {_narrowed(yours.dtype)}")
         return False
     exact = bool(torch.equal(yours, reference))
     # at the dtype's tolerances, as check_fn (allclose's own, rtol 1e-5 and atol 1e-8, called
@@ -313,6 +312,13 @@ _TOLERANCES = {"torch.float16": (1e-3, 1e-5), "torch.bfloat16": (1.6e-2, 1e-5),
 _HALVES = {"torch.float16", "torch.bfloat16"}
 
 
+def _narrowed(dtype) -> str:
+    """Why an answer of ``dtype`` to float64 inputs and a float64 reference is WRONG (check,
+    check_fn): judged at its own dtype's tolerance, float32 passed eps outside the root."""
+    return (f"expected the dtype torch.float64 of the inputs, got {dtype} (a float32 tensor "
+            f"made inside the function?)")
+
+
 def _unwritten(value) -> bool:
     """Whether a result is a stub's: None, or a tuple, list or dict holding None."""
     if value is None:
@@ -370,8 +376,7 @@ def _compare(got, want, rtol, atol, wide: bool = False) -> tuple[bool, float | N
     if wide and w.dtype == torch.float64 and g.is_floating_point() and g.dtype != w.dtype:
         # float64 in, float64 out: an answer rounded to float32 on the way was judged at
         # float32's tolerance, which passed eps outside the root and eps left out
-        return False, None, (f"expected the dtype torch.float64 of the inputs, got {g.dtype} "
-                             f"(a float32 tensor made inside the function?)")
+        return False, None, _narrowed(g.dtype)
     if str(w.dtype) in _HALVES and g.dtype != w.dtype:
         # a reference in float16 or bfloat16 asks for that dtype back: a float32 answer
         # would otherwise pass, at float32's tolerances, where the exercise wants the
